@@ -1,0 +1,301 @@
+"""Prefill and decode primitives over a continuously batched set of rows.
+
+This is the MLX side of `actors/worker_api.py`: the GPU-worker calls these methods on its thread,
+one at a time. The engine holds no policy; the scheduler decides what runs when.
+
+Row life: `open_row` (fresh solo caches) → `prefill` per chunk of `prompt[:-1]` → `join` (token 0
+from an L=1 forward of the last prompt token, mlx-lm's convention; the row then enters the batch)
+→ `step` per decode step → `close_row`.
+
+The batch "adopts" the first joiner's solo caches, so one active row runs literally the serial
+graph (int offsets, fused causal masks). A second joiner merges everyone into left-padded
+`BatchKVCache`s; when the batch shrinks back to one row, it is converted back to solo caches.
+
+Decode is pipelined like mlx-lm's generate_step: each `step` dispatches step n+1's graph (fed by
+step n's still-unread tokens) with `async_eval` before reading step n's tokens, so the host never
+idles the device. A row that has finished may have one extra step computed; it is never emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import attrs
+import mlx.core as mx
+
+from actors.worker_api import PrefillProgress, RowOpened, RowSpec, TokenOut, TopLogprob
+from model.kv_cache import BatchKVCache, KVCache, make_caches
+from model.layers import DecoderModel
+from model.sampling import RowSampler, logprobs_of
+
+CLEAR_CACHE_EVERY = 256
+
+
+@attrs.define(eq=False)
+class _Row:
+    row_id: int
+    prompt: list[int]
+    sampler: RowSampler
+    max_tokens: int
+    caches: list[KVCache] | None
+    processed: int = 0  # prompt tokens whose KV is in the caches
+    sampled: int = 0  # tokens whose sampling has been dispatched (drives the RNG step)
+    generated: int = 0  # tokens read back and reported
+    last_token: int = -1
+    history: mx.array | None = None  # recent tokens, for penalty processors
+    finished: bool = False
+    in_batch: bool = False
+
+
+@attrs.define(eq=False)
+class _Inflight:
+    """A dispatched decode step whose results have not been read yet."""
+
+    rows: list[_Row]
+    tokens: mx.array  # [B]
+    logprobs: list[mx.array | None]  # per row: logprob of the sampled token
+    tops: list[tuple[mx.array, mx.array] | None]  # per row: (ids, logprobs) of the top-k
+
+    def keep(self, indices: list[int]) -> None:
+        self.rows = [self.rows[i] for i in indices]
+        self.tokens = self.tokens[mx.array(indices)]
+        self.logprobs = [self.logprobs[i] for i in indices]
+        self.tops = [self.tops[i] for i in indices]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: DecoderModel,
+        *,
+        eos_token_ids: Iterable[int],
+        protected_ids: Iterable[int] = (),
+        prefill_chunk: int = 2048,
+    ) -> None:
+        self.model = model
+        self.eos = frozenset(eos_token_ids)
+        self.protected = frozenset(protected_ids) | self.eos
+        self.prefill_chunk = prefill_chunk
+        self.num_layers = len(model.layers)
+        self._rows: dict[int, _Row] = {}
+        self._batch: list[_Row] = []
+        self._caches: list[KVCache] | list[BatchKVCache] | None = None
+        self._inflight: _Inflight | None = None
+        self._ready: list[TokenOut] = []  # tokens read early (pipeline flush at a join)
+        self._steps = 0
+
+    # -- row lifecycle ---------------------------------------------------------------------
+
+    def open_row(self, spec: RowSpec) -> RowOpened:
+        if not spec.prompt:
+            raise ValueError("empty prompt")
+        if spec.row_id in self._rows:
+            raise ValueError(f"row {spec.row_id} already open")
+        row = _Row(
+            row_id=spec.row_id,
+            prompt=list(spec.prompt),
+            sampler=RowSampler(spec.sampling, protected_ids=self.protected),
+            max_tokens=max(1, spec.max_tokens),
+            caches=make_caches(self.num_layers),
+        )
+        self._rows[spec.row_id] = row
+        return RowOpened(row.row_id, cached_tokens=0, to_prefill=len(row.prompt) - 1)
+
+    def prefill(self, row_id: int) -> PrefillProgress:
+        row = self._rows[row_id]
+        end = min(row.processed + self.prefill_chunk, len(row.prompt) - 1)
+        if end > row.processed:
+            chunk = mx.array(row.prompt[row.processed : end])[None]
+            self.model(chunk, row.caches)
+            mx.eval([c.state for c in row.caches])
+            row.processed = end
+            mx.clear_cache()
+        return PrefillProgress(row_id, done=row.processed, remaining=len(row.prompt) - 1 - row.processed)
+
+    def join(self, row_id: int) -> TokenOut:
+        row = self._rows[row_id]
+        if row.processed != len(row.prompt) - 1:
+            raise RuntimeError(f"row {row_id} joined before its prefill finished")
+        last = mx.array(row.prompt[-1:])
+        hidden = self.model(last[None], row.caches)
+        row.processed += 1
+        if row.sampler.history_size:
+            row.history = mx.array(row.prompt[-row.sampler.history_size :])
+        token, lp, top = self._sample_row(row, self.model.logits(hidden[:, -1, :]))
+        mx.eval(token, *([lp] if lp is not None else []), *(top or ()))
+        out = self._record(row, int(token.item()), lp, top)
+        if not row.finished:
+            self._admit_to_batch(row)
+        return out
+
+    def step(self) -> list[TokenOut]:
+        if self._ready:
+            ready, self._ready = self._ready, []
+            return ready
+        if not self._batch:
+            return []
+        if self._inflight is None:
+            self._inflight = self._dispatch(mx.array([r.last_token for r in self._batch]))
+        current = self._inflight
+        self._inflight = self._dispatch(current.tokens)
+        self._steps += 1
+        if self._steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return self._read(current)
+
+    def close_row(self, row_id: int, *, reusable: bool = False) -> None:
+        row = self._rows.pop(row_id, None)
+        if row is None:
+            return
+        row.finished = True
+        if row.in_batch:
+            self._leave_batch(row)
+        row.caches = None
+        self._ready = [t for t in self._ready if t.row_id != row_id]
+
+    @property
+    def active_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._batch)
+
+    # -- batch membership --------------------------------------------------------------------
+
+    def _admit_to_batch(self, row: _Row) -> None:
+        if self._inflight is not None:
+            # Settle the row set first: read the in-flight step and hold its tokens for `step`.
+            self._ready.extend(self._read(self._inflight))
+            self._inflight = None
+        if not self._batch:
+            self._caches = row.caches  # adopt: one row runs the serial graph
+        elif len(self._batch) == 1 and isinstance(self._caches[0], KVCache):
+            self._caches = [BatchKVCache.merge([a, b]) for a, b in zip(self._caches, row.caches)]
+        else:
+            for batch_cache, solo in zip(self._caches, row.caches):
+                batch_cache.extend(BatchKVCache.merge([solo]))
+        row.caches = None
+        row.in_batch = True
+        self._batch.append(row)
+
+    def _leave_batch(self, row: _Row) -> None:
+        index = self._batch.index(row)
+        keep = [i for i in range(len(self._batch)) if i != index]
+        self._batch.pop(index)
+        row.in_batch = False
+        if not self._batch:
+            self._caches, self._inflight = None, None
+            return
+        if isinstance(self._caches[0], BatchKVCache):
+            for cache in self._caches:
+                cache.filter(keep)
+            if len(self._batch) == 1:
+                self._caches = [_solo_from_batch(c) for c in self._caches]
+        if self._inflight is not None:
+            self._inflight.keep(keep)
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def _dispatch(self, inputs: mx.array) -> _Inflight:
+        rows = list(self._batch)
+        hidden = self.model(inputs[:, None], self._caches)
+        logits = self.model.logits(hidden[:, -1, :])
+        if all(r.sampler.greedy and not r.sampler.params.logprobs and not r.sampler.params.top_logprobs for r in rows):
+            tokens = mx.argmax(logprobs_of(logits), axis=-1)
+            for r in rows:
+                r.sampled += 1
+            inflight = _Inflight(rows, tokens, [None] * len(rows), [None] * len(rows))
+        else:
+            per_row = []
+            for i, r in enumerate(rows):
+                if r.sampler.history_size:
+                    r.history = mx.concatenate([r.history, inputs[i : i + 1]])[-r.sampler.history_size :]
+                per_row.append(self._sample_row(r, logits[i : i + 1]))
+            tokens = mx.concatenate([t for t, _, _ in per_row])
+            inflight = _Inflight(rows, tokens, [lp for _, lp, _ in per_row], [top for _, _, top in per_row])
+        mx.async_eval(
+            inflight.tokens,
+            *[lp for lp in inflight.logprobs if lp is not None],
+            *[a for top in inflight.tops if top is not None for a in top],
+        )
+        return inflight
+
+    def _sample_row(
+        self, row: _Row, logits: mx.array
+    ) -> tuple[mx.array, mx.array | None, tuple[mx.array, mx.array] | None]:
+        logits = row.sampler.process(row.history, logits)
+        logprobs = logprobs_of(logits)
+        token = row.sampler.sample(logprobs, row.sampled)
+        row.sampled += 1
+        params = row.sampler.params
+        lp = top = None
+        if params.logprobs or params.top_logprobs:
+            lp = mx.take_along_axis(logprobs, token[:, None], axis=-1)[0, 0]
+        if params.top_logprobs > 0:
+            k = min(params.top_logprobs, logprobs.shape[-1])
+            ids = mx.argpartition(-logprobs[0], kth=k - 1)[:k]
+            top = (ids, logprobs[0][ids])
+        return token, lp, top
+
+    def _read(self, inflight: _Inflight) -> list[TokenOut]:
+        tokens = inflight.tokens.tolist()
+        outs = []
+        for row, token, lp, top in zip(inflight.rows, tokens, inflight.logprobs, inflight.tops):
+            if row.finished:
+                continue  # computed ahead by the pipeline after the row ended
+            outs.append(self._record(row, token, lp, top))
+        return outs
+
+    def _record(
+        self, row: _Row, token: int, lp: mx.array | None, top: tuple[mx.array, mx.array] | None
+    ) -> TokenOut:
+        row.generated += 1
+        row.last_token = token
+        finish = None
+        if token in self.eos:
+            finish = "stop"
+        elif row.generated >= row.max_tokens:
+            finish = "length"
+        row.finished = finish is not None
+        top_list: tuple[TopLogprob, ...] = ()
+        if top is not None:
+            pairs = sorted(zip(top[0].tolist(), top[1].tolist()), key=lambda p: -p[1])
+            top_list = tuple(TopLogprob(i, v) for i, v in pairs)
+        return TokenOut(
+            row.row_id, token, finish, logprob=None if lp is None else float(lp.item()), top_logprobs=top_list
+        )
+
+
+def _solo_from_batch(cache: BatchKVCache) -> KVCache:
+    """A one-row batch with no padding is exactly a solo cache: hand the buffers over."""
+    solo = KVCache()
+    if cache.keys is not None:
+        pad = cache.left_padding.tolist()[0]
+        solo.keys = cache.keys[..., pad:, :] if pad else cache.keys
+        solo.values = cache.values[..., pad:, :] if pad else cache.values
+        solo.offset = cache._idx - pad
+    return solo
+
+
+def generate_tokens(engine: Engine, specs: Sequence[RowSpec]) -> dict[int, list[int]]:
+    """Run rows to completion together (test/bench helper): {row_id: generated tokens}."""
+    out: dict[int, list[int]] = {}
+    live = set()
+    for spec in specs:
+        engine.open_row(spec)
+        while engine.prefill(spec.row_id).remaining:
+            pass
+        first = engine.join(spec.row_id)
+        out[spec.row_id] = [first.token]
+        if first.finish:
+            engine.close_row(spec.row_id)
+        else:
+            live.add(spec.row_id)
+    while live:
+        for t in engine.step():
+            out[t.row_id].append(t.token)
+            if t.finish:
+                engine.close_row(t.row_id)
+                live.discard(t.row_id)
+    return out

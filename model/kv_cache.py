@@ -1,0 +1,215 @@
+"""Per-layer KV caches: one row (`KVCache`) and a left-padded batch of rows (`BatchKVCache`).
+
+Layouts and update rules follow mlx-lm's cache.py (the parity oracle): storage grows in 256-slot
+steps along the sequence axis; a batch is right-aligned with a per-row `left_padding`, so RoPE
+gets per-row positions (`offset` is an array) and the mask hides each row's padding.
+
+MLX arrays are immutable values, so a clone is a new cache object holding slices of the same
+buffers: cheap, and writes to either side never show through to the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+STEP = 256
+
+
+def causal_mask(
+    N: int, offset: int, left_padding: mx.array | None = None
+) -> mx.array:
+    rinds = mx.arange(offset + N)
+    linds = mx.arange(offset, offset + N) if offset else rinds
+    mask = linds[:, None] >= rinds[None]
+    if left_padding is not None:
+        mask = mask & (mx.expand_dims(left_padding, (1, 2, 3)) <= rinds)
+    return mask
+
+
+def _grow(store: mx.array | None, used: int, incoming: mx.array) -> mx.array:
+    B, H, n, D = incoming.shape
+    n_steps = (STEP + n - 1) // STEP
+    fresh = mx.zeros((B, H, n_steps * STEP, D), incoming.dtype)
+    if store is None:
+        return fresh
+    if used % STEP != 0:
+        store = store[..., :used, :]
+    return mx.concatenate([store, fresh], axis=2)
+
+
+class KVCache:
+    """One sequence's keys/values for one layer; trimmable; `offset` is an int."""
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev = self.offset
+        if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
+            self.keys = _grow(self.keys, prev, keys)
+            self.values = _grow(self.values, prev, values)
+        self.offset += keys.shape[2]
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        if self.offset < self.keys.shape[2]:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def make_mask(self, N: int) -> Any:
+        # None / "causal" let the fused kernel build the mask (mlx-lm's choice, same numerics).
+        return None if N == 1 else "causal"
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def clone(self) -> "KVCache":
+        other = KVCache()
+        if self.keys is not None:
+            other.keys = self.keys[..., : self.offset, :]
+            other.values = self.values[..., : self.offset, :]
+        other.offset = self.offset
+        return other
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        # Bytes of what this entry covers, not of the shared backing buffer.
+        per_slot = self.keys.nbytes // self.keys.shape[2] + self.values.nbytes // self.values.shape[2]
+        return per_slot * self.offset
+
+
+class BatchKVCache:
+    """Left-padded rows for one layer. `offset[i]` = row i's next position; `_idx` = slots used."""
+
+    def __init__(self, left_padding: Sequence[int]) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.left_padding = mx.array(list(left_padding))
+        self.offset = mx.array([-p for p in left_padding])
+        self._idx = 0
+
+    @classmethod
+    def merge(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
+        lengths = [c.offset for c in caches]
+        max_length = max(lengths)
+        if max_length == 0:
+            return cls([0] * len(caches))
+        padding = [max_length - n for n in lengths]
+        ref = next(c for c in caches if c.keys is not None)
+        _, H, _, Dk = ref.keys.shape
+        Dv = ref.values.shape[3]
+        keys = mx.zeros((len(caches), H, max_length, Dk), dtype=ref.keys.dtype)
+        values = mx.zeros((len(caches), H, max_length, Dv), dtype=ref.values.dtype)
+        for i, (p, c) in enumerate(zip(padding, caches)):
+            if c.keys is None:
+                continue
+            keys[i : i + 1, :, p : p + c.offset] = c.keys[..., : c.offset, :]
+            values[i : i + 1, :, p : p + c.offset] = c.values[..., : c.offset, :]
+        batch = cls(padding)
+        batch.keys, batch.values = keys, values
+        batch.offset = batch.offset + max_length
+        batch._idx = max_length
+        return batch
+
+    @property
+    def size(self) -> int:
+        return int(self.left_padding.shape[0])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev = self._idx
+        if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
+            self.keys = _grow(self.keys, prev, keys)
+            self.values = _grow(self.values, prev, values)
+        self.offset = self.offset + keys.shape[2]
+        self._idx += keys.shape[2]
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    def make_mask(self, N: int) -> mx.array:
+        return causal_mask(N, self._idx, left_padding=self.left_padding)
+
+    @property
+    def state(self) -> list[mx.array]:
+        arrays = [self.offset, self.left_padding]
+        return arrays if self.keys is None else arrays + [self.keys, self.values]
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep only the rows at `keep` (in that order), then drop padding no row needs."""
+        idx = mx.array(list(keep))
+        if self.keys is not None:
+            self.keys = self.keys[idx]
+            self.values = self.values[idx]
+        self.offset = self.offset[idx]
+        self.left_padding = self.left_padding[idx]
+        min_pad = min(self.left_padding.tolist())
+        if min_pad > 0:
+            if self.keys is not None:
+                self.keys = self.keys[..., min_pad:, :]
+                self.values = self.values[..., min_pad:, :]
+            self._idx -= min_pad
+            self.left_padding = self.left_padding - min_pad
+
+    def extend(self, other: "BatchKVCache") -> None:
+        """Append `other`'s rows, right-justifying both so every row ends at the same slot."""
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        max_idx = max(self._idx, other._idx)
+        ref = self if self.keys is not None else other
+        _, H, _, Dk = ref.keys.shape
+        Dv = ref.values.shape[3]
+        max_size = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
+
+        def pad(c: BatchKVCache) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+            k, v = c.keys, c.values
+            if k is None:
+                rows = c.offset.shape[0]
+                k = mx.zeros((rows, H, 0, Dk), dtype=ref.keys.dtype)
+                v = mx.zeros((rows, H, 0, Dv), dtype=ref.values.dtype)
+            left = max_idx - c._idx
+            right = max_size - k.shape[2] - left
+            if right < 0:
+                k, v, right = k[..., :right, :], v[..., :right, :], 0
+            if left or right:
+                widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+                k, v = mx.pad(k, widths), mx.pad(v, widths)
+            return k, v, c.offset, c.left_padding + left
+
+        self.keys, self.values, self.offset, self.left_padding = map(
+            mx.concatenate, zip(pad(self), pad(other))
+        )
+        self._idx = max_idx
+
+    def extract(self, i: int) -> KVCache:
+        """Row i as a solo cache with its padding stripped."""
+        pad = self.left_padding.tolist()[i]
+        cache = KVCache()
+        if self.keys is not None:
+            cache.keys = mx.contiguous(self.keys[i : i + 1, :, pad : self._idx])
+            cache.values = mx.contiguous(self.values[i : i + 1, :, pad : self._idx])
+            cache.offset = cache.keys.shape[2]
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def make_caches(num_layers: int) -> list[KVCache]:
+    return [KVCache() for _ in range(num_layers)]

@@ -1,0 +1,207 @@
+"""The decoder-only transformer every supported family is a variant of.
+
+Parameter names follow Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so
+weights load by name. The op sequence mirrors mlx-lm's llama/qwen2/qwen3 modules exactly: greedy
+outputs must be token-identical to `mlx_lm.generate` on the same weights.
+
+Family files (model/families/*.py) only translate a config.json into `DecoderArgs`.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@attrs.frozen
+class DecoderArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_traditional: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False  # llama's flag: q/k/v/o all biased
+    qkv_bias: bool = False  # qwen2: q/k/v biased, o not
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k before RoPE
+    tie_word_embeddings: bool = False
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    return nn.silu(gate) * x
+
+
+class Llama3RoPE(nn.Module):
+    """RoPE with Llama 3.1's frequency-dependent scaling (rope_type "llama3")."""
+
+    def __init__(self, dims: int, base: float, traditional: bool, scaling: dict[str, Any]):
+        super().__init__()
+        self.dims = dims
+        self.traditional = traditional
+        factor = scaling["factor"]
+        low_freq_factor = scaling.get("low_freq_factor", 1.0)
+        high_freq_factor = scaling.get("high_freq_factor", 4.0)
+        old_context_len = scaling.get("original_max_position_embeddings", 8192)
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+
+        freqs = base ** (mx.arange(0, dims, 2) / dims)
+        wavelens = 2 * mx.pi * freqs
+        freqs = mx.where(wavelens > low_freq_wavelen, freqs * factor, freqs)
+        is_medium = (wavelens > high_freq_wavelen) & (wavelens < low_freq_wavelen)
+        smooth = (old_context_len / wavelens - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+        self._freqs = mx.where(is_medium, smooth_freqs, freqs)
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=None, scale=1.0,
+            offset=offset, freqs=self._freqs,
+        )
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def make_rope(dims: int, args: DecoderArgs) -> nn.Module:
+    scaling = args.rope_scaling
+    rope_type = "default"
+    if scaling is not None:
+        rope_type = scaling.get("type") or scaling.get("rope_type", "default")
+    if rope_type in ("default", "linear"):
+        scale = 1 / scaling["factor"] if rope_type == "linear" else 1.0
+        return nn.RoPE(dims, traditional=args.rope_traditional, base=args.rope_theta, scale=scale)
+    if rope_type == "llama3":
+        return Llama3RoPE(dims, args.rope_theta, args.rope_traditional, scaling)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        dim, hd = args.hidden_size, args.head_dim
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.scale = hd**-0.5
+        qkv_bias = args.attention_bias or args.qkv_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=args.attention_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rope = make_rope(hd, args)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        B, L, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(B, L, self.n_heads, -1)
+        keys = keys.reshape(B, L, self.n_kv_heads, -1)
+        if self.qk_norm:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = queries.transpose(0, 2, 1, 3)
+        keys = keys.transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        output = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=self.scale, mask=mask
+        )
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        dim, hidden = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+        h = self.embed_tokens(tokens)
+        mask = caches[0].make_mask(h.shape[1])
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, mask, cache)
+        return self.norm(h)
+
+
+class DecoderModel(nn.Module):
+    """`hidden = model(tokens, caches)`; `logits = model.logits(hidden)`.
+
+    The LM head is separate so callers project only the positions they sample from (a prefill
+    chunk never materializes an [L, vocab] transient).
+    """
+
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        self.args = args
+        self.model = DecoderBody(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+        return self.model(tokens, caches)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        a = self.args
+        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * dtype_bytes
+
+
+def head_dim_of(raw: dict[str, Any]) -> int:
+    return int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
+
+
+def default_theta(raw: dict[str, Any], fallback: float) -> float:
+    theta = raw.get("rope_theta")
+    return float(theta) if theta is not None and not math.isnan(float(theta)) else fallback
