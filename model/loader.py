@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from model.config import ModelConfig, load_config
 from model.errors import ModelLoadError
-from model.families import decoder_args
+from model.families import check_supported, decoder_args
 from model.layers import DecoderModel
 from model.resolve import resolve_model_dir
 from model.weights import apply_quantization, load_into, parameter_bytes, read_weights, sanitize
@@ -35,6 +35,7 @@ class LoadedModel:
 def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
     model_dir = resolve_model_dir(str(spec))
     config = load_config(model_dir)
+    check_supported(config.model_type)  # before touching gigabytes of weights
     weights = read_weights(model_dir)
     args = decoder_args(config.model_type, config.raw, has_lm_head="lm_head.weight" in weights)
     try:

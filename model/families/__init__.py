@@ -27,13 +27,18 @@ def supported_model_types() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def decoder_args(model_type: str, raw: dict[str, Any], has_lm_head: bool) -> DecoderArgs:
-    """`has_lm_head`: the checkpoint ships lm_head.weight (decides tying when config is silent)."""
+def check_supported(model_type: str) -> ArgsBuilder:
     builder = _FAMILIES.get(model_type)
     if builder is None:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r} (supported: {', '.join(supported_model_types())})"
         )
+    return builder
+
+
+def decoder_args(model_type: str, raw: dict[str, Any], has_lm_head: bool) -> DecoderArgs:
+    """`has_lm_head`: the checkpoint ships lm_head.weight (decides tying when config is silent)."""
+    builder = check_supported(model_type)
     try:
         return builder(raw, has_lm_head)
     except (KeyError, TypeError, ValueError) as e:

@@ -1,0 +1,140 @@
+"""GPU-worker actor: the only owner of MLX objects.
+
+Inbound: job calls from the scheduler (`open_row`, `prefill`, `join`, `step`, `close_row`, and
+`run_exclusive` for cache maintenance), each an awaited method that sends a `_Job` over the
+worker's job channel. Outbound: each job's result (or exception) on that job's reply channel.
+
+The actor's whole life is one `trio.to_thread.run_sync` call: a dedicated OS thread that loads
+the model itself (MLX arrays, weights included, are bound to the thread that created them) and
+then runs jobs one at a time. A job is never interrupted: a caller that is cancelled while waiting
+merely stops listening, and the job's result is dropped. So rows always leave at step boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import attrs
+import outcome
+import trio
+
+from actors.worker_api import ModelInfo, PrefillProgress, RowOpened, RowSpec, TokenOut
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class _Job:
+    fn: Callable[[Any], Any]
+    reply: trio.MemorySendChannel
+
+
+class WorkerDied(RuntimeError):
+    """The GPU-worker thread is gone; no MLX work can run any more."""
+
+
+class GpuWorker:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        name: str | None = None,
+        prefill_chunk: int = 2048,
+        eos_token_ids: Iterable[int] | None = None,
+        protected_ids: Iterable[int] = (),
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.name = name
+        self.prefill_chunk = prefill_chunk
+        self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
+        self._protected = frozenset(protected_ids)
+        self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Job](0)
+        self.alive = False
+        self.info: ModelInfo | None = None
+        self.thread_ident: int | None = None
+        self._current_reply: trio.MemorySendChannel | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await trio.to_thread.run_sync(self._thread_main, task_status, thread_name="mlx-gpu-worker")
+        finally:
+            self.alive = False
+            self._jobs_send.close()
+            if self._current_reply is not None:
+                self._current_reply.close()  # a caller mid-job sees WorkerDied, not a hang
+
+    def _thread_main(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
+        # Everything MLX is imported and created here, on this thread only.
+        import mlx.core as mx
+
+        from model.engine import Engine
+        from model.loader import load_model
+
+        self.thread_ident = threading.get_ident()
+        loaded = load_model(self.model_dir, name=self.name)
+        eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
+        engine = Engine(
+            loaded.model, eos_token_ids=eos, protected_ids=self._protected, prefill_chunk=self.prefill_chunk
+        )
+        device = mx.default_device()
+        self.info = ModelInfo(
+            name=loaded.name,
+            context_length=loaded.config.max_position_embeddings,
+            weights_bytes=loaded.weights_bytes,
+            kv_bytes_per_token=loaded.kv_bytes_per_token,
+            eos_token_ids=eos,
+            device=str(device.type).rsplit(".", 1)[-1],
+        )
+        self.alive = True
+        trio.from_thread.run_sync(task_status.started, self.info)
+        while True:
+            try:
+                job = trio.from_thread.run(self._jobs_recv.receive)
+            except (trio.EndOfChannel, trio.Cancelled, trio.RunFinishedError):
+                return
+            self._current_reply = job.reply
+            result = outcome.capture(job.fn, engine)
+            self._current_reply = None
+            try:
+                trio.from_thread.run_sync(job.reply.send_nowait, result)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.RunFinishedError):
+                pass  # the caller went away (cancelled); the job still ran to completion
+
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        if not self.alive:
+            raise WorkerDied("the GPU worker is not running")
+        reply_send, reply_recv = trio.open_memory_channel[outcome.Outcome](1)
+        with reply_recv:
+            try:
+                await self._jobs_send.send(_Job(fn, reply_send))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise WorkerDied("the GPU worker is not running") from None
+            try:
+                result = await reply_recv.receive()
+            except trio.EndOfChannel:
+                raise WorkerDied("the GPU worker stopped mid-job") from None
+        return result.unwrap()
+
+    # -- the Worker interface (actors/worker_api.py) -------------------------------------------
+
+    async def open_row(self, spec: RowSpec) -> RowOpened:
+        return await self._call(lambda engine: engine.open_row(spec))
+
+    async def prefill(self, row_id: int) -> PrefillProgress:
+        return await self._call(lambda engine: engine.prefill(row_id))
+
+    async def join(self, row_id: int) -> TokenOut:
+        return await self._call(lambda engine: engine.join(row_id))
+
+    async def step(self) -> list[TokenOut]:
+        return await self._call(lambda engine: engine.step())
+
+    async def close_row(self, row_id: int, *, reusable: bool) -> None:
+        return await self._call(lambda engine: engine.close_row(row_id, reusable=reusable))
+
+    async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any:
+        """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""
+        return await self._call(fn)
