@@ -25,6 +25,9 @@ class RowSpec:
     sampling: SamplingParams
     max_tokens: int
     namespace: str = ""  # prompt-cache namespace (adapter ids; "" = base model)
+    # Template-stable prefix length (cache/boundary.py): the engine snapshots the KV there so the
+    # next turn of the conversation hits. None = no snapshot.
+    snapshot_at: int | None = None
 
 
 @attrs.frozen
@@ -68,6 +71,9 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     batchable: bool = True
     device: str = "cpu"
+    # Memory the device can give this process (unified/GPU memory); 0 = unknown, in which case
+    # admission's default budget falls back to system RAM.
+    memory_bytes: int = 0
 
 
 class Worker(Protocol):

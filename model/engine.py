@@ -14,21 +14,33 @@ graph (int offsets, fused causal masks). A second joiner merges everyone into le
 Decode is pipelined like mlx-lm's generate_step: each `step` dispatches step n+1's graph (fed by
 step n's still-unread tokens) with `async_eval` before reading step n's tokens, so the host never
 idles the device. A row that has finished may have one extra step computed; it is never emitted.
+
+Prompt cache (optional): `open_row` restores the longest cached prefix, so prefill forwards only
+the rest; prefill splits its chunks at `RowSpec.snapshot_at` and puts a clone covering exactly that
+prefix; `close_row(reusable=True)` puts the row's KV keyed by exactly the tokens it covers
+(prompt + every generated token fed into a forward). The coverage is read from the cache offset,
+never assumed: when it cannot be matched to known tokens, nothing is put.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Sequence
 
 import attrs
 import mlx.core as mx
 
 from actors.worker_api import PrefillProgress, RowOpened, RowSpec, TokenOut, TopLogprob
+from cache.prompt_cache import PromptCache
 from model.kv_cache import BatchKVCache, KVCache, make_caches
 from model.layers import DecoderModel
 from model.sampling import RowSampler, logprobs_of
 
+log = logging.getLogger(__name__)
+
 CLEAR_CACHE_EVERY = 256
+# Below this, a boundary snapshot or a merged row's extraction (a copy) costs about what it saves.
+MIN_CACHE_TOKENS = 256
 
 
 @attrs.define(eq=False)
@@ -45,6 +57,9 @@ class _Row:
     history: mx.array | None = None  # recent tokens, for penalty processors
     finished: bool = False
     in_batch: bool = False
+    namespace: str = ""
+    snapshot_at: int | None = None  # prefill splits here and puts a clone of the caches
+    tokens: list[int] = attrs.Factory(list)  # every generated token, in order (the put key's tail)
 
 
 @attrs.define(eq=False)
@@ -71,11 +86,13 @@ class Engine:
         eos_token_ids: Iterable[int],
         protected_ids: Iterable[int] = (),
         prefill_chunk: int = 2048,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         self.model = model
         self.eos = frozenset(eos_token_ids)
         self.protected = frozenset(protected_ids) | self.eos
         self.prefill_chunk = prefill_chunk
+        self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
         self._rows: dict[int, _Row] = {}
         self._batch: list[_Row] = []
@@ -96,20 +113,33 @@ class Engine:
             prompt=list(spec.prompt),
             sampler=RowSampler(spec.sampling, protected_ids=self.protected),
             max_tokens=max(1, spec.max_tokens),
-            caches=make_caches(self.num_layers),
+            caches=None,
+            namespace=spec.namespace,
         )
+        row.caches, row.processed = self._take(row.prompt, spec.namespace)
+        if spec.snapshot_at is not None and self.prompt_cache is not None:
+            at = min(spec.snapshot_at, len(row.prompt) - 1)
+            if at >= MIN_CACHE_TOKENS and at > row.processed:
+                row.snapshot_at = at
         self._rows[spec.row_id] = row
-        return RowOpened(row.row_id, cached_tokens=0, to_prefill=len(row.prompt) - 1)
+        return RowOpened(row.row_id, cached_tokens=row.processed, to_prefill=len(row.prompt) - 1 - row.processed)
 
     def prefill(self, row_id: int) -> PrefillProgress:
         row = self._rows[row_id]
         end = min(row.processed + self.prefill_chunk, len(row.prompt) - 1)
+        if row.snapshot_at is not None and row.processed < row.snapshot_at < end:
+            end = row.snapshot_at
         if end > row.processed:
             chunk = mx.array(row.prompt[row.processed : end])[None]
             self.model(chunk, row.caches)
             mx.eval([c.state for c in row.caches])
             row.processed = end
             mx.clear_cache()
+        if row.snapshot_at is not None and row.processed == row.snapshot_at:
+            row.snapshot_at = None
+            snapshot = [c.clone() for c in row.caches]
+            mx.eval([c.state for c in snapshot])
+            self._put(row.prompt[: row.processed], snapshot, row.namespace)
         return PrefillProgress(row_id, done=row.processed, remaining=len(row.prompt) - 1 - row.processed)
 
     def join(self, row_id: int) -> TokenOut:
@@ -148,6 +178,12 @@ class Engine:
         if row is None:
             return
         row.finished = True
+        if reusable and self.prompt_cache is not None:
+            try:
+                self._put_row(row)
+            except Exception:
+                # A failed put is a future cache miss; the row must still leave the batch.
+                log.exception("prompt cache put for row %d failed", row_id)
         if row.in_batch:
             self._leave_batch(row)
         row.caches = None
@@ -160,6 +196,48 @@ class Engine:
     @property
     def batch_size(self) -> int:
         return len(self._batch)
+
+    # -- prompt cache ----------------------------------------------------------------------------
+
+    def _take(self, prompt: list[int], namespace: str) -> tuple[list[KVCache], int]:
+        if self.prompt_cache is not None:
+            caches, cached = self.prompt_cache.take(prompt, namespace)
+            if (
+                caches is not None
+                and len(caches) == self.num_layers
+                and all(isinstance(c, KVCache) and c.offset == cached for c in caches)
+            ):
+                return caches, cached
+        return make_caches(self.num_layers), 0
+
+    def _put(self, tokens: Sequence[int], caches: list[KVCache], namespace: str) -> None:
+        assert self.prompt_cache is not None
+        if any(c.offset != len(tokens) for c in caches):
+            return
+        self.prompt_cache.put(tokens, caches, namespace)
+
+    def _put_row(self, row: _Row) -> None:
+        """Put a closing row's KV, keyed by exactly what it covers; called before it leaves."""
+        if not row.in_batch:
+            caches = row.caches  # never joined (finished at token 0, or closed mid-prefill)
+        elif isinstance(self._caches[0], KVCache):
+            caches = self._caches  # the lone row holds the batch state: hand it over, no copy
+        elif len(row.prompt) >= MIN_CACHE_TOKENS:
+            i = self._batch.index(row)
+            caches = [c.extract(i) for c in self._caches]
+            # Materialize the copy now: a lazy slice would pin the whole batch buffer.
+            mx.eval([c.state for c in caches])
+        else:
+            return
+        if not caches:
+            return
+        covered = caches[0].offset
+        known = row.prompt + row.tokens
+        # More KV than known tokens means a forward was fed a token we never read (a step
+        # computed ahead after the row finished): its key would be a guess, so no put.
+        if covered == 0 or covered > len(known):
+            return
+        self._put(known[:covered], list(caches), row.namespace)
 
     # -- batch membership --------------------------------------------------------------------
 
@@ -252,6 +330,7 @@ class Engine:
     ) -> TokenOut:
         row.generated += 1
         row.last_token = token
+        row.tokens.append(token)
         finish = None
         if token in self.eos:
             finish = "stop"
@@ -278,8 +357,9 @@ def _solo_from_batch(cache: BatchKVCache) -> KVCache:
     return solo
 
 
-def generate_tokens(engine: Engine, specs: Sequence[RowSpec]) -> dict[int, list[int]]:
-    """Run rows to completion together (test/bench helper): {row_id: generated tokens}."""
+def generate_tokens(engine: Engine, specs: Sequence[RowSpec], *, reusable: bool = False) -> dict[int, list[int]]:
+    """Run rows to completion together (test/bench helper): {row_id: generated tokens}.
+    `reusable` is close_row's: finished rows are put to the engine's prompt cache."""
     out: dict[int, list[int]] = {}
     live = set()
     for spec in specs:
@@ -289,13 +369,13 @@ def generate_tokens(engine: Engine, specs: Sequence[RowSpec]) -> dict[int, list[
         first = engine.join(spec.row_id)
         out[spec.row_id] = [first.token]
         if first.finish:
-            engine.close_row(spec.row_id)
+            engine.close_row(spec.row_id, reusable=reusable)
         else:
             live.add(spec.row_id)
     while live:
         for t in engine.step():
             out[t.row_id].append(t.token)
             if t.finish:
-                engine.close_row(t.row_id)
+                engine.close_row(t.row_id, reusable=reusable)
                 live.discard(t.row_id)
     return out

@@ -1,0 +1,91 @@
+"""Every message that crosses an actor boundary, as frozen attrs classes.
+
+Data flows left → right in the order a request lives:
+
+    request ──Submit──▶ admission ──Enqueue──▶ scheduler ──RowEvent (per-row channel)──▶ request
+    request ◀──Admitted | Rejected── admission
+    request ──Abort | StopRow (control, unbounded)──▶ scheduler
+
+A per-row channel carries `RowOpened` once (cached-prompt accounting), then `TokenOut`s, or a
+`RowFailed`; the scheduler closing its send end is the end of the row.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+import trio
+
+from actors.worker_api import RowOpened, RowSpec, TokenOut
+from model.params import SamplingParams
+
+Lane = Literal["serial", "batched"]
+
+
+@attrs.frozen
+class GenerationRequest:
+    """A request after protocol parsing and templating: plain token ids and sampling values."""
+
+    prompt: tuple[int, ...]
+    sampling: SamplingParams  # `seed` is filled in by admission
+    max_tokens: int  # what the client asked for (or the route default), before the clamp
+    # The request carried a `seed` key (even null): it runs serial so it is reproducible.
+    explicit_seed: bool = False
+    seed: int | None = None
+    namespace: str = ""
+
+
+@attrs.frozen(eq=False)
+class Submit:
+    request: GenerationRequest
+    rows: trio.MemorySendChannel  # per-row channel, handed on to the scheduler
+    reply: trio.MemorySendChannel  # buffer 1: Admitted | Rejected
+
+
+@attrs.frozen
+class Admitted:
+    row_id: int
+    max_tokens: int  # after the memory-budget clamp
+    lane: Lane
+    seed: int
+
+
+@attrs.frozen
+class Rejected:
+    status: int
+    message: str
+    type: str
+    code: str | None = None
+    retry_after: float | None = None  # seconds, sent as Retry-After on 503
+
+
+@attrs.frozen(eq=False)
+class Enqueue:
+    spec: RowSpec
+    lane: Lane
+    rows: trio.MemorySendChannel  # RowEvent items; the scheduler closes it when the row ends
+
+
+@attrs.frozen
+class Abort:
+    """The request is gone (client disconnect, shutdown cut-off): never deliver another token."""
+
+    row_id: int
+
+
+@attrs.frozen
+class StopRow:
+    """The text pipeline matched a stop string: the row ends cleanly at the next boundary."""
+
+    row_id: int
+
+
+@attrs.frozen
+class RowFailed:
+    row_id: int
+    message: str
+
+
+RowEvent = RowOpened | TokenOut | RowFailed
+Control = Enqueue | Abort | StopRow

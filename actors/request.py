@@ -1,0 +1,219 @@
+"""The request actor: one completion's life, from admission to the last event of its stream.
+
+Inbound:  its admission reply (`Admitted` | `Rejected`, buffer 1) and its own per-row channel
+          (`RowOpened`, `TokenOut`, `RowFailed`; unbounded, filled by the scheduler).
+Outbound: `Submit` to admission; `Abort` / `StopRow` to the scheduler's control inbox
+          (unbounded, `send_nowait`, so they can be sent from a `finally` under cancellation).
+
+The HTTP handler owns one `RequestActor` and must `close()` it in a `finally`; closing is
+synchronous and idempotent. A client disconnect cancels the handler (or its body generator);
+`close()` then aborts the row wherever it is — queued, mid-prefill or decoding — and releases
+every per-request resource. Tokens run through the text pipeline (`CompletionSink`) here, so
+protocol encoders only ever see text events.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from actors.admission import Admission
+from actors.messages import (
+    Abort,
+    Admitted,
+    Control,
+    GenerationRequest,
+    Lane,
+    Rejected,
+    RowEvent,
+    RowFailed,
+    StopRow,
+    Submit,
+)
+from actors.worker_api import RowOpened, TokenOut
+
+# A stream cut by the shutdown deadline ends with this finish_reason: the server's own limit
+# ended it, which is what "length" tells a client, and strict SDK enums accept nothing else.
+CUT_OFF_FINISH_REASON = "length"
+
+
+class Sink(Protocol):
+    """`api.pipeline.sink.CompletionSink`."""
+
+    stopped: bool
+    finish_reason: str | None
+
+    def push(self, token_id: int) -> list[Any]: ...
+
+    def finish(self, *, reason: str) -> list[Any]: ...
+
+
+@attrs.frozen(eq=False)
+class RequestPorts:
+    """What a request actor talks to."""
+
+    submits: trio.MemorySendChannel[Submit]
+    control: trio.MemorySendChannel[Control]
+    admission: Admission
+
+
+class RequestRejected(Exception):
+    def __init__(self, rejection: Rejected) -> None:
+        super().__init__(rejection.message)
+        self.rejection = rejection
+
+
+class GenerationFailed(Exception):
+    """The worker failed this row (spec: a 500 before the stream starts, an error frame after)."""
+
+
+class _Release:
+    """The synchronous end of a request, shared by `close()` and a GC finalizer.
+
+    The finalizer covers a body generator that was never started (a disconnect between the
+    handler returning and the body being iterated): Python runs no `finally` for it.
+    """
+
+    def __init__(self, ports: RequestPorts, rows: trio.MemoryReceiveChannel[RowEvent]) -> None:
+        self.ports = ports
+        self.rows = rows
+        self.row_id: int | None = None
+        self.row_over = False  # the scheduler ends the row by itself: no Abort owed
+        self.released = False
+
+    def tell(self, message: Control) -> None:
+        try:
+            self.ports.control.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the scheduler is gone (shutdown): nothing left to stop
+
+    def __call__(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.row_id is not None and not self.row_over:
+            self.tell(Abort(self.row_id))
+        self.rows.close()
+        if self.row_id is not None:
+            self.ports.admission.request_ended()
+
+
+class RequestActor:
+    def __init__(self, ports: RequestPorts, request: GenerationRequest, sink: Sink) -> None:
+        self.request = request
+        self._ports = ports
+        self._sink = sink
+        self._rows_send, rows_recv = trio.open_memory_channel[RowEvent](math.inf)
+        self._rows = rows_recv
+        self._release = _Release(ports, rows_recv)
+        token = trio.lowlevel.current_trio_token()
+        # run_sync_soon: a finalizer may fire anywhere, even inside trio's own bookkeeping.
+        self._finalizer = weakref.finalize(self, _release_soon, token, self._release)
+        self._finalizer.atexit = False
+        self.admitted: Admitted | None = None
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.cut_off = False  # ended by the shutdown deadline
+        self._done = False
+
+    @property
+    def lane(self) -> Lane | None:
+        return self.admitted.lane if self.admitted else None
+
+    async def admit(self) -> Admitted:
+        """Raises `RequestRejected` (400 / 503) instead of queueing."""
+        reply_send, reply_recv = trio.open_memory_channel[Admitted | Rejected](1)
+        with reply_recv:
+            self._ports.submits.send_nowait(Submit(self.request, self._rows_send, reply_send))
+            self._rows_send = None  # the scheduler owns the send end from here on
+            decision = await reply_recv.receive()
+        if isinstance(decision, Rejected):
+            self._release.row_over = True
+            self.close()
+            raise RequestRejected(decision)
+        self.admitted = decision
+        self._release.row_id = decision.row_id
+        self._ports.admission.request_started()
+        return decision
+
+    async def next_events(self) -> list[Any] | None:
+        """The text events of the next token(s); the last list carries the pipeline's tail;
+        None once the completion is over. Raises `GenerationFailed`."""
+        if self._done:
+            return None
+        while True:
+            item = await self._receive()
+            if item is None:  # shutdown cut-off, or the scheduler ended the row without a finish
+                return self._finish("length")
+            if isinstance(item, RowOpened):
+                self.cached_tokens = item.cached_tokens
+                continue
+            if isinstance(item, RowFailed):
+                self._release.row_over = True
+                self._done = True
+                raise GenerationFailed(item.message)
+            return self._on_token(item)
+
+    def _on_token(self, token: TokenOut) -> list[Any]:
+        self.completion_tokens += 1
+        if token.finish == "stop":  # EOS: its text is never shown
+            self._release.row_over = True
+            return self._finish("eos")
+        events = self._sink.push(token.token)
+        if self._sink.stopped:
+            self._release.tell(StopRow(self._release.row_id))
+            self._release.row_over = True
+            return events + self._finish("stop")
+        if token.finish == "length":
+            self._release.row_over = True
+            return events + self._finish("length")
+        return events
+
+    async def _receive(self) -> RowEvent | None:
+        item: RowEvent | None = None
+        with self._ports.admission.cutoff_scope() as scope:
+            try:
+                item = await self._rows.receive()
+            except trio.EndOfChannel:
+                self._release.row_over = True
+        if scope.cancelled_caught:
+            self.cut_off = True
+        return item
+
+    def _finish(self, cause: str) -> list[Any]:
+        self._done = True
+        events = self._sink.finish(reason=cause)
+        self.finish_reason = self._sink.finish_reason or ("stop" if cause == "eos" else cause)
+        if self.cut_off:
+            self.finish_reason = CUT_OFF_FINISH_REASON
+        return events
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.request.prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "lane": self.lane,
+        }
+
+    def close(self) -> None:
+        """Synchronous and idempotent: safe in a `finally` under cancellation."""
+        if self._rows_send is not None:  # never submitted
+            self._rows_send.close()
+            self._rows_send = None
+        self._finalizer.detach()
+        self._release()
+
+
+def _release_soon(token: trio.lowlevel.TrioToken, release: _Release) -> None:
+    try:
+        token.run_sync_soon(release)
+    except trio.RunFinishedError:
+        pass

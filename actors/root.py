@@ -1,0 +1,264 @@
+"""The root of the supervision tree: owns the actor nursery and the shutdown order.
+
+Tree (all in one nursery, started in dependency order; any actor crashing takes the server down):
+
+    root
+    ├── gpu_worker        loads the model on its own thread, then serves worker calls
+    ├── scheduler         inbox: Enqueue / Abort / StopRow      → worker calls, per-row events
+    ├── admission         submits: Submit                       → scheduler inbox, replies
+    ├── spill_queue       (slot — cache SSD tier, issue 7)
+    ├── durability        (slot — cache SSD tier, issue 7; its flush joins `flush_hooks`)
+    ├── demotion_timer    (slot — cache SSD tier, issue 7; polls `scheduler.busy`)
+    └── HTTP (hypercorn `serve`, run in the root's body, not as a child — trio-stack.md §1.5)
+
+Shutdown order: `Shutdown.requested` → admission closes (503 for new requests; in-flight waits
+are cut at `--shutdown-timeout` and end with a final chunk) and hypercorn closes its listeners
+→ hypercorn waits for in-flight responses → `serve` returns → the actors are cancelled → flush
+hooks run shielded → return. `Shutdown.now` (a second Ctrl-C) cancels everything at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from actors.admission import Admission
+from actors.messages import Control, Submit
+from actors.policy import AdmissionCeiling, BatchMode, admission_ceiling, batch_mode, memory_budget_bytes
+from actors.request import RequestPorts
+from actors.scheduler import Scheduler
+from actors.worker_api import ModelInfo, Worker
+from model.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# hypercorn's own deadline sits past ours, so our clean final chunk is written before it cancels.
+HTTP_GRACE_MARGIN_S = 2.0
+FLUSH_BUDGET_S = 10.0
+
+FlushHook = Callable[[], Awaitable[Any]]
+ServeHttp = Callable[[Any, Callable[[], Awaitable[None]]], Awaitable[None]]
+"""`serve_http(app, shutdown_trigger)`: returns once listeners are closed and in-flight
+responses are done (hypercorn.trio.serve with its graceful timeout, or a test double)."""
+
+
+class RunnableWorker(Worker, Protocol):
+    async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = ...) -> None: ...
+
+
+@attrs.frozen
+class ServeConfig:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    batch: int = 8
+    max_tokens: int | None = None  # server default for requests that name none
+    memory_budget_gb: float | None = None
+    max_queue: int = 256
+    shutdown_timeout: float = 30.0
+
+
+@attrs.define
+class Shutdown:
+    """Set by the signal watcher (or a test): first `requested`, on a second signal `now`."""
+
+    requested: trio.Event = attrs.Factory(trio.Event)
+    now: trio.Event = attrs.Factory(trio.Event)
+    requested_at: float | None = None
+
+    def request(self) -> None:
+        if not self.requested.is_set():
+            self.requested_at = trio.current_time()
+            self.requested.set()
+        else:
+            self.now.set()
+
+
+@attrs.define(eq=False)
+class ServerHandles:
+    """Everything the HTTP app may touch; built by `start_actors`."""
+
+    config: ServeConfig
+    info: ModelInfo
+    tokenizer: Any
+    make_sink: Callable[..., Any]  # (detokenizer, *, stop, think) -> CompletionSink
+    mode: BatchMode
+    ceiling: AdmissionCeiling
+    ports: RequestPorts
+    admission: Admission
+    scheduler: Scheduler
+    sampling_defaults: SamplingParams = SamplingParams()
+    started_at: float = attrs.Factory(time.time)
+
+    def stats(self) -> dict[str, Any]:
+        sched = self.scheduler
+        return {
+            "server": {"model": self.info.name, "started_at": int(self.started_at), "device": self.info.device},
+            "admission": {
+                "max_safe_context": self.ceiling.max_safe_context,
+                "memory_budget_bytes": self.ceiling.memory_budget_bytes,
+                "usable_bytes": self.ceiling.usable_bytes,
+                "weights_bytes": self.ceiling.weights_bytes,
+                "max_queue": self.admission.max_queue,
+                "accepting": not self.admission.closed,
+                "in_flight": self.admission.in_flight,
+                **attrs.asdict(self.admission.counters),
+            },
+            "batch": {
+                "configured": self.config.batch,
+                "mode": self.mode,
+                "batched": self.mode == "batch",
+                "active_rows": sched.active_rows,
+                "pending_rows": len(sched.table.queue),
+                "draining": sched.table.draining,
+                **attrs.asdict(sched.counters),
+            },
+        }
+
+
+def default_sink_factory() -> Callable[..., Any]:
+    from api.pipeline.sink import CompletionSink
+
+    return CompletionSink
+
+
+async def start_actors(
+    nursery: trio.Nursery,
+    worker: RunnableWorker,
+    *,
+    config: ServeConfig,
+    make_tokenizer: Callable[[ModelInfo], Any],
+    make_sink: Callable[..., Any] | None = None,
+    sampling_defaults: SamplingParams = SamplingParams(),
+) -> ServerHandles:
+    """Start the worker (model load), the scheduler and admission; return the app's handles."""
+    log.info("loading model %s ...", config.model or "(demo)")
+    started = time.monotonic()
+    info: ModelInfo = await nursery.start(worker.run)
+    log.info(
+        "model %s loaded in %.1f s (%s, context %d)", info.name, time.monotonic() - started, info.device,
+        info.context_length,
+    )
+    tokenizer = make_tokenizer(info)
+    budget = memory_budget_bytes(config.memory_budget_gb, device_memory_bytes=info.memory_bytes)
+    ceiling = admission_ceiling(
+        budget_bytes=budget,
+        weights_bytes=info.weights_bytes,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        context_length=info.context_length,
+    )
+    if ceiling.max_safe_context < 1:
+        # Serve anyway: requests are refused one by one with a clear 400 (spec §1.11).
+        log.warning(
+            "memory budget %.2f GB leaves no room for KV after weights (%.2f GB) and the prefill "
+            "transient: every request will be refused; raise --memory-budget",
+            budget / 1e9, info.weights_bytes / 1e9,
+        )
+    else:
+        log.info("admission: max safe context %d tokens (budget %.2f GB)", ceiling.max_safe_context, budget / 1e9)
+    mode = batch_mode(config.batch, batchable=info.batchable)
+
+    inbox_send, inbox_recv = trio.open_memory_channel[Control](float("inf"))
+    scheduler = Scheduler(worker, capacity=config.batch, inbox=inbox_recv)
+    await nursery.start(scheduler.run)
+
+    submits_send, submits_recv = trio.open_memory_channel[Submit](float("inf"))
+    admission = Admission(
+        ceiling=ceiling,
+        mode=mode,
+        max_queue=config.max_queue,
+        waiting=lambda: scheduler.waiting,
+        scheduler=inbox_send,
+    )
+    await nursery.start(admission.run, submits_recv)
+
+    # Slots for the cache tier (issues 6/7), started here once they exist:
+    #   spill_queue = SpillQueue(...);   await nursery.start(spill_queue.run)
+    #   durability = Durability(worker, busy=lambda: scheduler.busy, spills=spill_queue)
+    #   await nursery.start(durability.run)  — and pass durability.flush in `flush_hooks`
+    #   demotion = DemotionTimer(worker, busy=lambda: scheduler.busy); await nursery.start(demotion.run)
+
+    return ServerHandles(
+        config=config,
+        info=info,
+        tokenizer=tokenizer,
+        make_sink=make_sink or default_sink_factory(),
+        mode=mode,
+        ceiling=ceiling,
+        ports=RequestPorts(submits=submits_send, control=inbox_send, admission=admission),
+        admission=admission,
+        scheduler=scheduler,
+        sampling_defaults=sampling_defaults,
+    )
+
+
+async def run_server(
+    worker: RunnableWorker,
+    *,
+    config: ServeConfig,
+    make_tokenizer: Callable[[ModelInfo], Any],
+    serve_http: ServeHttp,
+    shutdown: Shutdown,
+    make_app: Callable[[ServerHandles], Any] | None = None,
+    make_sink: Callable[..., Any] | None = None,
+    flush_hooks: Sequence[FlushHook] = (),
+    trace: Callable[[str], None] = lambda milestone: None,
+) -> None:
+    """Run until shutdown; returns normally on a clean or a timed-out shutdown alike."""
+    if make_app is None:
+        from api.app import create_app as make_app
+    serving = False
+    async with trio.open_nursery() as nursery:
+
+        async def escalate() -> None:
+            await shutdown.now.wait()
+            trace("hard cancel")
+            nursery.cancel_scope.cancel()
+
+        async def gate() -> None:
+            await shutdown.requested.wait()
+            if not serving:  # a signal during model load: nothing to drain
+                nursery.cancel_scope.cancel()
+                return
+            handles.admission.close(cutoff_after=config.shutdown_timeout)
+            log.info(
+                "shutting down: admission closed; %d in-flight request(s) get up to %.0f s",
+                handles.admission.in_flight, config.shutdown_timeout,
+            )
+            trace("admission closed")
+
+        nursery.start_soon(escalate)
+        nursery.start_soon(gate)
+        handles = await start_actors(
+            nursery, worker, config=config, make_tokenizer=make_tokenizer, make_sink=make_sink
+        )
+        app = make_app(handles)
+        serving = True
+        if shutdown.requested.is_set():
+            nursery.cancel_scope.cancel()
+        else:
+            await serve_http(app, shutdown.requested.wait)
+            trace("http done")
+            log.info("HTTP server stopped; %d request(s) still in flight", handles.admission.in_flight)
+            nursery.cancel_scope.cancel()
+    trace("actors stopped")
+    await run_flush_hooks(flush_hooks)
+    trace("flushed")
+
+
+async def run_flush_hooks(hooks: Sequence[FlushHook], *, budget: float = FLUSH_BUDGET_S) -> None:
+    """Shielded and bounded: runs even when the root was cancelled, never hangs the exit."""
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(budget) as scope:
+            for hook in hooks:
+                try:
+                    await hook()
+                except Exception:
+                    log.exception("flush hook %r failed", hook)
+        if scope.cancelled_caught:
+            log.warning("flush hooks overran %.0f s; exiting without them", budget)

@@ -1,0 +1,220 @@
+"""The scheduler actor: continuous batching over one GPU worker (spec §4).
+
+Inbound:  `inbox` — `Enqueue` from admission, `Abort` / `StopRow` from request actors
+          (one unbounded channel, senders use `send_nowait` so an abort never blocks).
+Outbound: each row's own unbounded event channel (`RowOpened`, `TokenOut`, `RowFailed`; closed
+          when the row ends), and worker calls — open_row / prefill / join / step / close_row —
+          strictly one at a time.
+
+Two tasks share the row table, which is safe because trio only switches at awaits and every
+table mutation is synchronous: the control task applies inbound messages the moment they arrive
+(so a queued row is dropped at once), and the driver task turns the table into worker calls.
+Rows leave only between worker calls: an abort during a prefill chunk takes effect after that
+chunk, one during a decode step after that step, and the aborted row's token from that call is
+discarded, never delivered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import trio
+
+from actors.messages import Abort, Control, Enqueue, RowFailed, RowEvent, StopRow
+from actors.policy import LeaveReason, Row, RowTable
+from actors.worker_api import TokenOut, Worker
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class SchedulerCounters:
+    submitted_rows: int = 0
+    finished_rows: int = 0  # EOS or length
+    stopped_rows: int = 0  # stop string
+    aborted_rows: int = 0
+    failed_rows: int = 0
+    steps: int = 0
+    prefill_chunks: int = 0
+    tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, worker: Worker, *, capacity: int, inbox: trio.MemoryReceiveChannel[Control]) -> None:
+        self._worker = worker
+        self._inbox = inbox
+        self.table = RowTable(capacity)
+        self.counters = SchedulerCounters()
+        self._kick = trio.Event()
+
+    # -- views for admission and /stats
+
+    @property
+    def waiting(self) -> int:
+        """Rows waiting to be admitted, counting enqueues still in the inbox."""
+        return len(self.table.queue) + self._inbox.statistics().current_buffer_used
+
+    @property
+    def active_rows(self) -> int:
+        return len(self.table.running) + (self.table.joiner is not None)
+
+    @property
+    def busy(self) -> bool:
+        """For background GPU work (durability, demotion): anything running or pending."""
+        return not self.table.idle or bool(self.table.queue)
+
+    # -- the actor
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._receive_control)
+                task_status.started()
+                await self._drive()
+        finally:
+            # Cancelled (shutdown): end every stream so no request waits on a dead scheduler.
+            for row in [*self.table.queue, *self.table.running.values(), self.table.joiner]:
+                if row is not None:
+                    row.out.close()
+
+    async def _receive_control(self) -> None:
+        async for message in self._inbox:
+            self.apply(message)
+
+    def apply(self, message: Control) -> None:
+        if isinstance(message, Enqueue):
+            self.table.enqueue(Row(spec=message.spec, lane=message.lane, out=message.rows))
+            self.counters.submitted_rows += 1
+        elif isinstance(message, (Abort, StopRow)):
+            reason: LeaveReason = "abort" if isinstance(message, Abort) else "stop"
+            dropped = self.table.mark_leaving(message.row_id, reason)
+            if dropped is not None:
+                self._end(dropped)
+        self._kick.set()
+
+    # -- the driver loop
+
+    async def _drive(self) -> None:
+        table = self.table
+        while True:
+            self._prune_disconnected()
+            await self._close_leavers()
+            if table.idle:
+                self._kick = trio.Event()
+                await self._kick.wait()
+                continue
+            if table.admissible_head() is not None:
+                await self._open(table.admit())
+                await self._close_leavers()
+            burst = False
+            joiner = table.joiner
+            if joiner is not None and joiner.leaving is None:
+                # One forward per iteration — a chunk, or the join's L=1 forward — so a running
+                # stream never waits more than one of them between its tokens.
+                if joiner.to_prefill > 0:
+                    await self._prefill(joiner)
+                else:
+                    await self._join(joiner)
+                    # Simultaneous arrivals form one batch: admit the next before stepping.
+                    burst = table.admissible_head() is not None
+                await self._close_leavers()
+            if table.running and not burst:
+                await self._step()
+            # A zero-cost worker would otherwise never let the control task run.
+            await trio.lowlevel.checkpoint()
+
+    async def _open(self, row: Row) -> None:
+        try:
+            opened = await self._worker.open_row(row.spec)
+        except Exception as exc:
+            self._fail([row], exc, "open_row")
+            return
+        row.opened = True
+        row.to_prefill = opened.to_prefill
+        self._deliver(row, opened)
+
+    async def _prefill(self, row: Row) -> None:
+        try:
+            progress = await self._worker.prefill(row.row_id)
+        except Exception as exc:
+            self._fail([row], exc, "prefill")
+            return
+        self.counters.prefill_chunks += 1
+        row.to_prefill = progress.remaining
+
+    async def _join(self, row: Row) -> None:
+        try:
+            token = await self._worker.join(row.row_id)
+        except Exception as exc:
+            self._fail([row], exc, "join")
+            return
+        self.table.joined(row)
+        self._on_token(row, token)
+
+    async def _step(self) -> None:
+        rows = dict(self.table.running)
+        try:
+            tokens = await self._worker.step()
+        except Exception as exc:
+            # A forward/sampling error leaves the batch state unknown: drop every running row.
+            self._fail(list(rows.values()), exc, "step")
+            return
+        self.counters.steps += 1
+        for token in tokens:
+            row = rows.get(token.row_id)
+            if row is not None:
+                self._on_token(row, token)
+
+    def _on_token(self, row: Row, token: TokenOut) -> None:
+        if self._deliver(row, token):
+            self.counters.tokens += 1
+        if token.finish is not None and row.leaving is None:
+            row.leaving = "finish"
+
+    def _deliver(self, row: Row, event: RowEvent) -> bool:
+        if row.leaving is not None:
+            return False  # aborted or stopped during the call: the result is discarded
+        try:
+            row.out.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            row.leaving = "abort"  # the request actor is gone
+            return False
+        return True
+
+    def _fail(self, rows: list[Row], exc: Exception, call: str) -> None:
+        log.error("worker.%s failed for rows %s", call, [r.row_id for r in rows], exc_info=exc)
+        for row in rows:
+            self._deliver(row, RowFailed(row.row_id, f"generation failed: {exc}"))
+            if row.leaving is None:
+                row.leaving = "error"
+
+    def _prune_disconnected(self) -> None:
+        """Belt and braces for a request actor that vanished without sending Abort."""
+        for row in [*self.table.queue, *self.table.running.values(), self.table.joiner]:
+            if row is not None and row.out.statistics().open_receive_channels == 0:
+                dropped = self.table.mark_leaving(row.row_id, "abort")
+                if dropped is not None:
+                    self._end(dropped)
+
+    async def _close_leavers(self) -> None:
+        for row in self.table.take_leavers():
+            self._end(row)
+            if not row.opened:
+                continue
+            try:
+                await self._worker.close_row(row.row_id, reusable=row.leaving != "error")
+            except Exception:
+                log.exception("worker.close_row(%d) failed", row.row_id)
+
+    def _end(self, row: Row) -> None:
+        row.out.close()
+        match row.leaving:
+            case "finish":
+                self.counters.finished_rows += 1
+            case "stop":
+                self.counters.stopped_rows += 1
+            case "abort":
+                self.counters.aborted_rows += 1
+            case _:
+                self.counters.failed_rows += 1

@@ -1,0 +1,209 @@
+"""RAM prompt cache: per-layer KV keyed by (namespace, exact token tuple), byte-capped LRU.
+
+`take` is non-consuming: it hands out clones (trimmed back to the match when the donor is
+longer), so one stored system prompt serves every agent that shares it. MLX arrays are immutable
+values, so a clone stays valid after its donor is superseded or evicted: eviction only drops the
+cache's reference, it never frees memory a clone still uses.
+
+Correctness rule: an entry's key must equal its KV coverage exactly, or every later hit would be
+silently wrong. `put` refuses anything it cannot verify (offset mismatch, mixed offsets).
+
+Only ever called on the GPU-worker thread (arrays are thread-affine).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from model.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+# Prefix comparison looks at this many tokens first and doubles: most entries diverge early, so
+# the cost per entry tracks the match length rather than the prompt length.
+_FIRST_WINDOW = 256
+
+PutHook = Callable[[str, tuple[int, ...]], None]
+
+
+class _Key:
+    """(namespace, tokens) with its hash computed once: tuple hashes are not cached, and the
+    C OrderedDict re-hashes keys while iterating, which for 100k-token keys dominated a take."""
+
+    __slots__ = ("namespace", "tokens", "_hash")
+
+    def __init__(self, namespace: str, tokens: tuple[int, ...]) -> None:
+        self.namespace, self.tokens = namespace, tokens
+        self._hash = hash((namespace, tokens))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Key)
+            and self._hash == other._hash
+            and self.namespace == other.namespace
+            and self.tokens == other.tokens
+        )
+
+
+@attrs.define(eq=False)
+class _Entry:
+    key: _Key
+    ids: np.ndarray
+    caches: list[KVCache]
+    nbytes: int
+    trimmable: bool
+
+
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.shape[0], b.shape[0])
+    start, window = 0, _FIRST_WINDOW
+    while start < n:
+        end = min(n, start + window)
+        diff = np.flatnonzero(a[start:end] != b[start:end])
+        if diff.size:
+            return start + int(diff[0])
+        start, window = end, window * 2
+    return n
+
+
+def _coverage(caches: Sequence[KVCache]) -> int | None:
+    """The token count every layer holds, or None when layers disagree (then nothing is safe)."""
+    offsets = {c.offset for c in caches}
+    return offsets.pop() if len(offsets) == 1 else None
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self._entries: OrderedDict[_Key, _Entry] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.on_put: list[PutHook] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def keys(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(namespace, tokens) of every entry, least recently used first."""
+        return [(k.namespace, k.tokens) for k in self._entries]
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "entries": len(self._entries),
+            "bytes": self._bytes,
+            "max_bytes": self.max_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+        }
+
+    # -- take --------------------------------------------------------------------------------
+
+    def take(self, prompt: Sequence[int], namespace: str = "") -> tuple[list[KVCache] | None, int]:
+        """Clones covering the longest usable prefix of `prompt`, and its length; (None, 0) on a
+        miss. At most len(prompt) - 1 tokens are restored: the last one must be forwarded to get
+        logits."""
+        cap = len(prompt) - 1
+        found = self._best(np.asarray(prompt, dtype=np.int64), namespace, cap) if self.enabled and cap > 0 else None
+        if found is None:
+            self.misses += 1
+            return None, 0
+        entry, usable = found
+        clones = [c.clone() for c in entry.caches]
+        excess = len(entry.ids) - usable
+        if excess and any(c.trim(excess) != excess for c in clones):
+            self.misses += 1  # cannot happen for a trimmable entry; a miss is the safe answer
+            return None, 0
+        self._entries.move_to_end(entry.key)
+        self.hits += 1
+        return clones, usable
+
+    def _best(self, prompt: np.ndarray, namespace: str, cap: int) -> tuple[_Entry, int] | None:
+        best: tuple[_Entry, int] | None = None
+        best_key = (0, 0, -1)  # (usable, needs no trim, recency)
+        for recency, entry in enumerate(self._entries.values()):
+            if entry.key.namespace != namespace:
+                continue
+            usable = min(common_prefix_length(entry.ids, prompt), cap)
+            if usable == 0:
+                continue
+            exact_fit = len(entry.ids) == usable
+            if not exact_fit and not entry.trimmable:
+                continue  # would need a trim this entry cannot do: never a candidate
+            key = (usable, int(exact_fit), recency)
+            if key > best_key:
+                best, best_key = (entry, usable), key
+        return best
+
+    def find_exact(self, tokens: Sequence[int], namespace: str = "") -> list[KVCache] | None:
+        """Read-only clones of the entry keyed exactly `tokens` (for durability snapshots); does
+        not count as a hit or touch the LRU order."""
+        entry = self._entries.get(_Key(namespace, tuple(int(t) for t in tokens)))
+        return None if entry is None else [c.clone() for c in entry.caches]
+
+    # -- put ---------------------------------------------------------------------------------
+
+    def put(self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "") -> bool:
+        """Store `caches` (taken over, not copied) as the KV of exactly `tokens`. False when not
+        stored: cache disabled, empty key, coverage that does not match the key, or too big."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        key_tokens = tuple(ids.tolist())
+        if not self.enabled or not key_tokens or not caches:
+            return False
+        if _coverage(caches) != len(key_tokens):
+            log.warning("prompt cache: refused a put whose KV covers %s tokens but whose key has %d",
+                        _coverage(caches), len(key_tokens))
+            return False
+        entry = _Entry(
+            key=_Key(namespace, key_tokens),
+            ids=ids,
+            caches=list(caches),
+            nbytes=sum(c.nbytes for c in caches),
+            trimmable=all(c.is_trimmable() for c in caches),
+        )
+        if entry.nbytes > self.max_bytes:
+            return False
+        self._remove(entry.key)
+        if entry.trimmable:
+            # A trimmable entry serves every strict prefix of itself, so its ancestors only cost RAM.
+            for other in [e for e in self._entries.values() if e.key.namespace == namespace]:
+                n = len(other.ids)
+                # The last-token check first: siblings sharing 99% of a long prompt are common.
+                if n < len(ids) and ids[n - 1] == other.ids[-1] and np.array_equal(ids[:n], other.ids):
+                    self._remove(other.key)
+        self._entries[entry.key] = entry
+        self._bytes += entry.nbytes
+        while self._bytes > self.max_bytes:
+            self._remove(next(iter(self._entries)))
+        for hook in self.on_put:
+            try:
+                hook(namespace, key_tokens)
+            except Exception:
+                # The durability tier must never take serving down; a missed hook is a future miss.
+                log.exception("prompt cache on_put hook failed")
+        return True
+
+    def _remove(self, key: _Key) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0

@@ -1,0 +1,277 @@
+"""Test doubles for the actor layer: a GPU worker that runs inline and spends virtual time.
+
+`FakeWorker` implements `actors.worker_api.Worker` with `await trio.sleep(cost)` per call, so
+under `autojump_clock` every timestamp is exact. Its tokens are a pure function of
+(prompt, position) — never of the batch — so "batched output equals solo output" is checkable,
+and it records every call and any protocol violation (a call while another runs, a prefill of
+a row that is not opening, a step over a finished row, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from actors.messages import Enqueue, Lane
+from actors.scheduler import Scheduler
+from actors.worker_api import ModelInfo, PrefillProgress, RowOpened, RowSpec, TokenOut
+from model.params import SamplingParams
+
+EOS = 0
+
+
+def default_token(prompt: tuple[int, ...], position: int) -> int:
+    key = sum((i + 1) * t for i, t in enumerate(prompt)) % 1009
+    return 1 + (key * 31 + position * 7919) % 997  # never EOS
+
+
+@attrs.define
+class _FakeRow:
+    spec: RowSpec
+    done: int = 0  # prompt tokens prefilled
+    generated: int = 0
+    joined: bool = False
+    finished: bool = False
+
+
+class FakeWorker:
+    def __init__(
+        self,
+        *,
+        chunk: int = 4,
+        open_cost: float = 0.0,
+        prefill_cost: float = 1.0,
+        join_cost: float = 1.0,
+        step_cost: float = 1.0,
+        close_cost: float = 0.0,
+        token_fn: Callable[[tuple[int, ...], int], int] = default_token,
+        eos_at: Callable[[RowSpec], int | None] = lambda spec: None,
+        fail_step_at: int | None = None,
+        info: ModelInfo | None = None,
+    ) -> None:
+        self.chunk = chunk
+        self.open_cost, self.prefill_cost, self.join_cost = open_cost, prefill_cost, join_cost
+        self.step_cost, self.close_cost = step_cost, close_cost
+        self.token_fn = token_fn
+        self.eos_at = eos_at
+        self.fail_step_at = fail_step_at
+        self.info = info or ModelInfo(
+            name="fake-model",
+            context_length=4096,
+            weights_bytes=1_000_000,
+            kv_bytes_per_token=1000,
+            eos_token_ids=frozenset({EOS}),
+            memory_bytes=10**12,
+        )
+        self.rows: dict[int, _FakeRow] = {}
+        self.specs: dict[int, RowSpec] = {}  # every row ever opened
+        self.calls: list[tuple[float, str, Any]] = []  # (start time, call, row id or batch ids)
+        self.closed: dict[int, tuple[float, bool]] = {}  # row id -> (time, reusable)
+        self.violations: list[str] = []
+        self._busy = False
+        self._steps = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self.info)
+        await trio.sleep_forever()
+
+    # -- the Worker interface
+
+    async def open_row(self, spec: RowSpec) -> RowOpened:
+        async with self._call("open_row", spec.row_id, self.open_cost):
+            if spec.row_id in self.rows:
+                self.violations.append(f"open_row({spec.row_id}) twice")
+            self.rows[spec.row_id] = _FakeRow(spec)
+            self.specs[spec.row_id] = spec
+            return RowOpened(spec.row_id, cached_tokens=0, to_prefill=len(spec.prompt) - 1)
+
+    async def prefill(self, row_id: int) -> PrefillProgress:
+        async with self._call("prefill", row_id, self.prefill_cost):
+            row = self._row(row_id, "prefill")
+            total = len(row.spec.prompt) - 1
+            if row.joined or row.done >= total:
+                self.violations.append(f"prefill({row_id}) with nothing to prefill")
+            row.done = min(total, row.done + self.chunk)
+            return PrefillProgress(row_id, done=row.done, remaining=total - row.done)
+
+    async def join(self, row_id: int) -> TokenOut:
+        async with self._call("join", row_id, self.join_cost):
+            row = self._row(row_id, "join")
+            if row.done != len(row.spec.prompt) - 1 or row.joined:
+                self.violations.append(f"join({row_id}) before its prefill completed")
+            row.joined = True
+            return self._next_token(row)
+
+    async def step(self) -> list[TokenOut]:
+        batch = tuple(rid for rid, r in self.rows.items() if r.joined)
+        async with self._call("step", batch, self.step_cost):
+            self._steps += 1
+            if not batch:
+                self.violations.append("step() with no joined rows")
+            if self.fail_step_at is not None and self._steps == self.fail_step_at:
+                raise RuntimeError("fake forward failed")
+            out = []
+            for rid in batch:
+                row = self.rows[rid]
+                if row.finished:
+                    self.violations.append(f"step() over finished row {rid}")
+                    continue
+                out.append(self._next_token(row))
+            return out
+
+    async def close_row(self, row_id: int, *, reusable: bool) -> None:
+        async with self._call("close_row", row_id, self.close_cost):
+            if self.rows.pop(row_id, None) is None:
+                self.violations.append(f"close_row({row_id}) of an unknown row")
+            self.closed[row_id] = (trio.current_time(), reusable)
+
+    # -- helpers
+
+    def expected(self, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+        """The solo output of a prompt: what any schedule must deliver."""
+        spec = RowSpec(0, prompt, SamplingParams(), max_tokens)
+        eos = self.eos_at(spec)
+        out = []
+        for pos in range(max_tokens):
+            if eos is not None and pos == eos:
+                out.append(EOS)
+                break
+            out.append(self.token_fn(prompt, pos))
+        return out
+
+    def batches(self) -> list[tuple[float, tuple[int, ...]]]:
+        return [(t, ids) for t, call, ids in self.calls if call == "step"]
+
+    def _next_token(self, row: _FakeRow) -> TokenOut:
+        pos = row.generated
+        row.generated += 1
+        if self.eos_at(row.spec) == pos:
+            row.finished = True
+            return TokenOut(row.spec.row_id, EOS, "stop")
+        token = self.token_fn(row.spec.prompt, pos)
+        if row.generated >= row.spec.max_tokens:
+            row.finished = True
+            return TokenOut(row.spec.row_id, token, "length")
+        return TokenOut(row.spec.row_id, token)
+
+    def _row(self, row_id: int, call: str) -> _FakeRow:
+        row = self.rows.get(row_id)
+        if row is None:
+            self.violations.append(f"{call}({row_id}) of an unknown row")
+            raise KeyError(row_id)
+        return row
+
+    @asynccontextmanager
+    async def _call(self, name: str, arg: Any, cost: float):
+        if self._busy:
+            self.violations.append(f"{name} while another call runs")
+        self._busy = True
+        self.calls.append((trio.current_time(), name, arg))
+        try:
+            await trio.sleep(cost)
+            yield
+        finally:
+            self._busy = False
+
+
+# --- a tokenizer double whose text is easy to read in assertions -----------------------------
+
+
+def token_text(token_id: int) -> str:
+    return f"t{token_id} "
+
+
+class FakeDetokenizer:
+    def __init__(self) -> None:
+        self._segment = ""
+
+    def add_token(self, token_id: int) -> None:
+        self._segment = token_text(token_id)
+
+    @property
+    def last_segment(self) -> str:
+        segment, self._segment = self._segment, ""
+        return segment
+
+    def finalize(self) -> None:
+        pass
+
+
+class FakeTokenizer:
+    eos_token_ids = frozenset({EOS})
+    has_thinking = False
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [1 + ord(c) % 250 for c in text]
+
+    def encode_chat(self, messages: list[dict[str, Any]], *, tools: Any = None,
+                    add_generation_prompt: bool = True, **kw: Any) -> list[int]:
+        for m in messages:
+            if m.get("content") == "RAISE":
+                raise ValueError("template refused the messages")
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+    def detokenizer(self) -> FakeDetokenizer:
+        return FakeDetokenizer()
+
+
+# --- driving a scheduler directly ------------------------------------------------------------
+
+
+@attrs.define
+class RowLog:
+    """Everything one row's channel delivered, with virtual timestamps."""
+
+    events: list[tuple[float, Any]] = attrs.Factory(list)
+    ended_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token for _, e in self.events if isinstance(e, TokenOut)]
+
+    @property
+    def token_times(self) -> list[float]:
+        return [t for t, e in self.events if isinstance(e, TokenOut)]
+
+
+class SchedulerHarness:
+    def __init__(self, scheduler: Scheduler, inbox: trio.MemorySendChannel, nursery: trio.Nursery) -> None:
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self._nursery = nursery
+        self.receivers: dict[int, trio.MemoryReceiveChannel] = {}
+
+    def submit(self, row_id: int, prompt: tuple[int, ...], max_tokens: int = 4, lane: Lane = "batched",
+               *, collect: bool = True) -> RowLog:
+        send, recv = trio.open_memory_channel(math.inf)
+        spec = RowSpec(row_id, prompt, SamplingParams(seed=row_id), max_tokens)
+        self.inbox.send_nowait(Enqueue(spec=spec, lane=lane, rows=send))
+        self.receivers[row_id] = recv
+        log = RowLog()
+        if collect:
+            self._nursery.start_soon(self._collect, recv, log)
+        return log
+
+    async def _collect(self, recv: trio.MemoryReceiveChannel, log: RowLog) -> None:
+        try:
+            async for event in recv:
+                log.events.append((trio.current_time(), event))
+        except trio.ClosedResourceError:
+            pass  # the test closed our end: an abort
+        log.ended_at = trio.current_time()
+
+
+@asynccontextmanager
+async def scheduler_harness(worker: FakeWorker, *, capacity: int = 8):
+    inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
+    scheduler = Scheduler(worker, capacity=capacity, inbox=inbox_recv)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        yield SchedulerHarness(scheduler, inbox_send, nursery)
+        nursery.cancel_scope.cancel()

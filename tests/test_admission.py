@@ -1,0 +1,133 @@
+"""Admission: the memory ceiling and clamp (spec §1.11), the queue bound, placement and seeds."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from actors.admission import Admission
+from actors.messages import Abort, Admitted, Enqueue, GenerationRequest, Rejected, Submit
+from actors.policy import (
+    PREFILL_TRANSIENT_BYTES,
+    SeedSource,
+    admission_ceiling,
+    batch_mode,
+    clamp_max_tokens,
+    memory_budget_bytes,
+    place,
+)
+from actors.root import ServeConfig, start_actors
+from model.params import SamplingParams
+from tests.fakes import FakeTokenizer, FakeWorker
+
+
+def make_admission(*, max_safe=1000, waiting=0, max_queue=4, mode="batch"):
+    sent, received = trio.open_memory_channel(math.inf)
+    ceiling = admission_ceiling(budget_bytes=PREFILL_TRANSIENT_BYTES + max_safe, weights_bytes=0,
+                                kv_bytes_per_token=1, context_length=10**9)
+    admission = Admission(ceiling=ceiling, mode=mode, max_queue=max_queue, waiting=lambda: waiting,
+                          scheduler=sent, seeds=SeedSource(clock_ms=lambda: 1234))
+    return admission, received
+
+
+def request(n=10, max_tokens=100, **kw):
+    return GenerationRequest(prompt=tuple(range(1, n + 1)), sampling=SamplingParams(), max_tokens=max_tokens, **kw)
+
+
+def test_ceiling_subtracts_weights_and_prefill_transient_and_caps_at_positions():
+    c = admission_ceiling(budget_bytes=10_000_000_000, weights_bytes=2_000_000_000,
+                          kv_bytes_per_token=100_000, context_length=10**9)
+    assert c.usable_bytes == 8_000_000_000 - 2048 * 550_000
+    assert c.max_safe_context == c.usable_bytes // 100_000
+    assert admission_ceiling(budget_bytes=10**12, weights_bytes=0, kv_bytes_per_token=1,
+                             context_length=4096).max_safe_context == 4096
+    assert admission_ceiling(budget_bytes=1, weights_bytes=10**9, kv_bytes_per_token=1,
+                             context_length=4096).max_safe_context == 0
+
+
+def test_budget_is_decimal_gb_or_three_quarters_of_memory():
+    assert memory_budget_bytes(1.5) == 1_500_000_000
+    assert memory_budget_bytes(None, device_memory_bytes=8_000_000_000) == 6_000_000_000
+    assert memory_budget_bytes(None) > 0  # system RAM
+
+
+def test_max_tokens_is_clamped_to_the_room_left_and_none_when_no_room():
+    assert clamp_max_tokens(10, 100, 50) == 40
+    assert clamp_max_tokens(10, 5, 50) == 5
+    assert clamp_max_tokens(50, 5, 50) is None
+
+
+def test_placement_depends_on_the_request_only():
+    assert place(explicit_seed=True, mode="batch") == "serial"
+    assert place(explicit_seed=False, mode="batch") == "batched"
+    assert place(explicit_seed=False, mode="off") == "serial"
+    assert batch_mode(1, batchable=True) == "off"
+    assert batch_mode(8, batchable=False) == "serial"
+
+
+def test_default_seeds_are_unique_within_one_millisecond():
+    seeds = SeedSource(clock_ms=lambda: 1_700_000_000_000)
+    drawn = [seeds.next() for _ in range(100_000)]
+    assert len(set(drawn)) == len(drawn)
+    assert all(0 <= s < 2**32 for s in drawn)
+
+
+async def test_decisions():
+    admission, _ = make_admission(max_safe=50)
+    ok = admission.decide(request(10, 100))
+    assert isinstance(ok, Admitted) and ok.max_tokens == 40 and ok.lane == "batched"
+    over = admission.decide(request(50, 1))
+    assert isinstance(over, Rejected) and (over.status, over.type, over.code) == (
+        400, "memory_admission", "context_over_budget")
+    assert over.message == ("prompt is 50 tokens but the memory budget caps safe context at 50 — no room "
+                            "to generate; shorten the prompt or raise --memory-budget")
+    seeded = admission.decide(request(explicit_seed=True, seed=7))
+    assert seeded.lane == "serial" and seeded.seed == 7
+    null_seed = admission.decide(request(explicit_seed=True, seed=None))
+    assert null_seed.lane == "serial"
+    ids = [admission.decide(request()).row_id for _ in range(3)]
+    assert len(set(ids + [ok.row_id, seeded.row_id])) == 5
+    assert admission.counters.clamped >= 1 and admission.counters.rejected_budget == 1
+
+
+async def test_full_queue_and_closed_gate_are_503():
+    full, _ = make_admission(waiting=4, max_queue=4)
+    rejected = full.decide(request())
+    assert (rejected.status, rejected.code, rejected.retry_after) == (503, "queue_full", 1.0)
+    admission, _ = make_admission()
+    admission.close(cutoff_after=5)
+    closed = admission.decide(request())
+    assert (closed.status, closed.code) == (503, "shutting_down")
+
+
+async def test_admitted_rows_reach_the_scheduler_with_their_seed_and_clamp():
+    admission, to_scheduler = make_admission(max_safe=30)
+    rows_send, _ = trio.open_memory_channel(math.inf)
+    reply_send, reply_recv = trio.open_memory_channel(1)
+    admission.handle(Submit(request(10, 100), rows_send, reply_send))
+    admitted = reply_recv.receive_nowait()
+    enqueue = to_scheduler.receive_nowait()
+    assert isinstance(enqueue, Enqueue) and enqueue.rows is rows_send
+    assert enqueue.spec.max_tokens == 20 and enqueue.spec.sampling.seed == admitted.seed
+
+
+async def test_a_requester_gone_before_the_reply_gets_its_row_aborted():
+    admission, to_scheduler = make_admission()
+    rows_send, _ = trio.open_memory_channel(math.inf)
+    reply_send, reply_recv = trio.open_memory_channel(1)
+    reply_recv.close()
+    admission.handle(Submit(request(), rows_send, reply_send))
+    enqueue, abort = to_scheduler.receive_nowait(), to_scheduler.receive_nowait()
+    assert abort == Abort(enqueue.spec.row_id)
+
+
+async def test_a_zero_ceiling_is_a_warning_not_a_refusal(autojump_clock, caplog):
+    caplog.set_level(logging.WARNING)
+    async with trio.open_nursery() as nursery:
+        handles = await start_actors(nursery, FakeWorker(), config=ServeConfig(memory_budget_gb=0.001),
+                                     make_tokenizer=lambda info: FakeTokenizer())
+        assert handles.ceiling.max_safe_context == 0
+        assert any("every request will be refused" in r.message for r in caplog.records)
+        nursery.cancel_scope.cancel()

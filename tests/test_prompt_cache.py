@@ -1,0 +1,224 @@
+"""PromptCache take/put semantics (ported from mlx-lm's TestLRUPromptCache, plus our rules).
+
+Each fake layer's keys hold the token ids themselves (keys[..., i, 0] == tokens[i]), so a test can
+read back exactly which tokens a handed-out cache covers.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cache.prompt_cache import PromptCache, common_prefix_length
+from model.kv_cache import KVCache
+
+LAYERS = 2
+HEAD_DIM = 4
+BYTES_PER_TOKEN = LAYERS * 2 * HEAD_DIM * 4  # keys + values, float32, one head
+
+
+def kv(tokens, layers=LAYERS, cls=KVCache):
+    caches = []
+    for _ in range(layers):
+        c = cls()
+        if tokens:
+            col = mx.array(tokens, dtype=mx.float32)[None, None, :, None]
+            block = mx.broadcast_to(col, (1, 1, len(tokens), HEAD_DIM))
+            c.update_and_fetch(block, block)
+        caches.append(c)
+    return caches
+
+
+def covered(caches):
+    """The token ids a cache list holds, checked identical across layers."""
+    seqs = [c.keys[0, 0, : c.offset, 0].tolist() if c.offset else [] for c in caches]
+    assert all(s == seqs[0] for s in seqs)
+    return [int(t) for t in seqs[0]]
+
+
+class Untrimmable(KVCache):
+    def is_trimmable(self) -> bool:
+        return False
+
+
+def test_prefix_fetch_returns_the_stored_kv_and_leaves_the_suffix():
+    pc = PromptCache(1 << 20)
+    assert pc.put([1, 2, 3], kv([1, 2, 3]))
+    caches, n = pc.take([1, 2, 3, 4, 5])
+    assert n == 3 and covered(caches) == [1, 2, 3]
+    assert pc.stats()["hits"] == 1
+
+
+def test_exact_repeat_is_capped_so_one_token_is_forwarded():
+    pc = PromptCache(1 << 20)
+    pc.put([1, 2, 3, 4], kv([1, 2, 3, 4]))
+    caches, n = pc.take([1, 2, 3, 4])
+    assert n == 3 and covered(caches) == [1, 2, 3]
+    assert all(c.offset == 3 for c in caches)
+
+
+def test_trimmable_insert_collapses_its_prefix_ancestor():
+    pc = PromptCache(1 << 20)
+    pc.put([1, 2, 3], kv([1, 2, 3]))
+    pc.put([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5]))
+    assert len(pc) == 1 and pc.nbytes == 5 * BYTES_PER_TOKEN
+    assert pc.find_exact([1, 2, 3]) is None
+    caches, n = pc.take([1, 2, 3, 9])  # served by trimming the descendant
+    assert n == 3 and covered(caches) == [1, 2, 3]
+
+
+def test_untrimmable_insert_keeps_ancestors_and_is_never_trimmed():
+    pc = PromptCache(1 << 20)
+    pc.put([1, 2, 3], kv([1, 2, 3]))
+    pc.put([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5], cls=Untrimmable))
+    assert len(pc) == 2
+    caches, n = pc.take([1, 2, 3, 4, 9])  # the longer match would need a trim it cannot do
+    assert n == 3 and covered(caches) == [1, 2, 3]
+    caches, n = pc.take([1, 2, 3, 4, 5, 6])  # an exact fit needs no trim
+    assert n == 5 and covered(caches) == [1, 2, 3, 4, 5]
+
+
+def test_diverging_prompt_trims_a_clone_and_the_donor_stays_whole():
+    pc = PromptCache(1 << 20)
+    pc.put([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5]))
+    for _ in range(2):
+        caches, n = pc.take([1, 2, 3, 7, 8])
+        assert n == 3 and covered(caches) == [1, 2, 3]
+    assert covered(pc.find_exact([1, 2, 3, 4, 5])) == [1, 2, 3, 4, 5]
+
+
+def test_writing_into_a_taken_clone_does_not_touch_the_donor():
+    pc = PromptCache(1 << 20)
+    pc.put([1, 2, 3, 4], kv([1, 2, 3, 4]))
+    caches, n = pc.take([1, 2, 9, 9])
+    for c in caches:
+        block = mx.full((1, 1, 2, HEAD_DIM), 77.0)
+        c.update_and_fetch(block, block)
+    assert covered(caches) == [1, 2, 77, 77]
+    assert covered(pc.find_exact([1, 2, 3, 4])) == [1, 2, 3, 4]
+
+
+def test_longest_prefix_wins_among_many_entries():
+    pc = PromptCache(1 << 30)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 1000, 3000).tolist()
+    for cut in range(10, 3000, 10):
+        pc.put(base[:cut] + [5000 + cut], kv(base[:cut] + [5000 + cut], layers=1))
+    assert len(pc) == 299
+    # base[:2350] + [x] shares 2345 tokens and trims back; shorter entries share less.
+    caches, n = pc.take(base[:2345] + [1, 2])
+    assert n == 2345 and covered(caches) == base[:2345]
+
+
+def test_common_prefix_length_across_window_boundaries():
+    a = np.arange(5000)
+    for split in (0, 1, 255, 256, 257, 1000, 4999):
+        b = a.copy()
+        b[split] = -1
+        assert common_prefix_length(a, b) == split
+    assert common_prefix_length(a, a[:1234]) == 1234
+
+
+def test_lru_evicts_the_least_recently_used():
+    pc = PromptCache(2 * 3 * BYTES_PER_TOKEN)  # room for two 3-token entries
+    pc.put([1, 2, 3], kv([1, 2, 3]))
+    pc.put([4, 5, 6], kv([4, 5, 6]))
+    assert pc.take([1, 2, 3, 0])[1] == 3  # touch [1, 2, 3]
+    pc.put([7, 8, 9], kv([7, 8, 9]))
+    assert pc.find_exact([4, 5, 6]) is None
+    assert pc.find_exact([1, 2, 3]) is not None and pc.find_exact([7, 8, 9]) is not None
+    assert pc.nbytes == 6 * BYTES_PER_TOKEN <= pc.max_bytes
+
+
+def test_byte_accounting_replaces_duplicates_and_refuses_oversized_entries():
+    pc = PromptCache(10 * BYTES_PER_TOKEN)
+    pc.put([1, 2, 3], kv([1, 2, 3]))
+    pc.put([1, 2, 3], kv([1, 2, 3]))
+    assert len(pc) == 1 and pc.nbytes == 3 * BYTES_PER_TOKEN
+    assert not pc.put(list(range(11)), kv(list(range(11))))
+    assert len(pc) == 1 and pc.nbytes == 3 * BYTES_PER_TOKEN
+    for start in range(20, 80, 4):
+        pc.put([start, start + 1, start + 2, start + 3], kv([start, start + 1, start + 2, start + 3]))
+        assert pc.nbytes <= pc.max_bytes
+        assert pc.nbytes == sum(len(tokens) for _, tokens in pc.keys()) * BYTES_PER_TOKEN
+
+
+def test_a_clone_outlives_the_eviction_of_its_donor():
+    pc = PromptCache(4 * BYTES_PER_TOKEN)
+    pc.put([1, 2, 3, 4], kv([1, 2, 3, 4]))
+    caches, n = pc.take([1, 2, 3, 4, 5])
+    pc.put([6, 7, 8, 9], kv([6, 7, 8, 9]))  # evicts the donor
+    assert pc.find_exact([1, 2, 3, 4]) is None
+    assert n == 4 and covered(caches) == [1, 2, 3, 4]
+
+
+def test_empty_tokens_neither_store_nor_break_the_cache():
+    pc = PromptCache(1 << 20)
+    assert not pc.put([], kv([]))
+    pc.put([1, 2], kv([1, 2]))
+    assert not pc.put([], kv([]))
+    assert len(pc) == 1
+    assert pc.take([]) == (None, 0)
+    assert pc.take([1]) == (None, 0)  # nothing may be restored from a 1-token prompt
+    assert pc.take([1, 2, 3])[1] == 2
+
+
+def test_namespaces_never_seed_each_other():
+    pc = PromptCache(1 << 20)
+    pc.put([1, 2, 3], kv([1, 2, 3]), "adapter-a")
+    assert pc.take([1, 2, 3, 4], "") == (None, 0)
+    assert pc.take([1, 2, 3, 4], "adapter-b") == (None, 0)
+    assert pc.take([1, 2, 3, 4], "adapter-a")[1] == 3
+    pc.put([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5]), "")  # supersedes only its own namespace
+    assert pc.find_exact([1, 2, 3], "adapter-a") is not None
+
+
+def test_put_refuses_a_key_that_does_not_match_the_kv_coverage():
+    pc = PromptCache(1 << 20)
+    assert not pc.put([1, 2, 3, 4], kv([1, 2, 3]))
+    mixed = kv([1, 2, 3])
+    mixed[1].trim(1)
+    assert not pc.put([1, 2, 3], mixed)
+    assert len(pc) == 0 and pc.nbytes == 0
+
+
+def test_zero_capacity_disables_the_cache():
+    pc = PromptCache(0)
+    assert not pc.put([1, 2, 3], kv([1, 2, 3]))
+    assert pc.take([1, 2, 3, 4]) == (None, 0)
+    assert pc.stats() == {"entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 1}
+
+
+def test_on_put_hooks_see_each_stored_key_and_cannot_break_a_put():
+    pc = PromptCache(1 << 20)
+    seen = []
+
+    def broken(ns, tokens):
+        raise RuntimeError("durability tier down")
+
+    pc.on_put += [broken, lambda ns, tokens: seen.append((ns, tokens))]
+    assert pc.put([1, 2, 3], kv([1, 2, 3]), "x")
+    assert not pc.put([4], kv([4, 5]))
+    assert seen == [("x", (1, 2, 3))]
+    assert len(pc) == 1
+
+
+def test_stats_count_hits_and_misses():
+    pc = PromptCache(1 << 20)
+    pc.take([1, 2, 3])
+    pc.put([1, 2, 3], kv([1, 2, 3]))
+    pc.take([1, 2, 3, 4])
+    pc.take([9, 9, 9])
+    assert pc.stats() == {
+        "entries": 1, "bytes": 3 * BYTES_PER_TOKEN, "max_bytes": 1 << 20, "hits": 1, "misses": 2
+    }
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_a_take_after_trim_reports_the_offset_it_hands_out(cut):
+    pc = PromptCache(1 << 20)
+    pc.put([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5]))
+    prompt = [1, 2, 3, 4, 5][:-cut] + [42]
+    caches, n = pc.take(prompt)
+    assert all(c.offset == n for c in caches) and n == 5 - cut

@@ -1,0 +1,236 @@
+"""Scheduler behaviour on virtual time: batching, joins, leaves, aborts and the serial drain.
+
+FakeWorker costs (unless a test says otherwise): open 0, prefill chunk (4 tokens) 1 s, join 1 s,
+step 1 s. A prompt of n tokens needs ceil((n - 1) / 4) chunks before its join.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from actors.messages import Abort, RowFailed, StopRow
+from actors.worker_api import RowOpened, TokenOut
+from tests.fakes import EOS, FakeWorker, scheduler_harness
+
+
+async def settle() -> None:
+    """Let every runnable task run without letting virtual time advance."""
+    for _ in range(5):
+        await trio.lowlevel.checkpoint()
+
+
+def prompt(n: int, salt: int = 0) -> tuple[int, ...]:
+    return tuple(10 + salt + i for i in range(n))
+
+
+async def test_solo_row_prefills_in_chunks_then_decodes(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        row = h.submit(1, prompt(9), max_tokens=4)
+        await trio.sleep(20)
+    assert isinstance(row.events[0][1], RowOpened)
+    assert row.tokens == worker.expected(prompt(9), 4)
+    # 2 chunks (0-2), join (2-3) gives token 0, then one token per step.
+    assert row.token_times == [3, 4, 5, 6]
+    assert worker.closed[1] == (6, True)
+    assert row.ended_at == 6
+    assert not worker.violations
+
+
+async def test_simultaneous_arrivals_form_one_batch(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        rows = [h.submit(i, prompt(1, salt=i), max_tokens=3) for i in (1, 2, 3)]
+        await trio.sleep(20)
+    # Three joins back to back (burst), then every step runs the three together.
+    assert [call for _, call, _ in worker.calls[:6]] == ["open_row", "join"] * 3
+    assert worker.batches()[0] == (3, (1, 2, 3))
+    assert all(ids == (1, 2, 3) for _, ids in worker.batches())
+    for i, row in zip((1, 2, 3), rows):
+        assert row.tokens == worker.expected(prompt(1, salt=i), 3)
+    assert not worker.violations
+
+
+async def test_joiner_prefill_interleaves_with_running_steps(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        running = h.submit(1, prompt(1), max_tokens=12)
+        await trio.sleep(2.5)
+        joiner = h.submit(2, prompt(17, salt=5), max_tokens=3)  # 4 chunks
+        await trio.sleep(30)
+    # While the joiner prefills, a step runs after every chunk: the running stream never
+    # waits more than one chunk (+ its own step) between tokens.
+    gaps = [b - a for a, b in zip(running.token_times, running.token_times[1:])]
+    assert max(gaps) <= worker.prefill_cost + worker.step_cost
+    names = [c for _, c, arg in worker.calls if arg == 2 or c == "step"]
+    first_prefill = names.index("prefill")
+    assert names[first_prefill:first_prefill + 8] == ["prefill", "step"] * 4
+    assert running.tokens == worker.expected(prompt(1), 12)
+    assert joiner.tokens == worker.expected(prompt(17, salt=5), 3)
+    assert not worker.violations
+
+
+async def test_rows_leave_mid_flight_and_the_batch_shrinks(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        rows = {i: h.submit(i, prompt(1, salt=i), max_tokens=n) for i, n in ((1, 2), (2, 5), (3, 8))}
+        await trio.sleep(6.5)
+        late = h.submit(4, prompt(1, salt=4), max_tokens=3)  # joins mid-flight
+        await trio.sleep(30)
+    sizes = [ids for _, ids in worker.batches()]
+    assert sizes[0] == (1, 2, 3)
+    assert (2, 3) in sizes  # row 1 left after 2 tokens
+    assert any(4 in ids for ids in sizes) and all(1 not in ids for ids in sizes if 4 in ids)
+    for i, row in rows.items():
+        assert row.tokens == worker.expected(prompt(1, salt=i), (2, 5, 8)[i - 1])
+    assert late.tokens == worker.expected(prompt(1, salt=4), 3)
+    # Each row was closed exactly at the boundary of the call that produced its last token.
+    for i, row in {**rows, 4: late}.items():
+        assert worker.closed[i][0] == row.token_times[-1]
+    assert not worker.violations
+
+
+async def test_eos_ends_the_row_with_stop(autojump_clock):
+    worker = FakeWorker(eos_at=lambda spec: 2)
+    async with scheduler_harness(worker) as h:
+        row = h.submit(1, prompt(1), max_tokens=10)
+        await trio.sleep(20)
+    last = row.events[-1][1]
+    assert isinstance(last, TokenOut) and last.token == EOS and last.finish == "stop"
+    assert len(row.tokens) == 3
+    assert h.scheduler.counters.finished_rows == 1
+
+
+async def test_abort_while_queued_drops_the_row_at_once(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker, capacity=1) as h:
+        h.submit(1, prompt(1), max_tokens=10)
+        queued = h.submit(2, prompt(1, salt=2), max_tokens=10, collect=False)
+        await trio.sleep(2.5)
+        assert len(h.scheduler.table.queue) == 1
+        h.receivers[2].close()
+        h.inbox.send_nowait(Abort(2))
+        await settle()  # the control task runs; no worker call has to finish first
+        assert trio.current_time() == 2.5
+        assert len(h.scheduler.table.queue) == 0
+        await trio.sleep(20)
+    assert 2 not in [arg for _, _, arg in worker.calls]
+    assert h.scheduler.counters.aborted_rows == 1
+    assert queued.events == []
+    assert not worker.violations
+
+
+async def test_abort_mid_prefill_releases_after_the_current_chunk(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        row = h.submit(1, prompt(17), max_tokens=4)  # 4 chunks: 0-1, 1-2, 2-3, 3-4
+        await trio.sleep(1.5)
+        h.receivers[1].close()
+        h.inbox.send_nowait(Abort(1))
+        await trio.sleep(20)
+    assert worker.closed[1] == (2.0, True)  # the chunk running at 1.5 finished, then out
+    assert [c for _, c, _ in worker.calls] == ["open_row", "prefill", "prefill", "close_row"]
+    assert row.tokens == []
+    assert not worker.violations
+
+
+async def test_abort_mid_decode_releases_at_the_next_step_and_spares_others(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        victim = h.submit(1, prompt(1, salt=1), max_tokens=20)
+        other = h.submit(2, prompt(1, salt=2), max_tokens=8)
+        await trio.sleep(5.5)  # mid-step (steps run 2-3, 3-4, ...)
+        aborted_at = trio.current_time()
+        h.inbox.send_nowait(Abort(1))
+        await trio.sleep(30)
+    assert all(t <= aborted_at for t in victim.token_times)
+    assert worker.closed[1][0] == 6.0  # the step in flight at 5.5 ends at 6; no later step has it
+    assert all(1 not in ids for t, ids in worker.batches() if t >= 6.0)
+    assert other.tokens == worker.expected(prompt(1, salt=2), 8)
+    assert not worker.violations
+
+
+async def test_a_closed_receiver_alone_aborts_the_row(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        h.submit(1, prompt(1), max_tokens=50, collect=False)
+        await trio.sleep(3.5)
+        h.receivers[1].close()  # no Abort message: the request vanished
+        await trio.sleep(10)
+    assert worker.closed[1][0] == 4.0
+    assert h.scheduler.counters.aborted_rows == 1
+
+
+async def test_stop_row_ends_the_row_cleanly(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        row = h.submit(1, prompt(1), max_tokens=50)
+        await trio.sleep(3.5)
+        h.inbox.send_nowait(StopRow(1))
+        await trio.sleep(10)
+    assert worker.closed[1] == (4.0, True)
+    assert row.ended_at == 4.0
+    assert h.scheduler.counters.stopped_rows == 1
+
+
+async def test_serial_row_drains_the_batch_and_runs_alone(autojump_clock):
+    worker = FakeWorker()
+    logs = {}
+    async with scheduler_harness(worker, capacity=4) as h:
+        async def steady_batch_traffic():
+            for i in range(1, 13):
+                logs[i] = h.submit(i, prompt(1, salt=i), max_tokens=3)
+                await trio.sleep(1)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(steady_batch_traffic)
+            await trio.sleep(2.5)
+            serial = h.submit(100, prompt(5), max_tokens=4, lane="serial")
+        await trio.sleep(60)
+    opened = {arg: t for t, c, arg in worker.calls if c == "open_row"}
+    serial_start, serial_end = opened[100], worker.closed[100][0]
+    # Everything before the serial row finished before it started (drain) ...
+    assert all(worker.closed[i][0] <= serial_start for i in logs if i <= 3)
+    # ... it ran alone ...
+    assert all(ids == (100,) for t, ids in worker.batches() if serial_start <= t < serial_end)
+    # ... and batch rows that arrived after it waited for it, then all completed.
+    assert all(opened[i] >= serial_end for i in logs if i > 3)
+    assert serial.tokens == worker.expected(prompt(5), 4)
+    for i, row in logs.items():
+        assert row.tokens == worker.expected(prompt(1, salt=i), 3)
+    assert not worker.violations
+
+
+async def test_batch_rows_are_not_starved_behind_a_serial_queue(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker, capacity=4) as h:
+        h.submit(1, prompt(1, salt=1), max_tokens=3, lane="serial")
+        h.submit(2, prompt(1, salt=2), max_tokens=3, lane="batched")
+        h.submit(3, prompt(1, salt=3), max_tokens=3, lane="serial")
+        h.submit(4, prompt(1, salt=4), max_tokens=3, lane="serial")
+        await trio.sleep(60)
+    order = [arg for _, c, arg in worker.calls if c == "open_row"]
+    assert order == [1, 2, 3, 4]  # FIFO across lanes: the batch row is not overtaken
+    assert all(len(ids) == 1 for _, ids in worker.batches())
+
+
+async def test_capacity_one_is_a_strict_serial_executor(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker, capacity=1) as h:
+        rows = [h.submit(i, prompt(3, salt=i), max_tokens=3, lane="serial") for i in (1, 2, 3)]
+        await trio.sleep(60)
+    assert all(len(ids) == 1 for _, ids in worker.batches())
+    spans = [(min(r.token_times), r.ended_at) for r in rows]
+    assert spans == sorted(spans) and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+async def test_a_failed_step_fails_the_running_rows_and_the_scheduler_carries_on(autojump_clock):
+    worker = FakeWorker(fail_step_at=2)
+    async with scheduler_harness(worker) as h:
+        doomed = h.submit(1, prompt(1), max_tokens=10)
+        await trio.sleep(10)
+        later = h.submit(2, prompt(1, salt=2), max_tokens=3)
+        await trio.sleep(10)
+    assert isinstance(doomed.events[-1][1], RowFailed)
+    assert worker.closed[1][1] is False  # never reusable after an error
+    assert later.tokens == worker.expected(prompt(1, salt=2), 3)

@@ -1,0 +1,121 @@
+"""Shutdown order on virtual time: admission closed → in-flight finished or cut cleanly →
+HTTP done → actors stopped → flush → return. The HTTP server is a double that behaves like
+hypercorn's `serve` (trigger → stop accepting → wait for in-flight up to the graceful timeout)."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import trio
+
+from actors.root import HTTP_GRACE_MARGIN_S, ServeConfig, Shutdown, run_server
+from tests.fakes import FakeTokenizer, FakeWorker
+
+
+def fake_http(clients, *, graceful, note):
+    async def serve_http(app, shutdown_trigger):
+        client = app.test_client()
+        async with trio.open_nursery() as connections:
+            for run_client in clients:
+                connections.start_soon(run_client, client)
+            await shutdown_trigger()
+            note("listeners closed")
+            connections.cancel_scope.deadline = trio.current_time() + graceful
+    return serve_http
+
+
+async def run(worker, clients, *, timeout, signals_at):
+    events = []
+
+    def note(what):
+        events.append((trio.current_time(), what))
+
+    async def flush():
+        await trio.sleep(0.5)  # flush work is shielded from the root's cancellation
+        note("flush")
+
+    shutdown = Shutdown()
+    config = ServeConfig(shutdown_timeout=timeout)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(
+            run_server, worker, config=config, make_tokenizer=lambda info: FakeTokenizer(),
+            serve_http=fake_http([partial(c, note) for c in clients], graceful=timeout + HTTP_GRACE_MARGIN_S,
+                                 note=note),
+            shutdown=shutdown, flush_hooks=[flush], trace=note,
+        ))
+        for at in signals_at:
+            await trio.sleep_until(at)
+            note("signal")
+            shutdown.request()
+    note("returned")
+    return events
+
+
+def streamer(max_tokens):
+    async def client(note, http):
+        response = await http.post("/v1/completions", json={"prompt": "a", "max_tokens": max_tokens, "stream": True})
+        frames = [f.removeprefix("data: ") for f in (await response.get_data()).decode().split("\n\n") if f]
+        final = json.loads(frames[-2])
+        note(("stream ended", frames[-1], final["choices"][0]["finish_reason"], final["usage"]["completion_tokens"]))
+    return client
+
+
+async def late_request(note, http):
+    await trio.sleep(2.5)  # after the signal
+    response = await http.post("/v1/completions", json={"prompt": "a"})
+    note(("late request", response.status_code))
+
+
+def names(events):
+    return [what if isinstance(what, str) else what[0] for _, what in events]
+
+
+def order_is(events, *expected):
+    seen = names(events)
+    positions = [seen.index(name) for name in expected]
+    return positions == sorted(positions)
+
+
+async def test_clean_shutdown_finishes_in_flight_then_flushes(autojump_clock):
+    worker = FakeWorker()  # join 1 s + 1 s per step: 5 tokens end at t=5
+    events = await run(worker, [streamer(5), late_request], timeout=30, signals_at=[2])
+    times = {name: t for (t, _), name in zip(events, names(events))}
+    ended = next(what for _, what in events if what[0] == "stream ended")
+    assert ended == ("stream ended", "[DONE]", "length", 5)  # finished in full
+    assert ("late request", 503) in [what for _, what in events]
+    assert order_is(events, "signal", "admission closed", "stream ended", "http done", "actors stopped",
+                    "flush", "flushed", "returned")
+    assert times["stream ended"] == 5 and times["returned"] == 5.5
+
+
+async def test_timed_out_shutdown_cuts_streams_cleanly_then_flushes(autojump_clock):
+    worker = FakeWorker()
+    events = await run(worker, [streamer(100)], timeout=3, signals_at=[2])
+    times = {name: t for (t, _), name in zip(events, names(events))}
+    _, done, reason, tokens = next(what for _, what in events if what[0] == "stream ended")
+    assert (done, reason) == ("[DONE]", "length") and tokens < 100  # a final chunk, not a cut
+    assert times["stream ended"] == 5  # signal + --shutdown-timeout
+    assert order_is(events, "signal", "admission closed", "stream ended", "http done", "actors stopped",
+                    "flush", "returned")
+    # Nothing waits for the aborted row's step boundary: the actors stop as soon as HTTP is done.
+    assert times["http done"] == times["actors stopped"] == 5
+    assert not worker.violations
+
+
+async def test_second_signal_exits_at_once(autojump_clock):
+    events = await run(FakeWorker(), [streamer(100)], timeout=30, signals_at=[2, 2.5])
+    times = {name: t for (t, _), name in zip(events, names(events))}
+    assert order_is(events, "signal", "hard cancel", "actors stopped", "flush", "returned")
+    assert times["hard cancel"] == 2.5 and times["returned"] == 3.0  # only the flush's own 0.5 s
+
+
+async def test_signal_during_model_load_stops_without_serving(autojump_clock):
+    class SlowLoad(FakeWorker):
+        async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+            await trio.sleep(10)
+            await super().run(task_status=task_status)
+
+    events = await run(SlowLoad(), [], timeout=30, signals_at=[1])
+    assert "listeners closed" not in names(events)
+    assert order_is(events, "signal", "actors stopped", "flush", "returned")
