@@ -84,6 +84,7 @@ class Admission:
                 sampling=attrs.evolve(request.sampling, seed=decision.seed),
                 max_tokens=decision.max_tokens,
                 namespace=request.namespace,
+                snapshot_at=request.snapshot_at,
             )
             self._scheduler.send_nowait(Enqueue(spec=spec, lane=decision.lane, rows=submit.rows))
         try:

@@ -45,12 +45,16 @@ class GpuWorker:
         prefill_chunk: int = 2048,
         eos_token_ids: Iterable[int] | None = None,
         protected_ids: Iterable[int] = (),
+        prompt_cache_bytes: int = 0,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.name = name
         self.prefill_chunk = prefill_chunk
         self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
         self._protected = frozenset(protected_ids)
+        self.prompt_cache_bytes = max(0, int(prompt_cache_bytes))
+        # Read from the trio side for /stats: plain ints only, so no lock is needed.
+        self.prompt_cache = None
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Job](0)
         self.alive = False
         self.info: ModelInfo | None = None
@@ -70,14 +74,21 @@ class GpuWorker:
         # Everything MLX is imported and created here, on this thread only.
         import mlx.core as mx
 
+        from cache.prompt_cache import PromptCache
         from model.engine import Engine
         from model.loader import load_model
 
         self.thread_ident = threading.get_ident()
         loaded = load_model(self.model_dir, name=self.name)
         eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
+        if self.prompt_cache_bytes > 0:
+            self.prompt_cache = PromptCache(self.prompt_cache_bytes)
         engine = Engine(
-            loaded.model, eos_token_ids=eos, protected_ids=self._protected, prefill_chunk=self.prefill_chunk
+            loaded.model,
+            eos_token_ids=eos,
+            protected_ids=self._protected,
+            prefill_chunk=self.prefill_chunk,
+            prompt_cache=self.prompt_cache,
         )
         device = mx.default_device()
         self.info = ModelInfo(
@@ -87,6 +98,7 @@ class GpuWorker:
             kv_bytes_per_token=loaded.kv_bytes_per_token,
             eos_token_ids=eos,
             device=str(device.type).rsplit(".", 1)[-1],
+            memory_bytes=_device_memory_bytes(mx),
         )
         self.alive = True
         trio.from_thread.run_sync(task_status.started, self.info)
@@ -138,3 +150,14 @@ class GpuWorker:
     async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""
         return await self._call(fn)
+
+
+def _device_memory_bytes(mx: Any) -> int:
+    """What the device can hold (GPU memory on CUDA/Metal); 0 = unknown (admission uses RAM)."""
+    try:
+        if mx.default_device().type == mx.cpu:
+            return 0
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        return int(info.get("memory_size", 0))
+    except Exception:
+        return 0

@@ -34,6 +34,7 @@ class GenerationRequest:
     explicit_seed: bool = False
     seed: int | None = None
     namespace: str = ""
+    snapshot_at: int | None = None  # template-stable prefix (cache/boundary.py), chat only
 
 
 @attrs.frozen(eq=False)

@@ -61,6 +61,7 @@ class ServeConfig:
     memory_budget_gb: float | None = None
     max_queue: int = 256
     shutdown_timeout: float = 30.0
+    prompt_cache_gb: float = 8.0  # RAM prompt cache cap in GiB; 0 disables it
 
 
 @attrs.define
@@ -94,6 +95,8 @@ class ServerHandles:
     scheduler: Scheduler
     sampling_defaults: SamplingParams = SamplingParams()
     started_at: float = attrs.Factory(time.time)
+    # The worker's PromptCache (mutated on the MLX thread; /stats only reads its ints), or None.
+    prompt_cache: Any = None
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
@@ -118,6 +121,11 @@ class ServerHandles:
                 "draining": sched.table.draining,
                 **attrs.asdict(sched.counters),
             },
+            "prompt_cache": (
+                {"enabled": True, **self.prompt_cache.stats()}
+                if self.prompt_cache is not None
+                else {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
+            ),
         }
 
 
@@ -194,6 +202,7 @@ async def start_actors(
         admission=admission,
         scheduler=scheduler,
         sampling_defaults=sampling_defaults,
+        prompt_cache=getattr(worker, "prompt_cache", None),
     )
 
 

@@ -203,7 +203,9 @@ class Scheduler:
             if not row.opened:
                 continue
             try:
-                await self._worker.close_row(row.row_id, reusable=row.leaving != "error")
+                # Only rows that ended cleanly go back to the prompt cache: an abort frees its
+                # KV at once (no extraction copy on the way out) and a failed row is poisoned.
+                await self._worker.close_row(row.row_id, reusable=row.leaving in ("finish", "stop"))
             except Exception:
                 log.exception("worker.close_row(%d) failed", row.row_id)
 

@@ -37,6 +37,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=_at_least_one, default=256, help="requests allowed to wait; more get 503")
     p.add_argument("--shutdown-timeout", type=_positive_float, default=30.0, metavar="S",
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    p.add_argument("--prompt-cache", type=_non_negative_float, default=8.0, metavar="GiB",
+                   help="RAM prompt cache size in GiB (default 8; 0 disables it)")
     return p.parse_args(argv)
 
 
@@ -44,6 +46,13 @@ def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
     return value
 
 
@@ -88,6 +97,7 @@ async def _main(args: argparse.Namespace) -> int:
             memory_budget_gb=args.memory_budget,
             max_queue=args.max_queue,
             shutdown_timeout=args.shutdown_timeout,
+            prompt_cache_gb=args.prompt_cache,
         )
         async with trio.open_nursery() as nursery:
 
@@ -140,7 +150,8 @@ def _load_plan(config):  # type: ignore[no-untyped-def]
     def make_tokenizer(info):  # type: ignore[no-untyped-def]
         return Tokenizer.from_dir(Path(model_dir), eos_token_ids_from_config=info.eos_token_ids)
 
-    return model_dir, GpuWorker(Path(model_dir)), make_tokenizer
+    worker = GpuWorker(Path(model_dir), prompt_cache_bytes=int(config.prompt_cache_gb * 2**30))
+    return model_dir, worker, make_tokenizer
 
 
 async def _serve_http(config, app, shutdown_trigger) -> None:  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ from quart import Blueprint, Response, request
 
 from actors.messages import GenerationRequest
 from actors.request import GenerationFailed, RequestActor, RequestRejected
+from cache.boundary import stable_prefix_length
 from api.errors import ApiError, bad_request, error_body, from_rejection
 from model.params import SamplingParams
 
@@ -162,7 +163,8 @@ def blueprint(handles: Any) -> Blueprint:
         except Exception as exc:  # template errors are the client's messages, not a crash
             raise bad_request(f"prompt build failed: {exc}") from exc
         think = bool(getattr(handles.tokenizer, "has_thinking", False))
-        actor = await _admitted(handles, prompt, gen, think=think)
+        snapshot_at = _snapshot_position(handles, messages, prompt)
+        actor = await _admitted(handles, prompt, gen, think=think, snapshot_at=snapshot_at)
         meta = _Meta("chatcmpl", "chat.completion", handles.info.name)
         if gen.stream:
             return _sse(_chat_stream(actor, meta))
@@ -210,7 +212,20 @@ async def _json_body() -> dict[str, Any]:
     return body
 
 
-async def _admitted(handles: Any, prompt: Any, gen: Generation, *, think: bool) -> RequestActor:
+def _snapshot_position(handles: Any, messages: list[dict[str, Any]], prompt: Any, **template: Any) -> int | None:
+    """Where the next turn's prompt stops agreeing with this one: the boundary snapshot."""
+    if handles.prompt_cache is None:
+        return None
+    try:
+        return stable_prefix_length(handles.tokenizer, messages, prompt_tokens=prompt, **template) or None
+    except Exception:  # a probe failure costs a cache miss, never the request
+        log.debug("stable prefix probe failed", exc_info=True)
+        return None
+
+
+async def _admitted(
+    handles: Any, prompt: Any, gen: Generation, *, think: bool, snapshot_at: int | None = None
+) -> RequestActor:
     sink = handles.make_sink(handles.tokenizer.detokenizer(), stop=gen.stop, think=think)
     generation = GenerationRequest(
         prompt=tuple(prompt),
@@ -218,6 +233,7 @@ async def _admitted(handles: Any, prompt: Any, gen: Generation, *, think: bool) 
         max_tokens=gen.max_tokens,
         explicit_seed=gen.explicit_seed,
         seed=gen.seed,
+        snapshot_at=snapshot_at,
     )
     actor = RequestActor(handles.ports, generation, sink)
     try:
