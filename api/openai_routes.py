@@ -154,21 +154,11 @@ def blueprint(handles: Any) -> Blueprint:
 
     @bp.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        body = await _json_body()
-        messages = _chat_messages(body)
-        default = handles.config.max_tokens or CHAT_DEFAULT_MAX_TOKENS
-        gen = parse_generation(body, defaults=handles.sampling_defaults, default_max_tokens=default, chat=True)
-        try:
-            prompt = handles.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        except Exception as exc:  # template errors are the client's messages, not a crash
-            raise bad_request(f"prompt build failed: {exc}") from exc
-        think = bool(getattr(handles.tokenizer, "has_thinking", False))
-        snapshot_at = _snapshot_position(handles, messages, prompt)
-        actor = await _admitted(handles, prompt, gen, think=think, snapshot_at=snapshot_at)
+        started = await start_chat(handles, await _json_body())
         meta = _Meta("chatcmpl", "chat.completion", handles.info.name)
-        if gen.stream:
-            return _sse(_chat_stream(actor, meta))
-        return _json(await _chat_whole(actor, meta))
+        if started.gen.stream:
+            return _sse(_chat_stream(started.actor, meta))
+        return _json(await _chat_whole(started.actor, meta))
 
     @bp.post("/v1/completions")
     async def completions() -> Response:
@@ -190,6 +180,35 @@ def blueprint(handles: Any) -> Blueprint:
         return _json(await _text_whole(actor, meta))
 
     return bp
+
+
+@attrs.frozen(eq=False)
+class StartedChat:
+    """An admitted chat completion: the actor yields text events; the caller must close it."""
+
+    actor: RequestActor
+    gen: Generation
+    prompt: tuple[int, ...]
+
+
+async def start_chat(handles: Any, body: Mapping[str, Any]) -> StartedChat:
+    """The one chat pipeline: validate an OpenAI-chat-shaped body, template it, admit it.
+
+    The Anthropic and Responses surfaces translate their requests into this body shape and call
+    here, so validation, templating, tools, reasoning, stop handling, admission and the prompt
+    cache are shared; only their encoders differ. Raises `ApiError` (400 / 503).
+    """
+    messages = _chat_messages(body)
+    default = handles.config.max_tokens or CHAT_DEFAULT_MAX_TOKENS
+    gen = parse_generation(body, defaults=handles.sampling_defaults, default_max_tokens=default, chat=True)
+    try:
+        prompt = handles.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    except Exception as exc:  # template errors are the client's messages, not a crash
+        raise bad_request(f"prompt build failed: {exc}") from exc
+    think = bool(getattr(handles.tokenizer, "has_thinking", False))
+    snapshot_at = _snapshot_position(handles, messages, prompt)
+    actor = await _admitted(handles, prompt, gen, think=think, snapshot_at=snapshot_at)
+    return StartedChat(actor=actor, gen=gen, prompt=tuple(prompt))
 
 
 def _model_card(handles: Any) -> dict[str, Any]:
