@@ -99,6 +99,9 @@ class GpuWorker:
             eos_token_ids=eos,
             device=str(device.type).rsplit(".", 1)[-1],
             memory_bytes=_device_memory_bytes(mx),
+            generation_defaults=tuple(
+                (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None
+            ),
         )
         self.alive = True
         trio.from_thread.run_sync(task_status.started, self.info)

@@ -62,6 +62,12 @@ class ServeConfig:
     max_queue: int = 256
     shutdown_timeout: float = 30.0
     prompt_cache_gb: float = 8.0  # RAM prompt cache cap in GiB; 0 disables it
+    # Server-wide sampling defaults (--temp, --top-p, --top-k, --min-p); None = not set, so the
+    # checkpoint's generation_config.json value (or the fallback) applies.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
 
 
 @attrs.define
@@ -127,6 +133,17 @@ class ServerHandles:
                 else {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
             ),
         }
+
+
+def sampling_defaults_for(config: ServeConfig, info: ModelInfo, base: SamplingParams = SamplingParams()) -> SamplingParams:
+    """request > server flag > generation_config.json > fallback; this builds the last three."""
+    fields = attrs.fields_dict(SamplingParams)
+    values = {k: v for k, v in info.generation_defaults if k in fields}
+    for key in ("temperature", "top_p", "top_k", "min_p"):
+        flag = getattr(config, key)
+        if flag is not None:
+            values[key] = flag
+    return attrs.evolve(base, **{k: type(getattr(base, k))(v) for k, v in values.items()})
 
 
 def default_sink_factory() -> Callable[..., Any]:
@@ -201,7 +218,7 @@ async def start_actors(
         ports=RequestPorts(submits=submits_send, control=inbox_send, admission=admission),
         admission=admission,
         scheduler=scheduler,
-        sampling_defaults=sampling_defaults,
+        sampling_defaults=sampling_defaults_for(config, info, sampling_defaults),
         prompt_cache=getattr(worker, "prompt_cache", None),
     )
 

@@ -39,6 +39,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--prompt-cache", type=_non_negative_float, default=8.0, metavar="GiB",
                    help="RAM prompt cache size in GiB (default 8; 0 disables it)")
+    p.add_argument("--temp", type=_non_negative_float, default=None, dest="temperature",
+                   help="default sampling temperature (default: generation_config.json, else 0 = greedy)")
+    p.add_argument("--top-p", type=_non_negative_float, default=None, help="default top_p")
+    p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
+    p.add_argument("--min-p", type=_non_negative_float, default=None, help="default min_p")
     return p.parse_args(argv)
 
 
@@ -98,6 +103,10 @@ async def _main(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             shutdown_timeout=args.shutdown_timeout,
             prompt_cache_gb=args.prompt_cache,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
         )
         async with trio.open_nursery() as nursery:
 

@@ -74,6 +74,8 @@ class ModelInfo:
     # Memory the device can give this process (unified/GPU memory); 0 = unknown, in which case
     # admission's default budget falls back to system RAM.
     memory_bytes: int = 0
+    # generation_config.json sampling defaults the checkpoint ships (only the keys it gives).
+    generation_defaults: tuple[tuple[str, float], ...] = ()
 
 
 class Worker(Protocol):
