@@ -46,6 +46,9 @@ class GpuWorker:
         eos_token_ids: Iterable[int] | None = None,
         protected_ids: Iterable[int] = (),
         prompt_cache_bytes: int = 0,
+        ssd_cache_dir: Path | str | None = None,
+        ssd_cache_max_bytes: int = 32 * 2**30,
+        ssd_verify: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.name = name
@@ -55,6 +58,13 @@ class GpuWorker:
         self.prompt_cache_bytes = max(0, int(prompt_cache_bytes))
         # Read from the trio side for /stats: plain ints only, so no lock is needed.
         self.prompt_cache = None
+        # SSD tier (issue 7): built on the MLX thread with the RAM tier; None when off or unusable.
+        self.ssd_cache_dir = None if ssd_cache_dir is None else Path(ssd_cache_dir)
+        self.ssd_cache_max_bytes = int(ssd_cache_max_bytes)
+        self.ssd_verify = ssd_verify
+        self.ssd_store = None
+        self._put_listener: Callable[[str, tuple[int, ...]], None] | None = None
+        self._trio_token: trio.lowlevel.TrioToken | None = None
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Job](0)
         self.alive = False
         self.info: ModelInfo | None = None
@@ -62,10 +72,12 @@ class GpuWorker:
         self._current_reply: trio.MemorySendChannel | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        self._trio_token = trio.lowlevel.current_trio_token()
         try:
             await trio.to_thread.run_sync(self._thread_main, task_status, thread_name="mlx-gpu-worker")
         finally:
             self.alive = False
+            self.close_ssd()  # releases the SSD directory lock (a writer may still finish)
             self._jobs_send.close()
             if self._current_reply is not None:
                 self._current_reply.close()  # a caller mid-job sees WorkerDied, not a hang
@@ -82,13 +94,20 @@ class GpuWorker:
         loaded = load_model(self.model_dir, name=self.name)
         eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
         if self.prompt_cache_bytes > 0:
-            self.prompt_cache = PromptCache(self.prompt_cache_bytes)
+            tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
+            self.prompt_cache = tiered if tiered is not None else PromptCache(self.prompt_cache_bytes)
+        from model.grammar import make_compiler  # structured outputs: None if llguidance is absent
+
+        grammars = make_compiler(
+            loaded.path, vocab_size=int(loaded.config.raw.get("vocab_size") or 0), eos_token_ids=eos
+        )
         engine = Engine(
             loaded.model,
             eos_token_ids=eos,
             protected_ids=self._protected,
             prefill_chunk=self.prefill_chunk,
             prompt_cache=self.prompt_cache,
+            grammar_compiler=grammars,
         )
         device = mx.default_device()
         self.info = ModelInfo(
@@ -153,6 +172,73 @@ class GpuWorker:
     async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""
         return await self._call(fn)
+
+    # -- the SSD tier (issue 7): what durability / demotion need --------------------------------
+
+    def _make_prompt_cache(self, loaded: Any) -> Any:
+        """A TieredPromptCache over an opened SsdStore, or None (then the plain RAM tier).
+        An SSD tier that cannot open is a warning: the cache tier never takes serving down."""
+        if self.ssd_cache_dir is None:
+            return None
+        from cache.ssd_store import Identity, SsdStore, model_fingerprint, scheme_key, tokenizer_hash
+        from cache.tiered import TieredPromptCache
+
+        try:
+            identity = Identity(
+                model_id=loaded.name,
+                fingerprint=model_fingerprint(loaded.path),
+                scheme=scheme_key(str(loaded.kv_dtype).rsplit(".", 1)[-1]),
+                tokenizer_hash=tokenizer_hash(loaded.path),
+            )
+            store = SsdStore(
+                self.ssd_cache_dir, identity, max_bytes=self.ssd_cache_max_bytes, verify=self.ssd_verify
+            ).open()
+        except Exception as e:  # noqa: BLE001
+            log.warning("SSD cache disabled: %s", e)
+            return None
+        self.ssd_store = store
+        cache = TieredPromptCache(self.prompt_cache_bytes, store)
+        cache.on_put.append(self._forward_put)
+        return cache
+
+    def _forward_put(self, namespace: str, tokens: tuple[int, ...]) -> None:
+        """PromptCache.put hook, on the MLX thread: hand the mark to trio without waiting."""
+        listener, token = self._put_listener, self._trio_token
+        if listener is None or token is None:
+            return
+
+        def deliver() -> None:
+            try:
+                listener(namespace, tokens)
+            except Exception:  # noqa: BLE001 - a lost mark is a future miss, never a crash
+                log.exception("prompt cache put listener failed")
+
+        try:
+            token.run_sync_soon(deliver)
+        except trio.RunFinishedError:
+            pass
+
+    def set_put_listener(self, listener: Callable[[str, tuple[int, ...]], None] | None) -> None:
+        """`listener(namespace, tokens)` runs on the trio thread after every prompt-cache put."""
+        self._put_listener = listener
+
+    async def snapshot(self, tokens: Any, namespace: str) -> Any:
+        """A SpillItem of the RAM entry keyed exactly `tokens`, or None (between steps)."""
+        cache = self.prompt_cache
+        tokens = tuple(tokens)
+        return await self._call(lambda engine: cache.snapshot(tokens, namespace))
+
+    async def demote_idle(self, idle_s: float) -> list[Any]:
+        cache = self.prompt_cache
+        return await self._call(lambda engine: cache.demote_idle(idle_s))
+
+    def has_durable_prefix(self, tokens: Any, namespace: str) -> bool:
+        store = self.ssd_store
+        return store is not None and store.has_durable_prefix(tokens, namespace)
+
+    def close_ssd(self) -> None:
+        if self.ssd_store is not None:
+            self.ssd_store.close()
 
 
 def _device_memory_bytes(mx: Any) -> int:

@@ -90,3 +90,44 @@ class RowFailed:
 
 RowEvent = RowOpened | TokenOut | RowFailed
 Control = Enqueue | Abort | StopRow
+
+
+# --- cache SSD tier (issue 7): durability → spill queue → SSD store ---------------------------
+#
+#   GPU-worker (PromptCache.put hook) ──MarkDirty──▶ durability ──Spill──▶ spill_queue ──▶ disk
+#   demotion_timer ──Spill──▶ spill_queue;  spill_queue ──SpillDone (per Spill)──▶ its sender
+
+
+@attrs.frozen
+class MarkDirty:
+    """A RAM prompt-cache entry keyed exactly by `tokens` was put: make it durable."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen(eq=False)
+class Spill:
+    item: object  # cache.ssd_store.SpillItem: exact tokens + materialized KV views + namespace
+    reply: trio.MemorySendChannel | None = None  # buffer >= 1: one SpillDone; None = fire and forget
+
+
+@attrs.frozen
+class SpillDone:
+    stored: bool
+    reason: str = ""  # "stored" | "dropped" | "refused" | "failed" | "cancelled"
+
+
+@attrs.frozen
+class FlushResult:
+    """What a durability flush achieved (spec §1.14); durable ⇔ everything dirty reached disk."""
+
+    durable: bool
+    flushed_snapshots: int = 0
+    missing_snapshots: int = 0
+    pending_snapshots: int = 0
+    pending_spills: int = 0
+    pending_spill_bytes: int = 0
+    dropped_spills: int = 0
+    failed_spills: int = 0
+    elapsed_ms: float = 0.0

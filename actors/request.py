@@ -117,6 +117,9 @@ class RequestActor:
         self.admitted: Admitted | None = None
         self.cached_tokens = 0
         self.completion_tokens = 0
+        # Every TokenOut that carried logprobs (the row asked for them), EOS included: the
+        # OpenAI routes build mlx-lm's `choices[0].logprobs` block from these.
+        self.token_logprobs: list[TokenOut] = []
         self.finish_reason: str | None = None
         self.cut_off = False  # ended by the shutdown deadline
         self._done = False
@@ -161,6 +164,8 @@ class RequestActor:
 
     def _on_token(self, token: TokenOut) -> list[Any]:
         self.completion_tokens += 1
+        if token.logprob is not None or token.top_logprobs:
+            self.token_logprobs.append(token)
         if token.finish == "stop":  # EOS: its text is never shown
             self._release.row_over = True
             return self._finish("eos")

@@ -6,14 +6,16 @@ Tree (all in one nursery, started in dependency order; any actor crashing takes 
     ├── gpu_worker        loads the model on its own thread, then serves worker calls
     ├── scheduler         inbox: Enqueue / Abort / StopRow      → worker calls, per-row events
     ├── admission         submits: Submit                       → scheduler inbox, replies
-    ├── spill_queue       (slot — cache SSD tier, issue 7)
-    ├── durability        (slot — cache SSD tier, issue 7; its flush joins `flush_hooks`)
-    ├── demotion_timer    (slot — cache SSD tier, issue 7; polls `scheduler.busy`)
+    ├── spill_queue       inbox: Spill (--ssd-cache only)      → SSD writes off the MLX thread
+    ├── durability        inbox: MarkDirty (worker put hook)    → snapshot jobs, Spill
+    ├── demotion_timer    its own cadence, polls `scheduler.busy` → demote jobs, Spill
     └── HTTP (hypercorn `serve`, run in the root's body, not as a child — trio-stack.md §1.5)
 
 Shutdown order: `Shutdown.requested` → admission closes (503 for new requests; in-flight waits
 are cut at `--shutdown-timeout` and end with a final chunk) and hypercorn closes its listeners
-→ hypercorn waits for in-flight responses → `serve` returns → the actors are cancelled → flush
+→ hypercorn waits for in-flight responses → `serve` returns → with the SSD tier: timers stop and
+the durability flush runs (shielded, within --shutdown-timeout, while the worker is still alive
+to take snapshots; its result is what `run_server` returns) → the actors are cancelled → flush
 hooks run shielded → return. `Shutdown.now` (a second Ctrl-C) cancels everything at once.
 """
 
@@ -62,6 +64,19 @@ class ServeConfig:
     max_queue: int = 256
     shutdown_timeout: float = 30.0
     prompt_cache_gb: float = 8.0  # RAM prompt cache cap in GiB; 0 disables it
+    # Issue 7 (cache SSD tier): --ssd-cache DIR (requires the RAM tier) and its knobs.
+    ssd_cache_dir: str | None = None
+    ssd_cache_max_gb: float = 32.0  # GiB
+    ssd_spill_queue_gb: float = 2.0  # GiB of write-behind clones; 0 = newest + in-flight only
+    ssd_demote_idle_s: float = 300.0  # 0 = off
+    ssd_verify: bool = True  # tensor hashes checked on restore (--no-ssd-verify skips)
+    # Issue 9 (api/security.py, api/request_log.py): auth, CORS, limits, logs.
+    api_key: str | None = None  # required on /v1/* (Bearer or x-api-key) when set
+    admin_token: str | None = None  # lets non-loopback clients call /admin/*
+    cors_origins: tuple[str, ...] = ()  # empty: CORS off; "*" allows any origin
+    max_body_mb: float = 16.0  # request body cap in MiB (413 above); 0 = no cap
+    log_prompts: bool = False  # put the prompt text in the per-request log line
+    idle_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (hypercorn)
     # Server-wide sampling defaults (--temp, --top-p, --top-k, --min-p); None = not set, so the
     # checkpoint's generation_config.json value (or the fallback) applies.
     temperature: float | None = None
@@ -103,6 +118,16 @@ class ServerHandles:
     started_at: float = attrs.Factory(time.time)
     # The worker's PromptCache (mutated on the MLX thread; /stats only reads its ints), or None.
     prompt_cache: Any = None
+    # The GPU worker (its `alive` flag drives /health's 503), or None.
+    worker: Any = None
+    # actors.durability.SsdTier when --ssd-cache is on and the store opened, else None.
+    ssd: Any = None
+
+    async def flush_cache(self) -> Any:
+        """POST /admin/cache/flush: an actors.messages.FlushResult (durable zeros without SSD)."""
+        from actors.messages import FlushResult
+
+        return FlushResult(durable=True) if self.ssd is None else await self.ssd.flush()
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
@@ -132,6 +157,7 @@ class ServerHandles:
                 if self.prompt_cache is not None
                 else {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
             ),
+            **({"ssd_cache": self.ssd.stats()} if self.ssd is not None else {}),
         }
 
 
@@ -202,11 +228,14 @@ async def start_actors(
     )
     await nursery.start(admission.run, submits_recv)
 
-    # Slots for the cache tier (issues 6/7), started here once they exist:
-    #   spill_queue = SpillQueue(...);   await nursery.start(spill_queue.run)
-    #   durability = Durability(worker, busy=lambda: scheduler.busy, spills=spill_queue)
-    #   await nursery.start(durability.run)  — and pass durability.flush in `flush_hooks`
-    #   demotion = DemotionTimer(worker, busy=lambda: scheduler.busy); await nursery.start(demotion.run)
+    # The cache SSD tier (issue 7): spill_queue, durability, demotion_timer — when the worker
+    # opened an SSD store (--ssd-cache); background work yields to `scheduler.busy`.
+    from actors.durability import start_ssd_tier
+
+    ssd = await start_ssd_tier(
+        nursery, worker, busy=lambda: scheduler.busy,
+        spill_queue_bytes=int(config.ssd_spill_queue_gb * 2**30), demote_idle_s=config.ssd_demote_idle_s,
+    )
 
     return ServerHandles(
         config=config,
@@ -220,6 +249,8 @@ async def start_actors(
         scheduler=scheduler,
         sampling_defaults=sampling_defaults_for(config, info, sampling_defaults),
         prompt_cache=getattr(worker, "prompt_cache", None),
+        worker=worker,
+        ssd=ssd,
     )
 
 
@@ -234,16 +265,24 @@ async def run_server(
     make_sink: Callable[..., Any] | None = None,
     flush_hooks: Sequence[FlushHook] = (),
     trace: Callable[[str], None] = lambda milestone: None,
-) -> None:
-    """Run until shutdown; returns normally on a clean or a timed-out shutdown alike."""
+) -> Any:
+    """Run until shutdown; returns normally on a clean or a timed-out shutdown alike. Returns
+    the shutdown durability flush's FlushResult (durable=False if it never ran), or None
+    without an SSD tier."""
     if make_app is None:
         from api.app import create_app as make_app
+    from actors.durability import shutdown_flush
+
     serving = False
+    handles: Any = None
+    flushed: Any = None
+    flush_scope = trio.CancelScope(shield=True)  # only a second signal cuts the flush short
     async with trio.open_nursery() as nursery:
 
         async def escalate() -> None:
             await shutdown.now.wait()
             trace("hard cancel")
+            flush_scope.cancel()
             nursery.cancel_scope.cancel()
 
         async def gate() -> None:
@@ -265,16 +304,23 @@ async def run_server(
         )
         app = make_app(handles)
         serving = True
-        if shutdown.requested.is_set():
-            nursery.cancel_scope.cancel()
-        else:
+        if not shutdown.requested.is_set():
             await serve_http(app, shutdown.requested.wait)
             trace("http done")
             log.info("HTTP server stopped; %d request(s) still in flight", handles.admission.in_flight)
-            nursery.cancel_scope.cancel()
+        if handles.ssd is not None:
+            with flush_scope:
+                flushed = await shutdown_flush(handles.ssd, timeout=config.shutdown_timeout)
+                trace("durability flushed")
+        nursery.cancel_scope.cancel()
     trace("actors stopped")
     await run_flush_hooks(flush_hooks)
     trace("flushed")
+    if handles is not None and handles.ssd is not None and flushed is None:
+        from actors.messages import FlushResult
+
+        flushed = FlushResult(durable=False)  # cut by a second signal or never reached
+    return flushed
 
 
 async def run_flush_hooks(hooks: Sequence[FlushHook], *, budget: float = FLUSH_BUDGET_S) -> None:

@@ -39,11 +39,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--prompt-cache", type=_non_negative_float, default=8.0, metavar="GiB",
                    help="RAM prompt cache size in GiB (default 8; 0 disables it)")
+    # Issue 7: the prompt cache's SSD tier (docs/ssd-cache.md).
+    p.add_argument("--ssd-cache", default=None, metavar="DIR",
+                   help="keep prompt-cache entries on disk in DIR too, so they survive restarts (needs --prompt-cache > 0)")
+    p.add_argument("--ssd-cache-max", type=_positive_float, default=32.0, metavar="GiB",
+                   help="SSD cache size cap in GiB (default 32)")
+    p.add_argument("--ssd-spill-queue", type=_non_negative_float, default=2.0, metavar="GiB",
+                   help="write-behind queue cap in GiB; over it the oldest queued spill is dropped (default 2)")
+    p.add_argument("--ssd-demote-idle", type=_non_negative_float, default=300.0, metavar="S",
+                   help="move RAM entries unused this long to the SSD tier (default 300; 0 = off)")
+    p.add_argument("--no-ssd-verify", dest="ssd_verify", action="store_false",
+                   help="skip the per-tensor hash check when restoring from the SSD tier")
     p.add_argument("--temp", type=_non_negative_float, default=None, dest="temperature",
                    help="default sampling temperature (default: generation_config.json, else 0 = greedy)")
     p.add_argument("--top-p", type=_non_negative_float, default=None, help="default top_p")
     p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
     p.add_argument("--min-p", type=_non_negative_float, default=None, help="default min_p")
+    # Issue 9: access, limits, logs (api/security.py). Secrets may come from the environment so
+    # they stay out of `ps`.
+    p.add_argument("--api-key", default=os.environ.get("MLX_TRIO_API_KEY") or None,
+                   help="require this key on /v1/* (Authorization: Bearer or x-api-key); env MLX_TRIO_API_KEY")
+    p.add_argument("--admin-token", default=os.environ.get("MLX_TRIO_ADMIN_TOKEN") or None,
+                   help="let non-loopback clients call /admin/* with this token; env MLX_TRIO_ADMIN_TOKEN")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", dest="cors_origins",
+                   help="allow browser calls from ORIGIN (repeatable or comma-separated; * = any); default: CORS off")
+    p.add_argument("--max-body-mb", type=_non_negative_float, default=16.0, metavar="MiB",
+                   help="request body cap in MiB, 413 above it (default 16; 0 = no cap)")
+    p.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log lines")
+    p.add_argument("--idle-timeout", type=_positive_float, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
     return p.parse_args(argv)
 
 
@@ -90,6 +114,7 @@ async def _main(args: argparse.Namespace) -> int:
     import trio
 
     from actors.root import HTTP_GRACE_MARGIN_S, ServeConfig, Shutdown, run_server
+    from api.security import parse_origins
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         shutdown = Shutdown()
@@ -103,11 +128,23 @@ async def _main(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             shutdown_timeout=args.shutdown_timeout,
             prompt_cache_gb=args.prompt_cache,
+            ssd_cache_dir=args.ssd_cache,
+            ssd_cache_max_gb=args.ssd_cache_max,
+            ssd_spill_queue_gb=args.ssd_spill_queue,
+            ssd_demote_idle_s=args.ssd_demote_idle,
+            ssd_verify=args.ssd_verify,
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
             min_p=args.min_p,
+            api_key=args.api_key,
+            admin_token=args.admin_token,
+            cors_origins=parse_origins(args.cors_origins),
+            max_body_mb=args.max_body_mb,
+            log_prompts=args.log_prompts,
+            idle_timeout=args.idle_timeout,
         )
+        flushed = None
         async with trio.open_nursery() as nursery:
 
             async def on_signals() -> None:
@@ -118,17 +155,24 @@ async def _main(args: argparse.Namespace) -> int:
                     shutdown.request()
                     if first:
                         budget = config.shutdown_timeout + HTTP_GRACE_MARGIN_S + WATCHDOG_SLACK_S
+                        if config.ssd_cache_dir:
+                            budget += config.shutdown_timeout  # the durability flush's own budget
                         nursery.start_soon(_watchdog, budget)
                     else:
                         nursery.start_soon(_watchdog, 2.0)
 
             nursery.start_soon(on_signals)
+            if config.ssd_cache_dir and config.prompt_cache_gb <= 0:
+                log.error("cannot serve: --ssd-cache requires the RAM prompt cache (--prompt-cache 0 disables it)")
+                nursery.cancel_scope.cancel()  # else the nursery waits for the signal task forever
+                return 2
             try:
                 model_dir, worker, make_tokenizer = _load_plan(config)
             except Exception as exc:  # a bad --model is a message, not a traceback
                 log.error("cannot serve: %s", exc)
+                nursery.cancel_scope.cancel()
                 return 2
-            await run_server(
+            flushed = await run_server(
                 worker,
                 config=config,
                 make_tokenizer=make_tokenizer,
@@ -137,7 +181,8 @@ async def _main(args: argparse.Namespace) -> int:
             )
             nursery.cancel_scope.cancel()
     log.info("bye")
-    return 0
+    # With the SSD tier, exit 0 only when the shutdown flush made everything durable.
+    return 0 if flushed is None or flushed.durable else 1
 
 
 def _load_plan(config):  # type: ignore[no-untyped-def]
@@ -159,7 +204,13 @@ def _load_plan(config):  # type: ignore[no-untyped-def]
     def make_tokenizer(info):  # type: ignore[no-untyped-def]
         return Tokenizer.from_dir(Path(model_dir), eos_token_ids_from_config=info.eos_token_ids)
 
-    worker = GpuWorker(Path(model_dir), prompt_cache_bytes=int(config.prompt_cache_gb * 2**30))
+    worker = GpuWorker(
+        Path(model_dir),
+        prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
+        ssd_cache_dir=config.ssd_cache_dir,
+        ssd_cache_max_bytes=int(config.ssd_cache_max_gb * 2**30),
+        ssd_verify=config.ssd_verify,
+    )
     return model_dir, worker, make_tokenizer
 
 
@@ -172,7 +223,13 @@ async def _serve_http(config, app, shutdown_trigger) -> None:  # type: ignore[no
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.graceful_timeout = config.shutdown_timeout + HTTP_GRACE_MARGIN_S
-    hc.accesslog = None
+    # Per-connection idle limit: a keep-alive connection (or one that never finishes its request
+    # headers, which h11 caps at h11_max_incomplete_size = 16 KiB) closes after this long.
+    # read_timeout stays None: a streaming client is silent for the whole generation, so a read
+    # deadline would cut healthy streams. Slow bodies hit Quart's BODY_TIMEOUT (60 s, then 408);
+    # body size is capped by --max-body-mb in the app (api/security.py).
+    hc.keep_alive_timeout = config.idle_timeout
+    hc.accesslog = None  # api/request_log.py writes one structured line per request instead
     hc.errorlog = logging.getLogger("hypercorn.error")  # through our handler, not a second one
     log.info("serving on http://%s:%d (OpenAI API at /v1)", config.host, config.port)
     await serve(app, hc, shutdown_trigger=shutdown_trigger)

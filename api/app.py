@@ -10,12 +10,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import openai_routes
-from api.errors import ApiError, error_response
+from api import anthropic_routes, openai_routes, responses_routes
+from api.errors import ApiError
+from api.errors import error_response as openai_error_response
+from api.health import install_health
+from api.metrics import install_metrics
+from api.request_log import install_request_log
+from api.security import install_security
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +29,25 @@ def create_app(handles: Any) -> QuartTrio:
     app = QuartTrio(__name__)
     # Quart's 60 s default silently cuts any stream that runs longer (trio-stack.md §2.4).
     app.config["RESPONSE_TIMEOUT"] = None
+    # Issue 9: auth / CORS / body cap first, then /health's truth, per-request logs and /metrics.
+    install_security(app, handles.config)
+    install_health(app, handles)
+    install_request_log(app, handles)
+    install_metrics(app, handles)
     app.register_blueprint(openai_routes.blueprint(handles))
+    app.register_blueprint(anthropic_routes.blueprint(handles))
+    app.register_blueprint(responses_routes.blueprint(handles))
+    from api import admin_routes  # issue 7: POST /admin/cache/flush
+
+    app.register_blueprint(admin_routes.blueprint(handles))
+
+    def error_response(error: ApiError) -> Response:
+        # Each API answers in its own envelope, 404s for unknown sub-paths included.
+        if request.path.startswith(anthropic_routes.PATH_PREFIX):
+            return anthropic_routes.error_response(error)
+        if request.path.startswith(responses_routes.PATH_PREFIX):
+            return responses_routes.error_response(error)
+        return openai_error_response(error)
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
@@ -33,8 +56,11 @@ def create_app(handles: Any) -> QuartTrio:
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
         status = error.code or 500
-        if status in (404, 405):  # no 405 anywhere: a wrong method is an unknown route (spec §1.1)
+        if status == 404:
             return error_response(ApiError(404, "not found", code="not_found"))
+        if status == 405:  # issue 4 (overrides spec §1.1's 404): a known path, wrong method
+            allow = {k: v for k, v in error.get_headers() if k.lower() == "allow"}
+            return error_response(ApiError(405, "method not allowed", code="method_not_allowed", headers=allow))
         return error_response(ApiError(status, error.description or error.name))
 
     @app.errorhandler(Exception)

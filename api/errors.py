@@ -63,3 +63,23 @@ def error_response(error: ApiError) -> Response:
     for name, value in error.headers.items():
         response.headers[name] = value
     return response
+
+
+def error_response_for(path: str, error: ApiError) -> Response:
+    """`error` in the envelope of the API that `path` belongs to (spec §1.1): Anthropic's on
+    /v1/messages*, the Responses API's on /v1/responses*, OpenAI's everywhere else. For code that
+    answers before routing (api/security.py, api/health.py), so refusals match the route's API."""
+    if path.startswith("/v1/messages"):
+        from api.anthropic_translate import error_body as anthropic_body
+
+        body = anthropic_body(error)
+    elif path.startswith("/v1/responses"):
+        from api.responses_translate import error_body as responses_body
+
+        body = responses_body(error)
+    else:
+        body = error.body()
+    response = Response(json.dumps(body), status=error.status, content_type="application/json")
+    for name, value in error.headers.items():
+        response.headers[name] = value
+    return response

@@ -1,9 +1,17 @@
-"""Engine-level decode speed: our Engine vs mlx_lm.generate_step on the same weights, in one run.
+"""Engine-level decode speed: our Engine (eager and compiled decode) vs mlx-lm on the same
+weights, in one process, plus a host-side profile of one decode step.
 
-Reports B=1 decode tok/s (and ms/step), the fraction of the memory-bandwidth roofline
-(weights + KV bytes read per token / --bandwidth-gbs), and batched aggregate tok/s at B=8/32.
+Reports, per batch size B: decode tok/s of
+  ours            Engine with the compiled decode step (the default; model.layers.CompiledDecode)
+  ours_eager      Engine with MLX_TRIO_COMPILE=0's eager graph
+  mlx_lm          B=1: mlx_lm.generate.generate_step; B>1: mlx_lm.generate.BatchGenerator
+and for B=1 the fraction of the memory-bandwidth roofline (weights + mean KV bytes read per
+token / --bandwidth-gbs) and a profile: host ms to build one step's graph (eager forward,
+compiled forward, mlx-lm's model call), ms for an mx.eval of one step from scratch (build +
+encode + device + read-back, nothing overlapped), and the pipelined step time.
 
   python benchmarks/decode_engine.py --synth qwen3-0.6b --dtype bfloat16 --bandwidth-gbs 4800
+  python benchmarks/decode_engine.py --synth llama3-8b --dtype bfloat16 --batches 1
   python benchmarks/decode_engine.py --model DIR
 """
 
@@ -11,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +36,8 @@ import mlx.core as mx  # noqa: E402
 from actors.worker_api import RowSpec  # noqa: E402
 from benchmarks.serve_bench import SHAPES  # noqa: E402
 from model.engine import Engine  # noqa: E402
+from model.kv_cache import make_caches  # noqa: E402
+from model.layers import CompiledDecode  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 
@@ -34,11 +45,11 @@ from model.params import SamplingParams  # noqa: E402
 def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> float:
     rows = list(range(batch))
     for r in rows:
-        engine.open_row(RowSpec(r, tuple(prompt[r:] + prompt[:r]), SamplingParams(), steps + 8))
+        engine.open_row(RowSpec(r, tuple(prompt[r:] + prompt[:r]), SamplingParams(), steps + 16))
         while engine.prefill(r).remaining:
             pass
         engine.join(r)
-    for _ in range(4):  # warm up
+    for _ in range(6):  # warm up (compiles the decode stages for this batch size)
         engine.step()
     mx.synchronize()
     t0 = time.perf_counter()
@@ -51,13 +62,11 @@ def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> fl
     return produced / elapsed
 
 
-def mlx_lm_decode(model_dir: Path, prompt: list[int], steps: int) -> float:
+def mlx_lm_decode(model, prompt: list[int], steps: int) -> float:
     from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load_model as ref_load
 
-    model, _ = ref_load(model_dir)
-    gen = generate_step(mx.array(prompt), model, max_tokens=steps + 4)
-    for _ in range(4):
+    gen = generate_step(mx.array(prompt), model, max_tokens=steps + 6)
+    for _ in range(6):
         next(gen)
     t0 = time.perf_counter()
     n = 0
@@ -66,17 +75,19 @@ def mlx_lm_decode(model_dir: Path, prompt: list[int], steps: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def mlx_lm_batch(model_dir: Path, prompt: list[int], steps: int, batch: int) -> float:
+def mlx_lm_batch(model, prompt: list[int], steps: int, batch: int) -> float:
     from mlx_lm.generate import BatchGenerator
-    from mlx_lm.utils import load_model as ref_load
 
-    model, _ = ref_load(model_dir)
-    gen = BatchGenerator(model, max_tokens=steps + 8, completion_batch_size=batch, prefill_batch_size=batch)
+    gen = BatchGenerator(model, max_tokens=steps + 16, completion_batch_size=batch, prefill_batch_size=batch)
     gen.insert([prompt[r:] + prompt[:r] for r in range(batch)])
-    while True:  # until every row is decoding
+    warm = 0
+    while True:  # until every row is decoding, then a few steps
         _, responses = gen.next()
         if len(responses) == batch:
-            break
+            warm += 1
+            if warm == 6:
+                break
+    mx.synchronize()
     t0 = time.perf_counter()
     produced = 0
     while produced < steps * batch:
@@ -89,43 +100,122 @@ def mlx_lm_batch(model_dir: Path, prompt: list[int], steps: int, batch: int) -> 
     return rate
 
 
+def best(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def profile_b1(model, ref_model, prompt: list[int]) -> dict:
+    """Host ms to build one B=1 decode step's graph, and ms to evaluate one from scratch."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    compiled = CompiledDecode(model)
+    out: dict = {}
+    for name in ("eager", "compiled", "mlx_lm"):
+        if name == "mlx_lm":
+            caches = make_prompt_cache(ref_model)
+            mx.eval(ref_model(mx.array(prompt)[None], cache=caches))
+
+            def forward(tok):
+                return ref_model(tok, cache=caches)[:, -1, :]
+        else:
+            caches = make_caches(len(model.layers))
+            mx.eval(model(mx.array(prompt)[None], caches))
+            if name == "eager":
+                def forward(tok):
+                    return model.logits(model(tok, caches)[:, -1, :])
+            else:
+                def forward(tok):
+                    return compiled(tok, caches)
+        tok = mx.array([[7]])
+        builds, evals = [], []
+        for i in range(24):
+            t0 = time.perf_counter()
+            logits = forward(tok)
+            y = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+            t1 = time.perf_counter()
+            tok = mx.array([[y.item()]])  # eval + read-back: nothing overlapped
+            t2 = time.perf_counter()
+            if i >= 4:
+                builds.append(t1 - t0)
+                evals.append(t2 - t1)
+        out[f"{name}_build_ms"] = 1000 * statistics.median(builds)
+        out[f"{name}_eval_ms"] = 1000 * statistics.median(evals)
+        out[f"{name}_serial_step_ms"] = out[f"{name}_build_ms"] + out[f"{name}_eval_ms"]
+    return out
+
+
+def versions() -> dict:
+    import platform
+
+    import mlx_lm
+
+    dev = mx.default_device()
+    info = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "device": str(dev)}
+    try:
+        info["device_info"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path)
     p.add_argument("--synth", choices=sorted(SHAPES), default="cpu-small")
+    p.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quant", default=None)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="HBM bandwidth for the roofline")
+    p.add_argument("--skip-eager", action="store_true")
+    p.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth for the roofline")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model
     if model_dir is None:
-        from model.synth import write_model_dir
+        from benchmarks.synth_fast import fast_model_dir
 
-        t0 = time.perf_counter()
-        model_dir = write_model_dir(Path(tmp.name) / "m", dtype=args.dtype, quant=args.quant, **SHAPES[args.synth])
-        print(f"wrote {args.synth} {args.dtype} {args.quant} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        shape = dict(SHAPES[args.synth])
+        if args.layers:
+            shape["num_hidden_layers"] = args.layers
+        model_dir = fast_model_dir(Path(tmp.name) / "m", dtype=args.dtype, quant=args.quant, **shape)
     loaded = load_model(model_dir)
-    engine = Engine(loaded.model, eos_token_ids=[])
+    from mlx_lm.utils import load_model as ref_load
+
+    ref_model, _ = ref_load(Path(model_dir))
     prompt = [(i * 37) % 400 + 3 for i in range(args.prompt_len)]
     kv_bytes = loaded.kv_bytes_per_token * (args.prompt_len + args.steps // 2)
     roofline = args.bandwidth_gbs * 1e9 / (loaded.weights_bytes + kv_bytes)
-    result = {"model": args.synth if args.model is None else str(args.model), "dtype": args.dtype,
-              "quant": args.quant, "device": str(mx.default_device()), "weights_gb": loaded.weights_bytes / 1e9,
-              "roofline_tok_s": roofline}
+    result = {"model": args.synth if args.model is None else str(args.model), "layers": args.layers,
+              "dtype": args.dtype, "quant": args.quant, "versions": versions(),
+              "weights_gb": loaded.weights_bytes / 1e9, "bandwidth_gbs": args.bandwidth_gbs,
+              "roofline_tok_s": roofline, "date": time.strftime("%Y-%m-%d")}
+    engines = {"ours": Engine(loaded.model, eos_token_ids=[], compile_decode=True)}
+    if not args.skip_eager:
+        engines["ours_eager"] = Engine(loaded.model, eos_token_ids=[], compile_decode=False)
     for b in [int(x) for x in args.batches.split(",")]:
-        ours = ours_decode(engine, prompt, args.steps, b)
-        ref = mlx_lm_decode(model_dir, prompt, args.steps) if b == 1 else mlx_lm_batch(model_dir, prompt, args.steps, b)
-        result[f"B{b}"] = {"ours_tok_s": ours, "mlx_lm_tok_s": ref, "ratio": ours / ref}
+        row = {}
+        for name, engine in engines.items():
+            row[f"{name}_tok_s"] = ours_decode(engine, prompt, args.steps, b)
+        row["mlx_lm_tok_s"] = (mlx_lm_decode(ref_model, prompt, args.steps) if b == 1
+                               else mlx_lm_batch(ref_model, prompt, args.steps, b))
+        row["ratio"] = row["ours_tok_s"] / row["mlx_lm_tok_s"]
         if b == 1:
-            result["B1"].update(ours_ms_step=1000 / ours, mlx_lm_ms_step=1000 / ref,
-                                ours_roofline_pct=100 * ours / roofline, mlx_lm_roofline_pct=100 * ref / roofline)
-        print(f"B={b}: {result[f'B{b}']}", file=sys.stderr)
+            for name in [*engines, "mlx_lm"]:
+                row[f"{name}_ms_step"] = 1000 / row[f"{name}_tok_s"]
+                row[f"{name}_roofline_pct"] = 100 * row[f"{name}_tok_s"] / roofline
+            row["profile"] = profile_b1(loaded.model, ref_model, prompt)
+        result[f"B{b}"] = row
+        print(f"B={b}: {json.dumps(row)}", file=sys.stderr, flush=True)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text)

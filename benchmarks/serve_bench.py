@@ -2,21 +2,29 @@
 
 Starts each server as a subprocess (one at a time, so they never share the machine), drives the
 same OpenAI streaming workloads through HTTP, and prints a markdown table of ratios (ours /
-mlx_lm) plus JSON. Workloads:
-  c1      one stream: decode tok/s and TTFT
-  cN      N concurrent streams (default 8 and 32): aggregate output tok/s, TTFT, ITL p50/p99
+mlx_lm) plus JSON (and PNG plots with --plots DIR). Workloads:
+  cN      N concurrent streams (default 1, 8 and 32): aggregate output tok/s, per-stream decode
+          tok/s, TTFT p50/p99, ITL p50/p99
   agent   multi-turn conversations sharing a long system prompt: turn-1 vs turn-N TTFT
-  joiner  a long-prompt request joins running streams: their max ITL (ours only meaningful)
+  joiner  a long-prompt request joins running streams: their max ITL while it prefills
+  abort   (ours only: needs /stats) client disconnects during decode and during prefill: seconds
+          and decode steps / prefill chunks until the row has left the batch
+  exit    SIGINT with N streams in flight: seconds until the process is gone
+
+Both servers get greedy decoding, the same max_tokens, and a batch as wide as the largest
+concurrency (ours: --batch N; mlx_lm.server: --decode-concurrency N, its default 32).
 
 Usage:
-  python benchmarks/serve_bench.py --model DIR [--max-tokens 128] [--concurrency 1,8,32]
-  python benchmarks/serve_bench.py --synth qwen3-0.6b --dtype bfloat16    # random weights, real shape
+  python benchmarks/serve_bench.py --model DIR
+  python benchmarks/serve_bench.py --synth qwen3-0.6b --dtype bfloat16      # random weights, real shape
+  python benchmarks/serve_bench.py --synth cpu-small --dtype float32 --max-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -32,6 +40,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 SHAPES = {
     # Real architectures, random weights (only shapes matter for speed).
@@ -43,14 +53,18 @@ SHAPES = {
                       tie_word_embeddings=False, rope_scaling="llama3", max_position_embeddings=131072),
     "cpu-small": dict(family="qwen3", hidden_size=256, num_hidden_layers=4, intermediate_size=768,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "cpu-medium": dict(family="qwen3", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=64),
 }
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
          "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
+MODEL_NAME = {"ours": "default", "mlx_lm": "default_model"}  # mlx_lm.server maps "default_model" to --model
+
 
 def text_of(n_words: int, seed: int) -> str:
-    return " ".join(WORDS[(seed * 7 + i * 13) % len(WORDS)] for i in range(n_words))
+    return " ".join(WORDS[(seed * 7 + i * 13 + (i * i) % 5) % len(WORDS)] for i in range(n_words))
 
 
 def free_port() -> int:
@@ -64,26 +78,38 @@ class Server:
         self.kind, self.port = kind, port
         if kind == "ours":
             cmd = [sys.executable, "-m", "actors.serve", "--model", str(model), "--port", str(port), *extra]
+        elif kind == "mlx_lm+blas":  # mlx_lm.server with the BLAS our server preloads (CPU fairness)
+            boot = ("import sys; from model.blas import preload_optimized_blas; preload_optimized_blas(); "
+                    "import runpy; sys.argv = ['mlx_lm'] + sys.argv[1:]; runpy.run_module('mlx_lm', run_name='__main__')")
+            cmd = [sys.executable, "-c", boot, "server", "--model", str(model), "--port", str(port), *extra]
         else:
             cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port), *extra]
         self.cmd = cmd
+        self.model_name = MODEL_NAME[kind.split("+")[0]]
         self.proc: subprocess.Popen | None = None
+        self.start_s = float("nan")
 
     def __enter__(self) -> "Server":
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.perf_counter()
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 600
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"{self.kind} server exited: {self.log.read().decode()[-2000:]}")
+                raise RuntimeError(f"{self.kind} server exited: {self.tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    self.start_s = time.perf_counter() - t0
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.25)
         raise RuntimeError(f"{self.kind} server did not become healthy")
+
+    def tail(self, n: int = 3000) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-n:]
 
     @property
     def url(self) -> str:
@@ -105,15 +131,17 @@ class Server:
             self.stop()
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+async def stream_chat(client: httpx.AsyncClient, server: Server, messages: list[dict], max_tokens: int,
+                      *, stop_after: int | None = None, stamps: list[float] | None = None) -> dict:
+    """One streaming chat completion; `stop_after` tokens → disconnect (returns at once).
+    `stamps` (optional) receives each content chunk's arrival time as it comes."""
+    body = {"model": server.model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    stamps: list[float] = []
+    stamps = [] if stamps is None else stamps
     text: list[str] = []
     usage = None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
+    async with _connect(client, server, body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -125,10 +153,33 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
                 if piece:
                     stamps.append(time.perf_counter())
                     text.append(piece)
+            if stop_after is not None and len(stamps) >= stop_after:
+                break
     end = time.perf_counter()
     tokens = (usage or {}).get("completion_tokens") or len(stamps)
     return {"ttft": (stamps[0] - t0) if stamps else end - t0, "stamps": stamps, "start": t0, "end": end,
             "tokens": tokens, "text": "".join(text), "usage": usage}
+
+
+@contextlib.asynccontextmanager
+async def _connect(client: httpx.AsyncClient, server: Server, body: dict):
+    """POST and open the stream, retrying refused/reset connections (mlx_lm.server's listen
+    backlog is socketserver's default of 5, so a burst of 32 connects gets some reset); the
+    caller's clock keeps running, so the wait counts against the server's TTFT."""
+    for attempt in range(200):
+        opened = False
+        try:
+            async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    detail = (await r.aread()).decode(errors="replace")[:500]
+                    raise RuntimeError(f"{server.kind}: HTTP {r.status_code}: {detail}")
+                opened = True
+                yield r
+                return
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            if opened or attempt == 199:
+                raise
+            await asyncio.sleep(0.02)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -138,69 +189,173 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def concurrent(url: str, c: int, max_tokens: int, prompt_words: int) -> dict:
+async def warm(client: httpx.AsyncClient, server: Server) -> None:
+    for i in range(2):
+        await stream_chat(client, server, [{"role": "user", "content": f"warm up {i}"}], 8)
+
+
+async def concurrent(server: Server, c: int, max_tokens: int, prompt_words: int, seed: int) -> dict:
     async with httpx.AsyncClient(timeout=None) as client:
-        await stream_chat(client, url, [{"role": "user", "content": "warm up"}], 4)
+        await warm(client, server)
         t0 = time.perf_counter()
         results = await asyncio.gather(*[
-            stream_chat(client, url, [{"role": "user", "content": text_of(prompt_words, i)}], max_tokens)
+            stream_chat(client, server, [{"role": "user", "content": f"{seed}.{i} " + text_of(prompt_words, seed + i)}],
+                        max_tokens)
             for i in range(c)
         ])
         wall = time.perf_counter() - t0
     itls = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
     total = sum(r["tokens"] for r in results)
-    decode_rates = [(r["tokens"] - 1) / (r["stamps"][-1] - r["stamps"][0])
+    decode_rates = [(len(r["stamps"]) - 1) / (r["stamps"][-1] - r["stamps"][0])
                     for r in results if len(r["stamps"]) > 1 and r["stamps"][-1] > r["stamps"][0]]
-    return {"concurrency": c, "agg_tok_s": total / wall, "ttft_p50": pct([r["ttft"] for r in results], 0.5),
-            "ttft_p99": pct([r["ttft"] for r in results], 0.99), "itl_p50": pct(itls, 0.5),
-            "itl_p99": pct(itls, 0.99), "per_stream_tok_s": statistics.mean(decode_rates) if decode_rates else 0.0}
+    return {"concurrency": c, "wall_s": wall, "tokens": total, "agg_tok_s": total / wall,
+            "ttft_p50": pct([r["ttft"] for r in results], 0.5), "ttft_p99": pct([r["ttft"] for r in results], 0.99),
+            "itl_p50": pct(itls, 0.5), "itl_p99": pct(itls, 0.99),
+            "per_stream_tok_s": statistics.mean(decode_rates) if decode_rates else 0.0,
+            "ttfts": [r["ttft"] for r in results], "itls": itls}
 
 
-async def agent(url: str, turns: int, system_words: int, max_tokens: int, agents: int = 2) -> dict:
-    system = text_of(system_words, 99)
+async def agent(server: Server, turns: int, system_words: int, max_tokens: int, agents: int = 2) -> dict:
     ttfts: dict[int, list[float]] = {t: [] for t in range(turns)}
     async with httpx.AsyncClient(timeout=None) as client:
+        await warm(client, server)
         for a in range(agents):
-            history = [{"role": "system", "content": system}]
+            history = [{"role": "system", "content": f"agent {a}. " + text_of(system_words, 99 + a)}]
             for t in range(turns):
                 history.append({"role": "user", "content": f"agent {a} turn {t}: " + text_of(30, a * 31 + t)})
-                r = await stream_chat(client, url, history, max_tokens)
+                r = await stream_chat(client, server, history, max_tokens)
                 ttfts[t].append(r["ttft"])
                 history.append({"role": "assistant", "content": r["text"]})
     first = statistics.mean(ttfts[0])
     later = statistics.mean(x for t in range(1, turns) for x in ttfts[t])
-    return {"turn1_ttft": first, "turnN_ttft": later, "speedup": first / later if later else float("nan")}
+    return {"turn1_ttft": first, "turnN_ttft": later, "speedup": first / later if later else float("nan"),
+            "by_turn": {t: statistics.mean(v) for t, v in ttfts.items()}}
 
 
-async def joiner(url: str, streams: int, max_tokens: int, long_words: int) -> dict:
+async def joiner(server: Server, streams: int, long_words: int) -> dict:
+    """Streams decode; a long prompt arrives; the streams' worst gap until its first token."""
     async with httpx.AsyncClient(timeout=None) as client:
-        await stream_chat(client, url, [{"role": "user", "content": "warm up"}], 4)
-        running = [asyncio.create_task(stream_chat(client, url, [{"role": "user", "content": text_of(20, i)}],
-                                                   max_tokens)) for i in range(streams)]
-        await asyncio.sleep(1.0)
+        await warm(client, server)
+        stamps: list[list[float]] = [[] for _ in range(streams)]
+        running = [asyncio.create_task(stream_chat(client, server, [{"role": "user", "content": text_of(20, i)}],
+                                                   100_000, stamps=stamps[i])) for i in range(streams)]
+        await asyncio.sleep(1.0)  # let them all start decoding
         t_join = time.perf_counter()
-        long = asyncio.create_task(stream_chat(client, url, [{"role": "user", "content": text_of(long_words, 5)}], 8))
-        results = await asyncio.gather(*running)
-        long_r = await long
-    during = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:]) if b >= t_join]
+        long_r = await stream_chat(client, server, [{"role": "user", "content": text_of(long_words, 5)}], 4)
+        await asyncio.sleep(0.2)
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    t_first = t_join + long_r["ttft"]
+    gaps = [(a, b - a) for st in stamps for a, b in zip(st, st[1:])]
+    before = [g for a, g in gaps if a + g < t_join]
+    during = [g for a, g in gaps if a + g >= t_join and a <= t_first]
     return {"max_itl_during_join": max(during) if during else float("nan"), "long_ttft": long_r["ttft"],
-            "itl_p50": pct([b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])], 0.5)}
+            "itl_p50_before": pct(before, 0.5), "running_streams": streams,
+            "running_tokens": [len(st) for st in stamps]}
+
+
+async def stats(client: httpx.AsyncClient, server: Server) -> dict:
+    return (await client.get(f"{server.url}/stats")).json()["batch"]
+
+
+async def abort(server: Server, max_tokens: int, long_words: int) -> dict:
+    """Disconnect mid-decode and mid-prefill; time until /stats counts the row aborted."""
+    out = {}
+    async with httpx.AsyncClient(timeout=None) as client:
+        await warm(client, server)
+        for phase, words, after in (("decode", 20, 4), ("prefill", long_words, 0)):
+            before = await stats(client, server)
+            body = {"model": server.model_name, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                    "messages": [{"role": "user", "content": f"abort {phase} " + text_of(words, 3)}]}
+            async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+                if after:
+                    n = 0
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and '"content"' in line:
+                            n += 1
+                            if n >= after:
+                                break
+                else:
+                    await asyncio.sleep(0.05)  # the request is in: admitted, prefilling
+                t0 = time.perf_counter()
+            # the stream is closed here: the client has disconnected
+            while True:
+                now = await stats(client, server)
+                if now["aborted_rows"] > before["aborted_rows"]:
+                    break
+                if time.perf_counter() - t0 > 30:
+                    now = None
+                    break
+                await asyncio.sleep(0.002)
+            dt = time.perf_counter() - t0
+            out[phase] = {"seconds": dt if now else float("nan"),
+                          "steps": (now["steps"] - before["steps"]) if now else None,
+                          "prefill_chunks": (now["prefill_chunks"] - before["prefill_chunks"]) if now else None}
+            # steps/chunks include those before the disconnect; report both raw counters
+    return out
+
+
+def exit_under_load(server: Server, streams: int, max_tokens: int) -> float:
+    async def go() -> float:
+        async with httpx.AsyncClient(timeout=None) as client:
+            tasks = [asyncio.create_task(stream_chat(client, server, [{"role": "user", "content": text_of(20, i)}],
+                                                     max_tokens)) for i in range(streams)]
+            await asyncio.sleep(0.3)  # every stream admitted and decoding
+            loop = asyncio.get_running_loop()
+            dt = await loop.run_in_executor(None, server.stop)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return dt
+
+    return asyncio.run(go())
 
 
 def run_suite(kind: str, model: Path, args) -> dict:
-    extra = args.ours_args if kind == "ours" else args.mlx_lm_args
-    out: dict = {"server": kind}
-    with Server(kind, model, free_port(), extra.split()) as server:
-        for c in args.concurrency:
-            out[f"c{c}"] = asyncio.run(concurrent(server.url, c, args.max_tokens, args.prompt_words))
-            print(f"  {kind} c={c}: {out[f'c{c}']}", file=sys.stderr)
-        if args.agent_turns:
-            out["agent"] = asyncio.run(agent(server.url, args.agent_turns, args.system_words, 16))
-            print(f"  {kind} agent: {out['agent']}", file=sys.stderr)
-        if args.joiner_words:
-            out["joiner"] = asyncio.run(joiner(server.url, 4, args.max_tokens, args.joiner_words))
-            print(f"  {kind} joiner: {out['joiner']}", file=sys.stderr)
-        out["exit_s"] = server.stop()
+    width = max(args.concurrency)
+    default = [f"--batch={width}"] if kind == "ours" else [f"--decode-concurrency={width}"]
+    if args.ours_args and kind == "ours" and "--batch" in args.ours_args:
+        default = []
+    extra = default + (args.ours_args if kind == "ours" else args.mlx_lm_args).split()
+    out: dict = {"server": kind, "args": extra}
+    with Server(kind, model, free_port(), extra) as server:
+        out["start_s"] = server.start_s
+        try:
+            for c in args.concurrency:
+                try:
+                    runs = [asyncio.run(concurrent(server, c, args.max_tokens, args.prompt_words, seed=100 * r + c))
+                            for r in range(args.repeats)]
+                except Exception as e:  # noqa: BLE001
+                    out[f"c{c}_error"] = f"{type(e).__name__}: {e}"
+                    print(f"  {kind} c={c}: {out[f'c{c}_error']}", file=sys.stderr, flush=True)
+                    continue
+                best = max(runs, key=lambda x: x["agg_tok_s"])
+                best["agg_tok_s_all"] = [x["agg_tok_s"] for x in runs]
+                out[f"c{c}"] = best
+                print(f"  {kind} c={c}: " + json.dumps({k: v for k, v in best.items() if k not in ("ttfts", "itls")}),
+                      file=sys.stderr, flush=True)
+            extras = []
+            if args.agent_turns:
+                extras.append(("agent", lambda: agent(server, args.agent_turns, args.system_words, 16)))
+            if args.joiner_words:
+                extras.append(("joiner", lambda: joiner(server, 4, args.joiner_words)))
+            if args.abort and kind == "ours":
+                extras.append(("abort", lambda: abort(server, 4 * args.max_tokens, args.joiner_words or 2000)))
+            for name, make in extras:
+                try:
+                    out[name] = asyncio.run(make())
+                except Exception as e:  # noqa: BLE001 - one failed workload must not lose the rest
+                    out[f"{name}_error"] = f"{type(e).__name__}: {e}"
+                print(f"  {kind} {name}: {out.get(name, out.get(name + '_error'))}", file=sys.stderr, flush=True)
+            if args.exit_streams:
+                out["exit_s"] = exit_under_load(server, args.exit_streams, 4 * args.max_tokens)
+            else:
+                out["exit_s"] = server.stop()
+            print(f"  {kind} exit: {out['exit_s']:.2f}s", file=sys.stderr, flush=True)
+        except Exception:
+            print(server.tail(), file=sys.stderr)
+            raise
     return out
 
 
@@ -212,61 +367,154 @@ def ratio_table(ours: dict, ref: dict, args) -> str:
         rows.append(f"| {work} | {metric} | {a:.4g} | {b:.4g} | {r:.2f}x{' (speed-up)' if lower_is_better else ''} |")
 
     for c in args.concurrency:
+        if f"c{c}" not in ours or f"c{c}" not in ref:
+            rows.append(f"| c={c} | (failed: {ours.get(f'c{c}_error') or ref.get(f'c{c}_error')}) | | | |")
+            continue
         a, b = ours[f"c{c}"], ref[f"c{c}"]
         row(f"c={c}", "aggregate tok/s", a["agg_tok_s"], b["agg_tok_s"])
         row(f"c={c}", "per-stream decode tok/s", a["per_stream_tok_s"], b["per_stream_tok_s"])
         row(f"c={c}", "TTFT p50 s", a["ttft_p50"], b["ttft_p50"], lower_is_better=True)
+        row(f"c={c}", "ITL p50 s", a["itl_p50"], b["itl_p50"], lower_is_better=True)
         row(f"c={c}", "ITL p99 s", a["itl_p99"], b["itl_p99"], lower_is_better=True)
-    if "agent" in ours:
+    if "agent" in ours and "agent" in ref:
+        row("agent", "turn-1 TTFT s", ours["agent"]["turn1_ttft"], ref["agent"]["turn1_ttft"], lower_is_better=True)
         row("agent", "turn-N TTFT s", ours["agent"]["turnN_ttft"], ref["agent"]["turnN_ttft"], lower_is_better=True)
-        rows.append(f"| agent | turn-1 / turn-N TTFT (ours) | {ours['agent']['speedup']:.2f}x | "
+        rows.append(f"| agent | turn-1 / turn-N TTFT | {ours['agent']['speedup']:.2f}x | "
                     f"{ref['agent']['speedup']:.2f}x | |")
-    if "joiner" in ours:
+    if "joiner" in ours and "joiner" in ref:
         row("long joiner", "max ITL of running streams s", ours["joiner"]["max_itl_during_join"],
             ref["joiner"]["max_itl_during_join"], lower_is_better=True)
-    row("Ctrl-C", "exit seconds", ours["exit_s"], ref["exit_s"], lower_is_better=True)
+    if "abort" in ours:
+        for phase, v in ours["abort"].items():
+            rows.append(f"| abort ({phase}) | disconnect → row gone s (ours only) | {v['seconds']:.4g} | | |")
+    label = f"exit s, {args.exit_streams} streams in flight" if args.exit_streams else "exit s, idle"
+    row("SIGINT", label, ours["exit_s"], ref["exit_s"], lower_is_better=True)
     return "\n".join(rows)
+
+
+def plots(results: dict, args, out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kinds = [k for k in ("ours", "mlx_lm") if k in results]
+    tag = f"{results['model']}-{results['dtype']}{'-' + results['quant'] if results['quant'] else ''}"
+    files = []
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for k in kinds:
+        cs = [c for c in args.concurrency if f"c{c}" in results[k]]
+        ax.plot(cs, [results[k][f"c{c}"]["agg_tok_s"] for c in cs], marker="o", label=k)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate output tok/s")
+    ax.set_xscale("log", base=2)
+    ax.set_title(tag)
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / f"throughput-{tag}.png"
+    fig.savefig(path, dpi=110)
+    files.append(str(path))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    c = max(args.concurrency)
+    for k in kinds:
+        r = results[k].get(f"c{c}")
+        if r is None:
+            continue
+        axes[0].hist([1000 * x for x in r["ttfts"]], bins=20, alpha=0.5, label=k)
+        axes[1].hist([1000 * x for x in r["itls"]], bins=40, alpha=0.5, label=k, log=True)
+    axes[0].set_xlabel(f"TTFT ms (c={c})")
+    axes[1].set_xlabel(f"ITL ms (c={c})")
+    for a in axes:
+        a.legend()
+    fig.suptitle(tag)
+    fig.tight_layout()
+    path = out_dir / f"latency-{tag}.png"
+    fig.savefig(path, dpi=110)
+    files.append(str(path))
+    return files
+
+
+def versions() -> dict:
+    info = {"python": platform.python_version(), "platform": platform.platform(), "processor": platform.processor()}
+    for name in ("mlx", "mlx_lm", "trio", "hypercorn"):
+        try:
+            from importlib.metadata import version
+
+            info[name] = version(name.replace("_", "-"))
+        except Exception:  # noqa: BLE001
+            info[name] = None
+    try:
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+        info["cores"] = os.cpu_count()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        info["gpu"] = None
+    return info
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path)
     p.add_argument("--synth", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="override the synth shape's layer count")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quant", default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-words", type=int, default=60)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--repeats", type=int, default=1, help="runs per concurrency; the best is kept")
     p.add_argument("--agent-turns", type=int, default=4)
     p.add_argument("--system-words", type=int, default=1500)
     p.add_argument("--joiner-words", type=int, default=3000)
+    p.add_argument("--abort", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--exit-streams", type=int, default=8, help="streams in flight at SIGINT (0: exit idle)")
     p.add_argument("--ours-args", default="")
     p.add_argument("--mlx-lm-args", default="")
     p.add_argument("--only", choices=["ours", "mlx_lm"], default=None)
+    p.add_argument("--mlx-lm-blas", action="store_true",
+                   help="start mlx_lm.server with the optimized BLAS our server preloads (Linux CPU)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
     args = p.parse_args()
 
     tmp = None
     model = args.model
     if model is None:
-        from model.synth import write_model_dir
+        from benchmarks.synth_fast import fast_model_dir
 
         tmp = tempfile.TemporaryDirectory()
         shape = dict(SHAPES[args.synth or "cpu-small"])
-        model = write_model_dir(Path(tmp.name) / "m", dtype=args.dtype, quant=args.quant, **shape)
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "model": str(args.synth or model),
-               "dtype": args.dtype, "quant": args.quant, "max_tokens": args.max_tokens}
+        if args.layers:
+            shape["num_hidden_layers"] = args.layers
+        model = fast_model_dir(Path(tmp.name) / "m", dtype=args.dtype, quant=args.quant, **shape)
+    results = {"date": time.strftime("%Y-%m-%d"), "versions": versions(), "model": str(args.synth or model),
+               "layers": args.layers, "dtype": args.dtype, "quant": args.quant, "max_tokens": args.max_tokens,
+               "prompt_words": args.prompt_words, "argv": sys.argv[1:]}
     kinds = [args.only] if args.only else ["ours", "mlx_lm"]
     for kind in kinds:
-        print(f"running {kind} ...", file=sys.stderr)
-        results[kind] = run_suite(kind, model, args)
+        print(f"running {kind} ...", file=sys.stderr, flush=True)
+        launch = "mlx_lm+blas" if kind == "mlx_lm" and args.mlx_lm_blas else kind
+        results[kind] = run_suite(launch, model, args)
+    results["mlx_lm_blas"] = args.mlx_lm_blas
     if len(kinds) == 2:
         results["table"] = ratio_table(results["ours"], results["mlx_lm"], args)
         print(results["table"])
+    if args.plots:
+        try:
+            results["plots"] = plots(results, args, args.plots)
+        except Exception as e:  # noqa: BLE001
+            results["plots"] = f"failed: {e}"
     text = json.dumps(results, indent=2, default=str)
     if args.out:
         args.out.write_text(text)
-    print(text)
+    print(json.dumps({k: v for k, v in results.items() if k not in ("ours", "mlx_lm")}, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -108,6 +108,13 @@ class Attention(nn.Module):
         self.rope = make_rope(hd, args)
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        queries, keys, values = self.project(x, cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        return self.output(self.attend(queries, keys, values, mask))
+
+    # The three stages, split so a compiled decode step (CompiledDecode) can run the
+    # shape-stable ones fused and only the cache update + attention eagerly.
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         B, L, _ = x.shape
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         queries = queries.reshape(B, L, self.n_heads, -1)
@@ -117,14 +124,14 @@ class Attention(nn.Module):
         queries = queries.transpose(0, 2, 1, 3)
         keys = keys.transpose(0, 2, 1, 3)
         values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
 
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
-        keys, values = cache.update_and_fetch(keys, values)
-        output = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=self.scale, mask=mask
-        )
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> mx.array:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+
+    def output(self, attended: mx.array) -> mx.array:
+        B, _, L, _ = attended.shape
+        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -149,6 +156,14 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    # CompiledDecode's stages: the same ops as __call__, in the same order.
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(self.input_layernorm(x), offset)
+
+    def finish(self, x: mx.array, attended: mx.array) -> mx.array:
+        h = x + self.self_attn.output(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -205,3 +220,90 @@ def head_dim_of(raw: dict[str, Any]) -> int:
 def default_theta(raw: dict[str, Any], fallback: float) -> float:
     theta = raw.get("rope_theta")
     return float(theta) if theta is not None and not math.isnan(float(theta)) else fallback
+
+
+def _structure(layer: nn.Module) -> tuple:
+    """Everything about a layer that is not an array (bits, group sizes, head counts, RoPE
+    settings): the traced graph bakes these in, so layers share compiled stages only when equal."""
+    out = []
+    for name, module in layer.named_modules():
+        plain = sorted(
+            (k, repr(v)) for k, v in vars(module).items()
+            if k not in ("_training", "_no_grad") and isinstance(v, (bool, int, float, str, type(None), tuple))
+        )
+        out.append((name, type(module).__name__, tuple(plain)))
+    return tuple(out)
+
+
+class CompiledDecode:
+    """One decode forward (L == 1) whose shape-stable stages run as compiled, fused graphs.
+
+    A decode step is host-bound on small models: building the graph op by op in Python costs
+    more than the device needs to run it. Per layer, everything except the KV-cache update and
+    the attention itself has shapes that do not change from step to step (only the KV length
+    grows), so it is compiled once per batch size: [embed + layer 0's projections], then per
+    layer [o_proj + residual + MLP + residual + the next layer's norm, q/k/v, q/k norms, RoPE],
+    then [final norm + LM head]. The cache update and scaled_dot_product_attention stay eager
+    (their shapes grow every step). The ops and their order are exactly `DecoderModel.__call__`'s,
+    so results are identical to the eager graph.
+
+    One compiled function serves every layer: layer weights are inputs, not constants, and
+    a template layer (layer 0, restored afterwards) is re-pointed at them while tracing. That
+    needs every layer to have the same structure (same quantization, say); otherwise
+    `enabled` is False and the caller uses the eager forward.
+    """
+
+    def __init__(self, model: "DecoderModel") -> None:
+        self.model = model
+        layers = model.layers
+        self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
+        self._params = [layer.parameters() for layer in layers]
+        self._template = layers[0] if layers else None
+        self._first = mx.compile(self._first_fn)
+        self._mid = mx.compile(self._mid_fn)
+        self._last = mx.compile(self._last_fn)
+
+    def _as(self, params: dict) -> "DecoderLayer":
+        self._template.update(params)
+        return self._template
+
+    def _restore(self) -> None:
+        self._template.update(self._params[0])
+
+    def _first_fn(self, p0: dict, tokens: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        try:
+            h = self.model.model.embed_tokens(tokens)
+            return (h, *self._as(p0).project(h, offset))
+        finally:
+            self._restore()
+
+    def _mid_fn(self, pa: dict, pb: dict, x: mx.array, attended: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        try:
+            h = self._as(pa).finish(x, attended)
+            return (h, *self._as(pb).project(h, offset))
+        finally:
+            self._restore()
+
+    def _last_fn(self, p: dict, x: mx.array, attended: mx.array) -> mx.array:
+        try:
+            h = self.model.model.norm(self._as(p).finish(x, attended))
+            return self.model.logits(h[:, -1, :])
+        finally:
+            self._restore()
+
+    def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+        """tokens [B, 1] → logits [B, vocab]; updates `caches` like `DecoderModel.__call__`."""
+        mask = caches[0].make_mask(1)
+        offset = caches[0].offset
+        if isinstance(offset, int):
+            offset = mx.array(offset)
+        params, layers = self._params, self.model.layers
+        h, q, k, v = self._first(params[0], tokens, offset)
+        last = len(caches) - 1
+        for i, cache in enumerate(caches):
+            keys, values = cache.update_and_fetch(k, v)
+            attended = layers[i].self_attn.attend(q, keys, values, mask)
+            if i == last:
+                return self._last(params[i], h, attended)
+            h, q, k, v = self._mid(params[i], params[i + 1], h, attended, offset)
+        raise AssertionError("unreachable")

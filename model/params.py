@@ -8,6 +8,28 @@ from __future__ import annotations
 
 import attrs
 
+# Constraint kinds (model/grammar.py compiles each; api/structured.py builds them from requests).
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "lark", "tool_call")
+
+
+@attrs.frozen
+class Constraint:
+    """A structured-output constraint as plain data: it crosses the actor boundary inside
+    SamplingParams and is compiled on the GPU-worker thread (cached per constraint).
+
+    kind: "json_object" (spec ignored: any JSON object), "json_schema" (spec: the schema as JSON
+    text), "regex" (spec: the pattern, matched in full), "choice" (spec: a JSON array of strings),
+    "grammar" (spec: EBNF/GBNF, or Lark), "lark" (spec: llguidance Lark, may embed %json),
+    "tool_call" (spec: JSON {"format": hermes | llama3_json | mistral, "tools": [{"name",
+    "parameters"}]}: exactly one call to one of the tools, in the model's tool-call format).
+    strict: for json_schema, reject schema keywords the engine cannot enforce instead of
+    ignoring them.
+    """
+
+    kind: str = attrs.field(validator=attrs.validators.in_(CONSTRAINT_KINDS))
+    spec: str = ""
+    strict: bool = False
+
 
 @attrs.frozen
 class SamplingParams:
@@ -29,6 +51,8 @@ class SamplingParams:
     seed: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    # Structured output: the row samples only tokens the grammar allows (model/grammar.py).
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -37,6 +61,7 @@ class SamplingParams:
             self.temperature == 0.0
             and not self.has_processors
             and self.xtc_probability == 0.0
+            and self.constraint is None  # a grammar row masks its logits per row
         )
 
     @property

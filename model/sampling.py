@@ -7,16 +7,29 @@ argmax when T = 0.
 
 Randomness never touches MLX's global RNG: each row draws from `key(seed, step)`, so a seeded row
 samples the same tokens whatever else shares the batch.
+
+Structured output: a row whose params carry a `Constraint` owns a `RowGrammar` (model/grammar.py);
+`process` applies its allowed-token mask after the logits processors, so the logprobs and every
+sampler filter see only what the grammar allows. The engine reports each token fed back into the
+model through `observe`, before the row's next `process`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
+import attrs
 import mlx.core as mx
+import numpy as np
 
 from model.params import SamplingParams
+
+if TYPE_CHECKING:
+    from model.grammar import GrammarCompiler, RowGrammar
+
+log = logging.getLogger(__name__)
 
 Processor = Callable[[mx.array, mx.array], mx.array]
 
@@ -120,22 +133,54 @@ def apply_xtc(
     return mx.where(apply, mx.where(mask, -mx.inf, logits), logits)
 
 
+def apply_token_mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """-inf wherever `allowed` ([V] bools, V = logits' last axis) is False."""
+    return mx.where(mx.array(allowed), logits, mx.array(-float("inf"), logits.dtype))
+
+
 class RowSampler:
     """Everything one row needs to turn its [1, V] logits into the next token."""
 
-    def __init__(self, params: SamplingParams, *, protected_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        protected_ids: Iterable[int] = (),
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.params = params
         self.processors, self.history_size = make_processors(params)
         protected = sorted(set(protected_ids))
         self._protected = mx.array(protected) if protected else None
+        self.grammar: RowGrammar | None = None
+        self._greedy = params.is_greedy
+        if params.constraint is not None:
+            if grammars is not None:
+                try:
+                    self.grammar = grammars.matcher(params.constraint)
+                except Exception:  # validated on the API side; never fail the row over it
+                    log.exception("constraint %s did not compile: not enforced", params.constraint.kind)
+            if self.grammar is None:
+                self._greedy = attrs.evolve(params, constraint=None).is_greedy
 
     @property
     def greedy(self) -> bool:
-        return self.params.is_greedy
+        return self._greedy
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
+
+    def observe(self, index: int, token: int) -> None:
+        """The row's token at `index` (0 = first generated) is known; idempotent per index."""
+        if self.grammar is not None:
+            self.grammar.observe(index, token)
 
     def process(self, history: mx.array | None, logits: mx.array) -> mx.array:
         for processor in self.processors:
             logits = processor(history if history is not None else mx.array([], mx.int32), logits)
+        if self.grammar is not None:
+            logits = apply_token_mask(logits, self.grammar.mask(logits.shape[-1]))
         return logits
 
     def sample(self, logprobs: mx.array, step: int) -> mx.array:
@@ -153,6 +198,18 @@ class RowSampler:
         if p.top_k > 0:
             logprobs = apply_top_k(logprobs, p.top_k)
         return mx.random.categorical(logprobs * (1.0 / p.temperature), key=key)
+
+
+def observe_batch(samplers: list[RowSampler], indices: list[int], tokens: list[int]) -> None:
+    """Each row's token at its index is known (see RowSampler.observe); then the constrained rows'
+    next masks are filled together, in parallel, ready for their `process` calls."""
+    for sampler, index, token in zip(samplers, indices, tokens):
+        sampler.observe(index, token)
+    grammars = [s.grammar for s in samplers if s.grammar is not None]
+    if len(grammars) > 1:
+        from model.grammar import fill_masks
+
+        fill_masks(grammars)
 
 
 def logprobs_of(logits: mx.array) -> mx.array:

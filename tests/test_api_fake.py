@@ -65,11 +65,14 @@ async def test_models_and_stats(autojump_clock):
         assert stats["admission"]["max_safe_context"] == 4096
 
 
-async def test_unknown_routes_and_methods_are_json_404(autojump_clock):
+async def test_unknown_route_is_json_404_and_wrong_method_json_405(autojump_clock):
     async with server() as (client, _, _):
-        for response in (await client.get("/nope"), await client.get(CHAT)):
-            assert response.status_code == 404
-            assert (await error_of(response))["message"] == "not found"
+        response = await client.get("/nope")
+        assert response.status_code == 404
+        assert (await error_of(response))["message"] == "not found"
+        response = await client.get(CHAT)  # issue 4: a wrong method is a 405, not a 404
+        assert response.status_code == 405 and "POST" in response.headers["Allow"]
+        assert (await error_of(response))["code"] == "method_not_allowed"
 
 
 async def test_bad_input_is_400_in_the_openai_shape(autojump_clock):

@@ -48,6 +48,12 @@ def test_prompt_open_think_detection():
     assert not prompt_ends_in_open_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_ends_in_open_think("plain prompt")
     assert prompt_ends_in_open_think("<think>old</think> then <think>")
+    assert prompt_ends_in_open_think("<|im_start|>assistant\n<think>\n\n")
+
+
+def test_a_think_tag_quoted_in_a_message_does_not_open_reasoning():
+    prompt = "<|im_start|>user\nwhat does <think> do?<|im_end|>\n<|im_start|>assistant\n"
+    assert not prompt_ends_in_open_think(prompt)
 
 
 def test_without_think_the_tags_are_ordinary_content():

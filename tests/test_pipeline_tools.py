@@ -254,6 +254,13 @@ def test_detection_of_llama3_and_family_fallbacks():
     assert detect_tool_format(None, "gpt2") is None
 
 
+def test_detection_of_a_plain_llama3_template_without_meta_wording():
+    # e.g. model/synth_tokenizer.py's llama3 template: header tokens plus {"name", "parameters"}.
+    template = "<|start_header_id|>assistant<|end_header_id|>{{ '{\"name\": \"' + call.name + '\", \"parameters\": ' }}"
+    assert detect_tool_format(template, None) == "llama3_json"
+    assert detect_tool_format("<|start_header_id|>{{ messages }}", None) is None  # no call format taught
+
+
 def test_unknown_format_is_rejected():
     with pytest.raises(ValueError):
         make_tool_router("nope", tools_present=True)

@@ -10,9 +10,13 @@ THINK_CLOSE = "</think>"
 
 
 def prompt_ends_in_open_think(prompt_text: str) -> bool:
-    """True when the rendered prompt leaves a `<think>` block open (e.g. Qwen3 / DeepSeek-R1
-    templates that pre-fill `<think>\\n`), so generation starts inside reasoning."""
-    return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
+    """True when the rendered prompt ends in an open `<think>` (Qwen3 / DeepSeek-R1 templates
+    pre-fill `<think>\\n`), so generation starts inside reasoning.
+
+    Only the very end counts (trailing whitespace aside): a `<think>` quoted inside a message
+    leaves the block "open" by a tag count, yet the reply starts outside reasoning.
+    """
+    return prompt_text.rstrip().endswith(THINK_OPEN)
 
 
 class ThinkSplitter:

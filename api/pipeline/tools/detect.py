@@ -12,6 +12,9 @@ _TEMPLATE_SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hermes", ("<tool_call>",)),
     ("llama3_json", ("<|python_tag|>",)),
     ("llama3_json", ('"parameters": dictionary of argument name',)),
+    # Llama 3.x templates that render calls as {"name": …, "parameters": …} without the
+    # Meta system-prompt wording (custom / fine-tuned checkpoints).
+    ("llama3_json", ("<|start_header_id|>", '"parameters"')),
 )
 
 # Only used when the template names no format (or there is no template).

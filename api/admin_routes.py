@@ -1,0 +1,43 @@
+"""Admin routes of the cache SSD tier: POST /admin/cache/flush (spec §1.14).
+
+The flush is single-flight (concurrent callers share one) and makes every dirty prompt-cache
+record durable now, writing without waiting for an idle engine. Body: the flush result (the
+reference's camelCase fields) plus `entries` and `longest_durable_prefix_tokens`; 200 when
+durable, 503 otherwise. Without --ssd-cache: 200 with zeros. Access control for /admin/* is
+api/security.py's (loopback, or the admin token).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quart import Blueprint, Response
+
+
+def flush_body(result: Any, ssd: Any) -> dict[str, Any]:
+    return {
+        "durable": result.durable,
+        "flushedSnapshots": result.flushed_snapshots,
+        "missingSnapshots": result.missing_snapshots,
+        "pendingSnapshots": result.pending_snapshots,
+        "pendingSpills": result.pending_spills,
+        "pendingSpillBytes": result.pending_spill_bytes,
+        "droppedSpills": result.dropped_spills,
+        "failedSpills": result.failed_spills,
+        "elapsedMs": result.elapsed_ms,
+        "entries": 0 if ssd is None else len(ssd.store),
+        "longest_durable_prefix_tokens": 0 if ssd is None else ssd.store.longest_durable_prefix_tokens,
+    }
+
+
+def blueprint(handles: Any) -> Blueprint:
+    bp = Blueprint("admin_cache", __name__)
+
+    @bp.post("/admin/cache/flush")
+    async def flush() -> Response:
+        result = await handles.flush_cache()
+        body = flush_body(result, getattr(handles, "ssd", None))
+        return Response(json.dumps(body), status=200 if result.durable else 503, content_type="application/json")
+
+    return bp

@@ -1,0 +1,45 @@
+"""/health that tells the truth: 503 with a reason when the engine cannot serve.
+
+The healthy answer stays the route's own byte-exact `{"status": "ok"}` (api/openai_routes.py);
+this hook only answers first when something is wrong, so a dead engine never looks healthy
+while requests hang:
+
+* `model not loaded` — the handles carry no model info;
+* `gpu worker is not running` — the worker (`handles.worker`) reports `alive == False` (its MLX
+  thread died or was never started); a worker without an `alive` flag counts as alive;
+* `shutting down` — admission is closed (a draining server leaves the load balancer's rotation).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quart import Response, request
+
+
+def health_problem(handles: Any) -> str | None:
+    """Why the server cannot serve right now, or None."""
+    if getattr(handles, "info", None) is None:
+        return "model not loaded"
+    worker = getattr(handles, "worker", None)
+    if worker is not None and not getattr(worker, "alive", True):
+        return "gpu worker is not running"
+    admission = getattr(handles, "admission", None)
+    if admission is not None and getattr(admission, "closed", False):
+        return "shutting down"
+    return None
+
+
+def unhealthy_response(reason: str) -> Response:
+    body = json.dumps({"status": "unavailable", "reason": reason})
+    return Response(body, status=503, content_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+def install_health(app: Any, handles: Any) -> None:
+    @app.before_request
+    async def health_gate() -> Response | None:
+        if request.path != "/health" or request.method not in ("GET", "HEAD"):
+            return None
+        problem = health_problem(handles)
+        return None if problem is None else unhealthy_response(problem)

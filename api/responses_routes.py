@@ -1,0 +1,146 @@
+"""OpenAI Responses routes: POST /v1/responses, GET / DELETE /v1/responses/{id} (spec §1.5).
+
+A Responses request is resolved against the store (`previous_response_id`: stored input +
+stored output re-fed as input, reasoning dropped, instructions carried forward unless
+replaced), translated into an OpenAI-chat body and run through `start_chat`, the one chat
+pipeline. The finished Response object is stored under its id unless the request says
+`store: false` (failed streams are never stored). Errors use the Responses shape (the app's
+error handler dispatches /v1/responses* here).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from quart import Blueprint, Response
+
+from api import openai_routes
+from api.errors import ApiError, bad_request
+from api.protocol_common import (
+    Completion,
+    add_events,
+    collect,
+    finish,
+    json_body,
+    json_response,
+    log_stream_failure,
+    sse_response,
+)
+from api.response_store import ResponseStore
+from api.responses_translate import (
+    ResponseMeta,
+    ResponsesStream,
+    error_body,
+    input_items,
+    output_to_input,
+    response_object,
+    responses_to_chat,
+)
+
+log = logging.getLogger(__name__)
+
+PATH_PREFIX = "/v1/responses"
+
+
+def blueprint(handles: Any, *, store: ResponseStore | None = None) -> Blueprint:
+    bp = Blueprint("responses", __name__)
+    store = store if store is not None else ResponseStore()
+    bp.response_store = store  # type: ignore[attr-defined]  # for tests and /stats-style probes
+
+    @bp.post("/v1/responses")
+    async def create() -> Response:
+        body = await json_body()
+        previous_id = body.get("previous_response_id")
+        items = input_items(body.get("input"))
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise bad_request("instructions must be a string", param="instructions")
+        if previous_id is not None:
+            if not isinstance(previous_id, str):
+                raise bad_request("previous_response_id must be a string", param="previous_response_id")
+            previous = store.get(previous_id)
+            if previous is None:
+                raise ApiError(404, f"previous_response_id '{previous_id}' not found or expired",
+                               param="previous_response_id", code="previous_response_not_found")
+            items = [*previous.input, *output_to_input(previous.output), *items]
+            if instructions is None:
+                instructions = previous.instructions
+        keep = body.get("store", True) is not False
+        chat = responses_to_chat(body, items, instructions)
+        started = await openai_routes.start_chat(handles, chat)
+        meta = ResponseMeta(body, model=handles.info.name, instructions=instructions,
+                            previous_response_id=previous_id, store=keep)
+
+        def remember(final: dict[str, Any]) -> None:
+            if keep and final["status"] != "failed":
+                store.put(final["id"], input=items, output=final["output"], instructions=instructions, response=final)
+
+        if started.gen.stream:
+            return sse_response(_stream(started.actor, ResponsesStream(meta), remember))
+        final = response_object(await collect(started.actor), meta)
+        remember(final)
+        return json_response(final)
+
+    @bp.get("/v1/responses/<response_id>")
+    async def retrieve(response_id: str) -> Response:
+        return json_response(_stored(store, response_id).response)
+
+    @bp.get("/v1/responses/<response_id>/input_items")
+    async def input_items_list(response_id: str) -> Response:
+        entry = _stored(store, response_id)
+        data = [{"id": item.get("id") or f"item_{i}", **item} for i, item in enumerate(entry.input)]
+        return json_response({
+            "object": "list", "data": data, "has_more": False,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+        })
+
+    @bp.delete("/v1/responses/<response_id>")
+    async def delete(response_id: str) -> Response:
+        if not store.delete(response_id):
+            raise _not_found(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    return bp
+
+
+def _stored(store: ResponseStore, response_id: str) -> Any:
+    entry = store.get(response_id)
+    if entry is None:
+        raise _not_found(response_id)
+    return entry
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"response '{response_id}' not found or expired", code="not_found")
+
+
+async def _stream(actor: Any, stream: ResponsesStream, remember: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
+    completion = Completion()
+    try:
+        yield stream.start()
+        while (events := await actor.next_events()) is not None:
+            add_events(completion, events)
+            if frames := stream.add(events):
+                yield frames
+        finish(completion, actor)
+        closing, final = stream.finish(
+            finish_reason=completion.finish_reason, openai_usage=completion.usage, reasoning=completion.reasoning
+        )
+        remember(final)  # before response.completed: a client may continue from it at once
+        yield closing
+    except Exception as exc:  # after the headers an exception would only truncate the body
+        log_stream_failure(exc, "responses")
+        message = str(exc) or type(exc).__name__
+        error = stream.error(message)  # the protocol's error event, then its normal closing frames
+        closing, _ = stream.finish(
+            finish_reason="stop", openai_usage=actor.usage(), reasoning=completion.reasoning, error=message
+        )
+        yield error + closing
+    finally:
+        actor.close()
+
+
+def error_response(error: ApiError) -> Response:
+    return json_response(error_body(error), status=error.status, headers=error.headers)

@@ -1,0 +1,234 @@
+"""Who may call what, and how big a body may be: API key, admin gate, CORS, body cap.
+
+Route classes (checked before routing, so an unknown path behind a gate answers 401/403 too and
+does not reveal which routes exist):
+
+| path                     | rule                                                                |
+|--------------------------|---------------------------------------------------------------------|
+| `/v1`, `/v1/*`           | `--api-key` when set: `Authorization: Bearer <key>` or `x-api-key`  |
+| `/admin/*`               | loopback clients (or a unix socket), else `--admin-token` (Bearer   |
+|                          | or `x-admin-token`); 403 when no token is configured               |
+| `/health`, `/metrics`,   | open, like vLLM's (`--api-key` there guards only /v1): keep them    |
+| `/stats`, everything else| off the public network with a firewall if that matters              |
+
+Behind a reverse proxy on the same host every client is loopback: set `--admin-token` there.
+
+Bodies: a `Content-Length` over `--max-body-mb` (MiB, default 16; 0 = no cap) is refused with 413
+before a byte is read; a chunked body is cut at the same cap while it is read (Quart's
+`MAX_CONTENT_LENGTH`). Both answer in the route's API error shape.
+
+CORS is off by default: no `Access-Control-*` header is ever sent, and an `OPTIONS` request is
+an ordinary request (gated like any other, then Quart's automatic `Allow` answer). `--cors-origin` (repeatable, or comma-separated; `*` for any origin)
+answers preflights with 204 (no credentials needed: browsers send none on a preflight) and adds
+`Access-Control-Allow-Origin` to responses for allowed origins. Credentials are never allowed:
+the API authenticates with bearer keys, not cookies.
+
+Every refusal is an error in the route's API shape (`api.errors.error_response_for`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+from quart import Response, request
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from api.errors import ApiError, error_response_for
+
+DEFAULT_MAX_BODY_MB = 16.0  # Quart's and Flask's usual cap; ~4M tokens of text, past any context
+CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
+CORS_DEFAULT_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, openai-beta"
+CORS_EXPOSE_HEADERS = "Retry-After, X-Request-Id"
+CORS_MAX_AGE_S = 600
+
+
+@attrs.frozen
+class SecurityOptions:
+    api_key: str | None = None
+    admin_token: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int | None = int(DEFAULT_MAX_BODY_MB * 2**20)  # None: no cap
+
+    @classmethod
+    def from_config(cls, config: Any) -> SecurityOptions:
+        """From a `ServeConfig` (or anything with some of its fields; missing ones default)."""
+        mb = getattr(config, "max_body_mb", DEFAULT_MAX_BODY_MB)
+        return cls(
+            api_key=getattr(config, "api_key", None) or None,
+            admin_token=getattr(config, "admin_token", None) or None,
+            cors_origins=parse_origins(getattr(config, "cors_origins", ()) or ()),
+            max_body_bytes=int(mb * 2**20) if mb else None,
+        )
+
+    @property
+    def cors(self) -> bool:
+        return bool(self.cors_origins)
+
+    def origin_allowed(self, origin: str) -> bool:
+        return "*" in self.cors_origins or origin.rstrip("/") in self.cors_origins
+
+
+def parse_origins(values: Iterable[str] | str) -> tuple[str, ...]:
+    """`--cors-origin` values: each may hold several, comma-separated; trailing slashes dropped."""
+    if isinstance(values, str):
+        values = [values]
+    out: list[str] = []
+    for value in values:
+        for origin in value.split(","):
+            origin = origin.strip().rstrip("/")
+            if origin and origin not in out:
+                out.append(origin)
+    return tuple(out)
+
+
+def route_class(path: str) -> str:
+    """`api` (/v1*), `admin` (/admin/*), `health`, or `open` for everything else."""
+    if path == "/v1" or path.startswith("/v1/"):
+        return "api"
+    if path == "/admin" or path.startswith("/admin/"):
+        return "admin"
+    if path == "/health":
+        return "health"
+    return "open"
+
+
+def is_loopback(client: Any) -> bool:
+    """ASGI `scope["client"]`: None (a unix socket, an in-process test client) counts as local."""
+    if not client:
+        return True
+    try:
+        address = ipaddress.ip_address(str(client[0]).split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def presented_credentials(headers: Any, *extra_headers: str) -> list[str]:
+    """Bearer token and the named key headers, as sent (several may be present)."""
+    found = []
+    authorization = headers.get("Authorization", "")
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        found.append(token.strip())
+    for name in extra_headers:
+        value = headers.get(name)
+        if value:
+            found.append(value.strip())
+    return found
+
+
+def credential_matches(presented: Iterable[str], secret: str) -> bool:
+    expected = secret.encode()
+    # Every candidate is compared (constant time each), so timing says nothing about which.
+    results = [hmac.compare_digest(candidate.encode(), expected) for candidate in presented]
+    return any(results)
+
+
+def check_access(options: SecurityOptions, *, path: str, headers: Any, client: Any) -> ApiError | None:
+    """The refusal for this request, or None when it may proceed (pure, for tests)."""
+    kind = route_class(path)
+    if kind == "api" and options.api_key is not None:
+        if not credential_matches(presented_credentials(headers, "x-api-key"), options.api_key):
+            return ApiError(
+                401,
+                "invalid or missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+    elif kind == "admin" and not is_loopback(client):
+        if options.admin_token is None:
+            return ApiError(
+                403,
+                "admin routes are served to loopback clients only (start the server with --admin-token "
+                "to allow remote admin calls)",
+                type="permission_error",
+                code="admin_forbidden",
+            )
+        if not credential_matches(presented_credentials(headers, "x-admin-token"), options.admin_token):
+            return ApiError(
+                401,
+                "invalid or missing admin token: send it as 'Authorization: Bearer <token>' or "
+                "'x-admin-token: <token>'",
+                code="invalid_admin_token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+    return None
+
+
+def body_too_large(options: SecurityOptions, content_length: int | None) -> ApiError | None:
+    cap = options.max_body_bytes
+    if cap is None or content_length is None or content_length <= cap:
+        return None
+    return _too_large(f"request body is {content_length} bytes", cap)
+
+
+def _too_large(what: str, cap: int | None) -> ApiError:
+    return ApiError(
+        413, f"{what}; this server accepts at most {cap} bytes (--max-body-mb)", code="request_too_large"
+    )
+
+
+def install_security(app: Any, options: SecurityOptions | Any) -> SecurityOptions:
+    """Register the gate (before_request) and CORS headers (after_request) on `app`.
+
+    `options` is a `SecurityOptions` or a `ServeConfig` (read with `SecurityOptions.from_config`).
+    Call it before other before_request hooks are registered so refusals come first.
+    """
+    if not isinstance(options, SecurityOptions):
+        options = SecurityOptions.from_config(options)
+    app.config["MAX_CONTENT_LENGTH"] = options.max_body_bytes
+
+    @app.before_request
+    async def security_gate() -> Response | None:
+        path = request.path
+        if request.method == "OPTIONS" and options.cors and request.headers.get("Access-Control-Request-Method"):
+            return _preflight(options, path)
+        refusal = check_access(options, path=path, headers=request.headers, client=request.scope.get("client"))
+        if refusal is None:
+            refusal = body_too_large(options, request.content_length)
+        return None if refusal is None else error_response_for(path, refusal)
+
+    @app.errorhandler(RequestEntityTooLarge)
+    async def body_cut(error: RequestEntityTooLarge) -> Response:
+        # A body without Content-Length (chunked) that outgrew the cap while it was read.
+        return error_response_for(request.path, _too_large("request body is larger", options.max_body_bytes))
+
+    @app.after_request
+    async def cors_headers(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        if options.cors and origin and options.origin_allowed(origin) and request.method != "OPTIONS":
+            _allow_origin(options, response, origin)
+        return response
+
+    return options
+
+
+def _preflight(options: SecurityOptions, path: str) -> Response:
+    """A CORS preflight (OPTIONS + Access-Control-Request-Method): answered here, before any
+    auth, since browsers never send credentials on one."""
+    origin = request.headers.get("Origin") or ""
+    if not options.origin_allowed(origin):
+        return error_response_for(
+            path, ApiError(403, f"CORS origin {origin!r} is not allowed", type="permission_error", code="cors_forbidden")
+        )
+    response = Response(b"", status=204)
+    _allow_origin(options, response, origin)
+    response.headers["Access-Control-Allow-Methods"] = CORS_ALLOW_METHODS
+    response.headers["Access-Control-Allow-Headers"] = (
+        request.headers.get("Access-Control-Request-Headers") or CORS_DEFAULT_HEADERS
+    )
+    response.headers["Access-Control-Max-Age"] = str(CORS_MAX_AGE_S)
+    return response
+
+
+def _allow_origin(options: SecurityOptions, response: Response, origin: str) -> None:
+    response.headers["Access-Control-Allow-Origin"] = "*" if "*" in options.cors_origins else origin
+    response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
+    if "*" not in options.cors_origins:
+        response.headers.add("Vary", "Origin")

@@ -1,0 +1,174 @@
+"""The prompt cache with an SSD tier under it: what the engine is given when `--ssd-cache` is on.
+
+`TieredPromptCache` is a `PromptCache` (same take / put / find_exact / stats / on_put), so
+model/engine.py needs no change. What it adds, all on the GPU-worker thread:
+
+* `take` tiers: the SSD entry wins only with a strictly longer usable prefix than the best RAM
+  entry (and at least `min_restore_tokens`); it is read, verified, turned into owned KV caches
+  and trimmed to the match. Any failure quarantines the file and the RAM candidate serves.
+* `snapshot(tokens, ns)`: an exact entry as a `SpillItem` — numpy views of its evaluated KV
+  buffers (zero-copy; the writer thread reads them, MLX never sees another thread).
+* `demote_idle(idle_s)`: entries unused that long leave RAM; the ones not yet on disk come
+  back as SpillItems for the spill queue.
+
+Restored entries are not put back into RAM: the row that restored one puts its longer KV when it
+finishes, which supersedes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from cache.prompt_cache import PromptCache, _Key
+from cache.ssd_store import IndexEntry, LayerMeta, SpillItem, SpillTensor, SsdStore
+from model.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+# Below this, reading a file costs about what re-prefilling saves (and every chat prompt shares
+# its first few template tokens with every stored entry).
+MIN_RESTORE_TOKENS = 64
+
+_TAGS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+
+
+def _export(array: mx.array) -> tuple[str, np.ndarray]:
+    """(safetensors tag, zero-copy numpy view) of an evaluated array; bf16 as raw uint16 bits."""
+    tag = _TAGS.get(array.dtype)
+    if tag is None:
+        raise TypeError(f"unsupported KV dtype {array.dtype}")
+    if tag == "BF16":
+        array = array.view(mx.uint16)
+    mx.eval(array)
+    return tag, np.asarray(array)
+
+
+def _import(data: np.ndarray, tag: str) -> mx.array:
+    array = mx.array(data)
+    return array.view(mx.bfloat16) if tag == "BF16" else array
+
+
+def spill_item(namespace: str, tokens: Sequence[int], caches: Sequence[KVCache]) -> SpillItem | None:
+    """Materialize caches covering exactly `tokens` for the writer; None when they cannot be
+    stored (an unsupported cache kind, or coverage that does not match the key)."""
+    n = len(tokens)
+    layers, tensors = [], []
+    for i, cache in enumerate(caches):
+        if type(cache) is not KVCache or cache.keys is None or cache.offset != n:
+            return None
+        names = (f"l{i}.keys", f"l{i}.values")
+        for name, full in zip(names, (cache.keys, cache.values)):
+            tag, data = _export(full[..., :n, :])
+            tensors.append(SpillTensor(name=name, dtype=tag, shape=tuple(data.shape), data=data))
+        layers.append(LayerMeta(kind="kv", offset=n, trimmable=cache.is_trimmable(), tensors=names))
+    if not layers:
+        return None
+    return SpillItem(namespace=namespace, tokens=tuple(int(t) for t in tokens), layers=layers, tensors=tensors)
+
+
+class TieredPromptCache(PromptCache):
+    def __init__(
+        self,
+        max_bytes: int,
+        ssd: SsdStore | None,
+        *,
+        min_restore_tokens: int = MIN_RESTORE_TOKENS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(max_bytes)
+        self.ssd = ssd
+        self.min_restore_tokens = min_restore_tokens
+        self.clock = clock
+        self.restores = 0
+        self.restore_misses = 0  # an SSD candidate that failed to restore (quarantined)
+        self.restore_ms_last = 0.0
+        self.demotions = 0
+        self._last_used: dict[_Key, float] = {}
+
+    # -- take ----------------------------------------------------------------------------------
+
+    def take(self, prompt: Sequence[int], namespace: str = "") -> tuple[list[KVCache] | None, int]:
+        cap = len(prompt) - 1
+        if self.ssd is not None and self.enabled and cap >= self.min_restore_tokens and len(self.ssd):
+            ids = np.asarray(prompt, dtype=np.int64)
+            ram = self._best(ids, namespace, cap)
+            found = self.ssd.find(ids, namespace, cap)
+            if found is not None and found[1] > (ram[1] if ram else 0) and found[1] >= self.min_restore_tokens:
+                caches = self._restore(*found)
+                if caches is not None:
+                    return caches, found[1]
+        caches, usable = super().take(prompt, namespace)
+        if caches is not None and self._entries:
+            self._last_used[next(reversed(self._entries))] = self.clock()  # the hit is now the MRU
+        return caches, usable
+
+    def _restore(self, entry: IndexEntry, usable: int) -> list[KVCache] | None:
+        started = time.perf_counter()
+        try:
+            header, arrays = self.ssd.read(entry)
+            caches = []
+            for layer in header["layers"]:
+                cache = KVCache()
+                k_name, v_name = layer["tensors"]
+                tags = header["tensors"]
+                cache.keys = _import(arrays[k_name], tags[k_name]["dtype"])
+                cache.values = _import(arrays[v_name], tags[v_name]["dtype"])
+                if cache.keys.ndim != 4 or cache.keys.shape[2] != layer["offset"] or cache.values.shape[2] != layer["offset"]:
+                    raise ValueError("tensor shapes do not match the layer offset")
+                cache.offset = layer["offset"]
+                caches.append(cache)
+            excess = entry.length - usable
+            if excess and any(c.trim(excess) != excess for c in caches):
+                raise ValueError("entry cannot be trimmed to the match")
+            mx.eval([c.state for c in caches])
+        except Exception as e:  # noqa: BLE001 - any doubt is a miss
+            self.restore_misses += 1
+            self.ssd.discard(entry, str(e) or type(e).__name__)
+            return None
+        self.restores += 1
+        self.restore_ms_last = (time.perf_counter() - started) * 1000
+        log.info("SSD cache: restored %d of %d tokens in %.1f ms", usable, entry.length, self.restore_ms_last)
+        return caches
+
+    # -- put -----------------------------------------------------------------------------------
+
+    def put(self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "") -> bool:
+        stored = super().put(tokens, caches, namespace)
+        if stored and self._entries:
+            self._last_used[next(reversed(self._entries))] = self.clock()
+        return stored
+
+    # -- for the durability and demotion actors (run_exclusive jobs) ----------------------------
+
+    def snapshot(self, tokens: Sequence[int], namespace: str = "") -> SpillItem | None:
+        entry = self._entries.get(_Key(namespace, tuple(int(t) for t in tokens)))
+        if entry is None:
+            return None
+        return spill_item(namespace, entry.key.tokens, entry.caches)
+
+    def demote_idle(self, idle_s: float) -> list[SpillItem]:
+        """Free the RAM of entries unused for `idle_s`; return the ones the SSD lacks."""
+        if self.ssd is None:
+            return []  # no cold tier: demotion would only lose entries
+        now = self.clock()
+        out: list[SpillItem] = []
+        for key in [k for k in self._last_used if k not in self._entries]:
+            del self._last_used[key]
+        for key, entry in list(self._entries.items()):
+            last = self._last_used.setdefault(key, now)
+            if now - last < idle_s:
+                continue
+            if not self.ssd.has_exact(key.tokens, key.namespace):
+                item = spill_item(key.namespace, key.tokens, entry.caches)
+                if item is None:
+                    continue  # cannot be stored: keep it in RAM rather than lose it
+                out.append(item)
+            self._remove(key)
+            self._last_used.pop(key, None)
+            self.demotions += 1
+        return out

@@ -1,0 +1,316 @@
+"""Structured-output grammars, enforced per row by llguidance (docs/structured-outputs.md).
+
+A `Constraint` (model/params.py, plain data) becomes an llguidance grammar string
+(`grammar_text`, cached, no tokenizer needed: the API side validates requests with it), then a
+matcher bound to the model's tokenizer (`GrammarCompiler.matcher`, on the GPU-worker thread; the
+compiled matcher is cached per constraint and each row gets a deep copy). Per row, a
+`RowGrammar` consumes the row's tokens in order and fills the allowed-token mask the sampler
+applies after the logits processors. Once the grammar can accept nothing more, the mask allows
+only EOS, so the row ends with finish "stop".
+
+Nothing here imports MLX; the sampler (model/sampling.py) turns masks into arrays.
+llguidance is optional: without it (or with MLX_BUN_GRAMMAR=0) `available()` is False, no
+compiler is built and constrained requests are served unconstrained with a Warning header
+(api/structured.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from model.params import Constraint
+
+log = logging.getLogger(__name__)
+
+ENGINE = "llguidance"
+DISABLE_ENV = "MLX_BUN_GRAMMAR"  # "0" turns enforcement off (spec §1.10)
+COMPILED_CACHE_SIZE = 128
+
+# JSON is generated compact, with OpenAI's separators: no free whitespace means a model cannot
+# pad forever between tokens, and output matches json.dumps. A schema's own "x-guidance" options
+# override these (llguidance applies defaults → x-guidance → overrides).
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+try:  # optional dependency (pyproject extra "grammar")
+    import llguidance as _ll
+except ImportError:  # pragma: no cover - exercised by the not-installed test via monkeypatch
+    _ll = None
+
+
+class GrammarError(ValueError):
+    """The constraint does not compile; the message is the engine's."""
+
+
+def available() -> bool:
+    return _ll is not None and os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def engine_version() -> str | None:
+    return getattr(_ll, "__version__", None) if _ll is not None else None
+
+
+# Tool-call wrappers per format (api/pipeline/tools parses the same shapes back):
+# (opening marker, closing marker, arguments key, calls as a one-item JSON array).
+TOOL_FORMATS = {
+    "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", False),
+    "llama3_json": ("", "", "parameters", False),
+    "mistral": ("[TOOL_CALLS]", "", "arguments", True),
+}
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar for a constraint (no tokenizer involved). Raises GrammarError."""
+    return _grammar_text(constraint, frozenset())
+
+
+@functools.lru_cache(maxsize=512)
+def _grammar_text(constraint: Constraint, specials: frozenset[tuple[str, int]]) -> str:
+    # `specials`: (marker, id) for markers that are one special token in the model's vocabulary;
+    # grammars must name those by id (<[id]>), since a special token does not match its text.
+    if _ll is None:
+        raise GrammarError("no grammar engine installed (pip install llguidance)")
+    M = _ll.LLMatcher
+    kind, spec = constraint.kind, constraint.spec
+    try:
+        if kind == "json_object":
+            return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+        if kind == "json_schema":
+            schema = json.loads(spec) if spec else {"type": "object"}
+            if not isinstance(schema, (dict, bool)):
+                raise GrammarError("a JSON schema must be an object")
+            options = {**JSON_DEFAULTS, "lenient": not constraint.strict}
+            return M.grammar_from_json_schema(schema, defaults=options)
+        if kind == "regex":
+            return M.grammar_from_regex(spec)
+        if kind == "choice":
+            choices = json.loads(spec)
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+                raise GrammarError("choices must be a non-empty array of strings")
+            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if kind == "grammar":
+            return _ll.grammar_from("grammar", spec)  # EBNF / GBNF, or Lark as is
+        if kind == "lark":
+            return M.grammar_from_lark(spec)
+        if kind == "tool_call":
+            return M.grammar_from_lark(_tool_call_lark(json.loads(spec), specials, strict=constraint.strict))
+    except GrammarError:
+        raise
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"invalid JSON: {exc}") from None
+    except Exception as exc:  # llguidance raises ValueError / bare Exception with its message
+        raise GrammarError(str(exc)) from None
+    raise GrammarError(f"unknown constraint kind {kind!r}")
+
+
+def tool_markers(spec: str) -> tuple[str, ...]:
+    fmt = json.loads(spec).get("format", "hermes")
+    opening, closing, _, _ = TOOL_FORMATS.get(fmt, TOOL_FORMATS["hermes"])
+    return tuple(m.strip() for m in (opening, closing) if m.strip())
+
+
+def _tool_call_lark(spec: dict[str, Any], specials: frozenset[tuple[str, int]], *, strict: bool) -> str:
+    fmt = spec.get("format", "hermes")
+    if fmt not in TOOL_FORMATS:
+        raise GrammarError(f"tool calls in the {fmt!r} format cannot be constrained")
+    opening, closing, args_key, as_list = TOOL_FORMATS[fmt]
+    tools = spec.get("tools") or []
+    if not tools:
+        raise GrammarError("no tool to call")
+    calls = []
+    for tool in tools:
+        parameters = tool.get("parameters") or {"type": "object"}
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"const": tool["name"]}, args_key: parameters},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        })
+    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if as_list:
+        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
+    schema = {**schema, "x-guidance": {**JSON_DEFAULTS, "lenient": not strict}}
+
+    special_ids = dict(specials)
+
+    def literal(text: str) -> str:
+        # "\n</tool_call>" → "\n" <[id]> when the marker is a special token, else plain text.
+        core = text.strip()
+        if core and core in special_ids:
+            head, tail = text.split(core, 1)
+            parts = [json.dumps(head)] if head else []
+            parts.append(f"<[{special_ids[core]}]>")
+            parts += [json.dumps(tail)] if tail else []
+            return " ".join(parts)
+        return json.dumps(text) if text else ""
+
+    body = " ".join(p for p in (literal(opening), "call", literal(closing)) if p)
+    return f"start: {body}\ncall: %json {json.dumps(schema)}\n"
+
+
+@functools.lru_cache(maxsize=512)
+def _validation(constraint: Constraint) -> str:
+    try:
+        grammar = grammar_text(constraint)
+    except GrammarError as exc:
+        return str(exc) or "invalid grammar"
+    return _ll.LLMatcher.validate_grammar(grammar)
+
+
+def validate(constraint: Constraint) -> None:
+    """Raise GrammarError (the engine's message) if the constraint cannot compile."""
+    message = _validation(constraint)
+    if message:
+        raise GrammarError(message.strip())
+
+
+class GrammarCompiler:
+    """Binds grammars to one model's tokenizer. Lives on the GPU-worker thread."""
+
+    def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        if _ll is None:
+            raise GrammarError("no grammar engine installed (pip install llguidance)")
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        if not self.eos_token_ids:
+            raise GrammarError("the model has no EOS token: a finished grammar could not end the row")
+        self.tokenizer = _ll.LLTokenizer(tokenizer_json, n_vocab=vocab_size or None, eos_token=self.eos_token_ids)
+        self.vocab_size = self.tokenizer.vocab_size
+        self.mask_words = (self.vocab_size + 31) // 32
+        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0  # cache misses, for tests and /stats
+
+    @classmethod
+    def from_model_dir(cls, path: Path | str, *, vocab_size: int, eos_token_ids: Iterable[int]) -> GrammarCompiler:
+        # The same tokenizer the API encodes with: tokenizer.json plus tokenizer_config's added tokens.
+        from model.tokenizer import _add_configured_tokens, _load_backend, _load_config
+
+        path = Path(path)
+        backend = _load_backend(path)
+        _add_configured_tokens(backend, _load_config(path))
+        backend.no_padding()
+        backend.no_truncation()
+        vocab = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
+        return cls(backend.to_str(), vocab_size=vocab, eos_token_ids=eos_token_ids)
+
+    def compile(self, constraint: Constraint) -> Any:
+        """A fresh matcher for the constraint (cached; callers deep-copy it)."""
+        with self._lock:
+            compiled = self._compiled.get(constraint)
+            if compiled is not None:
+                self._compiled.move_to_end(constraint)
+                return compiled
+        matcher = _ll.LLMatcher(self.tokenizer, self._grammar(constraint), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error().strip())
+        with self._lock:
+            self.compiles += 1
+            self._compiled[constraint] = matcher
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def _grammar(self, constraint: Constraint) -> str:
+        specials: set[tuple[str, int]] = set()
+        if constraint.kind == "tool_call":
+            for marker in tool_markers(constraint.spec):
+                ids = self.tokenizer.tokenize_str(marker, parse_special=True)
+                if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+                    specials.add((marker, ids[0]))
+        return _grammar_text(constraint, frozenset(specials))
+
+    def matcher(self, constraint: Constraint) -> RowGrammar:
+        return RowGrammar(self.compile(constraint).deep_copy(), self)
+
+
+def make_compiler(model_dir: Path | str, *, vocab_size: int, eos_token_ids: Iterable[int]) -> GrammarCompiler | None:
+    """The worker's compiler, or None (engine missing/disabled, or a tokenizer it cannot read):
+    never fails model start-up."""
+    if not available():
+        return None
+    try:
+        return GrammarCompiler.from_model_dir(model_dir, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+    except Exception:
+        log.exception("grammar engine unavailable for %s: constraints will not be enforced", model_dir)
+        return None
+
+
+class RowGrammar:
+    """One row's matcher: consumes the row's tokens in order and produces its next-token mask.
+
+    The engine reads tokens one step late (pipelined decode), so tokens arrive through
+    `observe(index, token)`, keyed by position: the same token may be reported more than once,
+    and a position already consumed is ignored.
+    """
+
+    def __init__(self, matcher: Any, compiler: GrammarCompiler) -> None:
+        self._m = matcher
+        self._compiler = compiler
+        self._words = np.zeros(compiler.mask_words, dtype=np.int32)
+        self._prefilled: np.ndarray | None = None  # set by fill_masks, used once by mask_words
+        self.consumed = 0  # tokens consumed so far (positions 0 .. consumed-1)
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """No token but EOS can follow (grammar complete, or the matcher failed)."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    def observe(self, index: int, token: int) -> None:
+        if index < self.consumed:
+            return
+        if index > self.consumed:
+            raise RuntimeError(f"grammar row skipped tokens: expected position {self.consumed}, got {index}")
+        self.consumed += 1
+        self._prefilled = None
+        if self._m.is_stopped():
+            return  # EOS (or a token computed ahead after the end): nothing left to match
+        if not self._m.consume_token(int(token)) and self.error is None:
+            # Only reachable if a disallowed token was sampled; the matcher then allows only EOS.
+            self.error = self._m.get_error().strip().splitlines()[0] if self._m.get_error() else "token rejected"
+            log.warning("grammar matcher rejected token %d: %s", token, self.error)
+
+    def mask_words(self) -> np.ndarray:
+        """The allowed-token bitmask for the next position: int32 words, bit i of word w = id 32w+i."""
+        if self._prefilled is not None:
+            words, self._prefilled = self._prefilled, None
+            return words
+        self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        return self._words
+
+    def mask(self, width: int) -> np.ndarray:
+        """The allowed-token mask as bools, exactly `width` long (ids past the tokenizer: False)."""
+        bits = np.unpackbits(self.mask_words().view(np.uint8), bitorder="little").view(np.bool_)
+        if bits.shape[0] >= width:
+            return bits[:width]
+        return np.concatenate([bits, np.zeros(width - bits.shape[0], np.bool_)])
+
+
+_executor: Any = None
+
+
+def fill_masks(grammars: list[RowGrammar]) -> None:
+    """Compute the next masks of several rows at once, in parallel on llguidance's thread pool
+    (the GIL is released); each row's next `mask` then uses its result."""
+    global _executor
+    if len(grammars) < 2:
+        return  # one row: its own mask() call is just as fast
+    if _executor is None:
+        _executor = _ll.LLExecutor()
+    words = grammars[0]._words.shape[0]
+    buffer = np.zeros((len(grammars), words), dtype=np.int32)
+    _executor.unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(grammars)], buffer.ctypes.data, words * 4, len(grammars))
+    for g, row in zip(grammars, buffer):
+        g._prefilled = row

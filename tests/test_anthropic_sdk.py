@@ -1,0 +1,316 @@
+"""The Anthropic Messages surface end to end: the official `anthropic` SDK over real HTTP
+(hypercorn on port 0) against the real stack (GPU-worker thread, scheduler, admission, app),
+serving tiny scripted checkpoints (model/synth.py) whose greedy output is a fixed token script.
+
+Each model is served once per module from a background thread running its own trio loop (the
+`live_server` harness below is shared with tests/test_responses_sdk.py); tests are plain sync
+functions driving the SDK.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from actors.gpu_worker import GpuWorker
+from actors.root import ServeConfig, Shutdown, run_server
+from model.synth import write_scripted_model_dir
+from model.tokenizer import Tokenizer
+
+anthropic = pytest.importorskip("anthropic")
+
+TEXT_SCRIPT = ("Hello", " from", " a", " scripted", " model", ".")
+THINK_SCRIPT = ("<think>", "Let me", " think.", "</think>", "The answer", " is 42.")
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TOOL_SCRIPT = ("I will check.", "<tool_call>", WEATHER_CALL, "</tool_call>")
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# --- a real server on a real socket, in a background thread -------------------------------------
+
+
+class FailingWorker:
+    """The real worker, except that `step()` raises once `fail_in` more steps have run (armed
+    from the test thread; a plain attribute, so no locking is needed)."""
+
+    def __init__(self, inner: GpuWorker) -> None:
+        self.inner = inner
+        self.fail_in: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def step(self) -> Any:
+        if self.fail_in is not None:
+            self.fail_in -= 1
+            if self.fail_in <= 0:
+                self.fail_in = None
+                raise RuntimeError("injected engine failure")
+        return await self.inner.step()
+
+
+@attrs.frozen(eq=False)
+class Live:
+    base: str  # http://127.0.0.1:<port>
+    tokenizer: Tokenizer
+    worker: Any
+
+    def sse(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[tuple[str, dict]]:
+        """(event, payload) per frame of a streamed response, read raw."""
+        response = httpx.post(self.base + path, json={**body, "stream": True}, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        out = []
+        for frame in response.text.split("\n\n"):
+            if frame.strip():
+                lines = dict(line.split(": ", 1) for line in frame.split("\n"))
+                out.append((lines.get("event"), json.loads(lines["data"])))
+        return out
+
+
+@contextmanager
+def live_server(model_dir: Path, *, failing: bool = False, prompt_cache_bytes: int = 64 << 20) -> Iterator[Live]:
+    ready: queue.Queue = queue.Queue()
+    shutdown = Shutdown()
+    trio_token: list[trio.lowlevel.TrioToken] = []
+    inner = GpuWorker(model_dir, prompt_cache_bytes=prompt_cache_bytes)
+    worker = FailingWorker(inner) if failing else inner
+
+    async def serve_http(app: Any, shutdown_trigger: Any) -> None:
+        from hypercorn.config import Config
+        from hypercorn.trio import serve
+
+        hc = Config()
+        hc.bind = ["127.0.0.1:0"]  # the OS picks the port
+        hc.graceful_timeout = 5
+        hc.accesslog = None
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(serve, app, hc, shutdown_trigger=shutdown_trigger))
+            ready.put(binds[0])
+
+    async def main() -> None:
+        trio_token.append(trio.lowlevel.current_trio_token())
+        await run_server(
+            worker,
+            config=ServeConfig(model=str(model_dir), shutdown_timeout=5),
+            make_tokenizer=lambda info: Tokenizer.from_dir(model_dir, eos_token_ids_from_config=info.eos_token_ids),
+            serve_http=serve_http,
+            shutdown=shutdown,
+        )
+
+    def thread_main() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # surfaced to the fixture instead of dying silently
+            ready.put(exc)
+
+    thread = threading.Thread(target=thread_main, name=f"server-{model_dir.name}", daemon=True)
+    thread.start()
+    got = ready.get(timeout=240)
+    if isinstance(got, BaseException):
+        raise got
+    try:
+        yield Live(got, Tokenizer.from_dir(model_dir), worker)
+    finally:
+        try:
+            trio.from_thread.run_sync(shutdown.request, trio_token=trio_token[0])
+        except trio.RunFinishedError:
+            pass
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "server did not shut down"
+
+
+def scripted(tmp_path_factory: pytest.TempPathFactory, name: str, script: Sequence[str]) -> Path:
+    return write_scripted_model_dir(tmp_path_factory.mktemp(name), list(script))
+
+
+# --- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_server(tmp_path_factory):
+    with live_server(scripted(tmp_path_factory, "text", TEXT_SCRIPT)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    with live_server(scripted(tmp_path_factory, "tool", TOOL_SCRIPT)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def think_server(tmp_path_factory):
+    with live_server(scripted(tmp_path_factory, "think", THINK_SCRIPT)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def failing_server(tmp_path_factory):
+    with live_server(scripted(tmp_path_factory, "failing", TEXT_SCRIPT), failing=True) as server:
+        yield server
+
+
+def sdk(server: Live) -> Any:
+    return anthropic.Anthropic(base_url=server.base, api_key="x", max_retries=0, timeout=60)
+
+
+TOOLS = [{"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER_SCHEMA}]
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+def test_create_text(text_server):
+    client = sdk(text_server)
+    message = client.messages.create(model="claude-test", max_tokens=64, system="Be brief.", messages=USER)
+    assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == "".join(TEXT_SCRIPT)
+    assert message.stop_reason == "end_turn" and message.stop_sequence is None
+    assert message.usage.output_tokens == len(TEXT_SCRIPT) + 1  # the script, then EOS
+
+
+def test_max_tokens_and_stop_sequences(text_server):
+    client = sdk(text_server)
+    short = client.messages.create(model="m", max_tokens=2, messages=USER)
+    assert short.content[0].text == "Hello from" and short.stop_reason == "max_tokens"
+    stopped = client.messages.create(model="m", max_tokens=64, messages=USER, stop_sequences=[" scripted"])
+    assert stopped.content[0].text == "Hello from a"
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == " scripted"
+
+
+def test_count_tokens_equals_the_prompt_tokens_in_usage(text_server):
+    client = sdk(text_server)
+    request = {"model": "m", "system": [{"type": "text", "text": "You are terse."}], "messages": [
+        {"role": "user", "content": "Count these tokens, please."},
+        {"role": "assistant", "content": "Sure."},
+        {"role": "user", "content": [{"type": "text", "text": "Now."}]},
+    ], "tools": TOOLS}
+    counted = client.messages.count_tokens(**request).input_tokens
+    first = client.messages.create(max_tokens=8, **request).usage
+    assert counted == first.input_tokens + (first.cache_read_input_tokens or 0)
+    assert counted == len(text_server.tokenizer.encode_chat(
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count these tokens, please."},
+         {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Now."}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA,
+                                                 "description": "Weather for a city"}}],
+    ))
+    # a repeat is served from the prompt cache: input_tokens excludes what was read from it
+    again = client.messages.create(max_tokens=8, **request).usage
+    assert again.cache_read_input_tokens and again.cache_read_input_tokens > 0
+    assert again.input_tokens + again.cache_read_input_tokens == counted
+
+
+def test_stream_text_stream_and_raw_events_in_order(text_server):
+    client = sdk(text_server)
+    with client.messages.stream(model="m", max_tokens=64, messages=USER) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "".join(TEXT_SCRIPT) == final.content[0].text
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == len(TEXT_SCRIPT) + 1
+
+    events = list(client.messages.create(model="m", max_tokens=64, messages=USER, stream=True))
+    types = [event.type for event in events]
+    assert types == ["message_start", "content_block_start", *["content_block_delta"] * len(TEXT_SCRIPT),
+                     "content_block_stop", "message_delta", "message_stop"]
+    assert [e.delta.text for e in events if e.type == "content_block_delta"] == list(TEXT_SCRIPT)
+    assert events[0].message.usage.input_tokens > 0
+    assert events[-2].delta.stop_reason == "end_turn"
+    # the raw stream also carries the keepalive ping right after message_start (the SDK skips it)
+    raw = [name for name, _ in text_server.sse("/v1/messages", {"model": "m", "max_tokens": 64, "messages": USER})]
+    assert raw[:3] == ["message_start", "ping", "content_block_start"] and raw[-1] == "message_stop"
+
+
+def test_tool_use(tool_server):
+    client = sdk(tool_server)
+    message = client.messages.create(model="m", max_tokens=64, messages=USER, tools=TOOLS)
+    assert [block.type for block in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "I will check."
+    call = message.content[1]
+    assert call.name == "get_weather" and call.input == {"city": "Paris"} and call.id
+    assert message.stop_reason == "tool_use"
+
+    with client.messages.stream(model="m", max_tokens=64, messages=USER, tools=TOOLS) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert "input_json" in events  # the SDK's own event for input_json_delta
+    assert [b.type for b in streamed.content] == ["text", "tool_use"]
+    assert streamed.content[1].input == {"city": "Paris"} and streamed.stop_reason == "tool_use"
+
+    # the result goes back as a tool_result block: the prompt grows by the round trip
+    follow = client.messages.create(model="m", max_tokens=64, tools=TOOLS, messages=[
+        *USER,
+        {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}]},
+    ])
+    assert follow.usage.input_tokens + (follow.usage.cache_read_input_tokens or 0) > message.usage.input_tokens
+    # without tools in the request the markup is plain text
+    plain = client.messages.create(model="m", max_tokens=64, messages=USER)
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == "".join(TOOL_SCRIPT)
+
+
+def test_thinking(think_server):
+    client = sdk(think_server)
+    message = client.messages.create(model="m", max_tokens=64, messages=USER,
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "Let me think." and message.content[0].signature == ""
+    assert message.content[1].text == "The answer is 42."
+    with client.messages.stream(model="m", max_tokens=64, messages=USER) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert "thinking" in kinds and "text" in kinds
+    assert final.content[0].thinking == "Let me think." and final.content[1].text == "The answer is 42."
+    # prior thinking blocks are dropped on re-ingest (the prompt matches the one without them)
+    history = [*USER, {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+               {"role": "user", "content": "ok"}]
+    without = [*USER, {"role": "assistant", "content": "The answer is 42."}, {"role": "user", "content": "ok"}]
+    assert (client.messages.count_tokens(model="m", messages=history).input_tokens
+            == client.messages.count_tokens(model="m", messages=without).input_tokens)
+
+
+def test_errors_through_the_sdk(text_server):
+    client = sdk(text_server)
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model="m", max_tokens=8, messages=[])
+    assert info.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "messages: at least one message is required"}}
+    with pytest.raises(anthropic.BadRequestError, match="audio"):
+        client.messages.create(model="m", max_tokens=8, messages=[
+            {"role": "user", "content": [{"type": "audio", "source": {"type": "base64", "data": "AA"}}]}])
+    # anthropic-version is honoured leniently: absent or unknown is fine
+    for headers in ({}, {"anthropic-version": "1999-01-01"}):
+        response = httpx.post(text_server.base + "/v1/messages", headers=headers, timeout=60,
+                              json={"max_tokens": 2, "messages": USER})
+        assert response.status_code == 200, response.text
+
+
+def test_mid_stream_engine_failure_ends_with_error_and_closing_events(failing_server):
+    failing_server.worker.fail_in = 2
+    events = failing_server.sse("/v1/messages", {"model": "m", "max_tokens": 64, "messages": USER})
+    names = [name for name, _ in events]
+    at = names.index("error")
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[at:] == ["error", "content_block_stop", "message_delta", "message_stop"]
+    assert events[at][1] == {"type": "error", "error": {
+        "type": "api_error", "message": "generation failed: injected engine failure"}}
+    # the SDK surfaces the error event as an exception
+    failing_server.worker.fail_in = 2
+    with pytest.raises(anthropic.APIStatusError, match="injected engine failure"):
+        with sdk(failing_server).messages.stream(model="m", max_tokens=64, messages=USER) as stream:
+            for _ in stream:
+                pass
+    # and the server keeps serving
+    assert sdk(failing_server).messages.create(model="m", max_tokens=64, messages=USER).content[0].text == "".join(TEXT_SCRIPT)

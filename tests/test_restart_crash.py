@@ -1,0 +1,97 @@
+"""kill -9 at random moments while the SSD tier writes, 20+ times on one cache directory.
+
+Each iteration starts a server on the same `--ssd-cache` directory, checks that the start-up
+scan reaped every temp file the last kill left, replays a few earlier prompts (any entry on disk
+is restored; the output must equal the cold output computed up front), then makes new puts and
+kills the server -9 in the middle of the writes: either an admin flush (forced writes) or the
+background write-behind (1 s after the put). Pieces are slowed to 5 ms each through the store's
+fault-injection knob so a random kill lands mid-file most of the time.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+
+from cache.ssd_store import PIECE_DELAY_ENV, QUARANTINE, TMP_SUFFIX
+from tests.test_restart_ssd import Server
+
+ITERATIONS = 20
+WORDS = "agent tool call result plan step memory file patch test build deploy review".split()
+
+
+def prompt_text(i: int) -> str:
+    rng = random.Random(i)
+    return f"prompt{i} " + " ".join(rng.choice(WORDS) for _ in range(120))
+
+
+def temp_files(root):
+    return [p for p in root.rglob(f"*{TMP_SUFFIX}") if ".identity." not in p.name]
+
+
+def test_kill_9_during_writes_never_serves_a_corrupt_entry(qwen3_dir, tmp_path):
+    ssd = tmp_path / "ssd"
+    prompts = [prompt_text(i) for i in range(2 * ITERATIONS + 2)]
+    cold = Server(qwen3_dir, "--prompt-cache", "0")
+    try:
+        expected = {p: cold.complete(p)["choices"][0]["text"] for p in prompts}
+    finally:
+        cold.kill()
+
+    rng = random.Random(1234)
+    sent: list[str] = []
+    reaped = restores = mid_write_kills = 0
+    for it in range(ITERATIONS):
+        server = Server(qwen3_dir, "--ssd-cache", str(ssd), env={PIECE_DELAY_ENV: "5"})
+        try:
+            assert temp_files(ssd) == [], "the start-up scan left temp orphans"
+            before = server.stats()["ssd_cache"]
+            reaped += before["reaped_temp_files"]
+            assert before["quarantined"] == 0, "an atomic write left a corrupt final file"
+            for p in rng.sample(sent, min(3, len(sent))):
+                assert server.complete(p)["choices"][0]["text"] == expected[p], f"iteration {it}: wrong output"
+            restores += server.stats()["ssd_cache"]["restores"]
+            new = prompts[2 * it : 2 * it + 2]
+            for p in new:
+                assert server.complete(p)["choices"][0]["text"] == expected[p]
+            sent += new
+            if it % 2 == 0:
+                # Forced writes: the admin flush writes both puts back to back, now.
+                threading.Thread(target=_post_quietly, args=(server.base + "/admin/cache/flush",),
+                                 daemon=True).start()
+                time.sleep(rng.uniform(0.0, 0.12))
+            else:
+                # Background write-behind: the durability debounce fires 1 s after the put.
+                time.sleep(1.0 + rng.uniform(0.0, 0.12))
+            mid_write_kills += bool(temp_files(ssd))
+            server.proc.kill()  # SIGKILL: no flush, no cleanup
+            server.proc.wait()
+        finally:
+            server.kill()
+
+    server = Server(qwen3_dir, "--ssd-cache", str(ssd))
+    try:
+        assert temp_files(ssd) == []
+        final = server.stats()["ssd_cache"]
+        reaped += final["reaped_temp_files"]
+        for p in sent:  # every prompt, restored or not, gives the cold output
+            assert server.complete(p)["choices"][0]["text"] == expected[p]
+        restores += server.stats()["ssd_cache"]["restores"]
+        assert server.stats()["ssd_cache"]["restore_failures"] == 0
+    finally:
+        server.kill()
+    assert not (ssd.glob(f"*/{QUARANTINE}/*") and list(ssd.glob(f"*/{QUARANTINE}/*")))
+    print(f"\n{ITERATIONS} kill -9 iterations: {mid_write_kills} landed mid-file, {reaped} temp files reaped, "
+          f"{restores} restores from disk, {final['entries']} entries survived")
+    assert mid_write_kills >= 3 and reaped >= mid_write_kills  # the kills really hit writes
+    assert restores >= 5  # and the disk tier really served later iterations
+
+
+def _post_quietly(url: str) -> None:
+    try:
+        httpx.post(url, timeout=30)
+    except httpx.HTTPError:
+        pass  # the server was killed under it

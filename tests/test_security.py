@@ -1,0 +1,292 @@
+"""Auth, admin gate, body cap, CORS and /health's 503, for every route class, on a FakeWorker."""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from actors.root import ServeConfig, start_actors
+from api.app import create_app
+from api.security import SecurityOptions, check_access, is_loopback, parse_origins, presented_credentials
+from tests.fakes import FakeTokenizer, FakeWorker
+
+KEY = "sk-test-key"
+ADMIN = "admin-secret"
+REMOTE = {"client": ("203.0.113.9", 40000)}
+CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+MESSAGES_BODY = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+RESPONSES_BODY = {"input": "hi", "max_output_tokens": 2}
+
+
+@asynccontextmanager
+async def server(worker: FakeWorker | None = None, **config):
+    worker = worker or FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
+    async with trio.open_nursery() as nursery:
+        handles = await start_actors(
+            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+        )
+        yield create_app(handles).test_client(), handles
+        nursery.cancel_scope.cancel()
+
+
+async def openai_error(response) -> dict:
+    body = await response.get_json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+async def anthropic_error(response) -> dict:
+    body = await response.get_json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    return body["error"]
+
+
+# --- pure pieces -----------------------------------------------------------------------------
+
+
+def test_loopback_detection():
+    assert is_loopback(("127.0.0.1", 1)) and is_loopback(("127.3.4.5", 1))
+    assert is_loopback(("::1", 1)) and is_loopback(("::ffff:127.0.0.1", 1))
+    assert is_loopback(None)  # a unix socket or an in-process client
+    assert not is_loopback(("10.0.0.1", 1)) and not is_loopback(("::ffff:10.0.0.1", 1))
+    assert not is_loopback(("2001:db8::1", 1)) and not is_loopback(("not-an-ip", 1))
+
+
+def test_origin_parsing():
+    assert parse_origins(["https://a.example/, https://b.example", "https://a.example"]) == (
+        "https://a.example", "https://b.example")
+    assert parse_origins("*") == ("*",) and parse_origins([]) == ()
+
+
+def test_credentials_from_both_headers():
+    headers = {"Authorization": "bearer  tok ", "x-api-key": "k2"}
+    assert presented_credentials(headers, "x-api-key") == ["tok", "k2"]
+    assert presented_credentials({"Authorization": "Basic abc"}, "x-api-key") == []
+    options = SecurityOptions(api_key=KEY)
+    assert check_access(options, path="/v1x", headers={}, client=None) is None  # not under /v1/
+    assert check_access(options, path="/v1", headers={}, client=None).status == 401
+
+
+def test_options_from_config():
+    options = SecurityOptions.from_config(ServeConfig(max_body_mb=0, cors_origins=("https://x/",)))
+    assert options.max_body_bytes is None and options.cors_origins == ("https://x",)
+    assert SecurityOptions.from_config(ServeConfig()).max_body_bytes == 16 * 2**20
+    assert SecurityOptions.from_config(object()).api_key is None  # an older config: defaults
+
+
+# --- /v1/* and the API key -------------------------------------------------------------------
+
+
+async def test_without_a_key_configured_everything_is_open(autojump_clock):
+    async with server() as (client, _):
+        assert (await client.get("/v1/models")).status_code == 200
+        assert (await client.post("/v1/chat/completions", json=CHAT_BODY)).status_code == 200
+
+
+async def test_api_key_guards_every_v1_route_in_its_api_shape(autojump_clock):
+    async with server(api_key=KEY) as (client, _):
+        for method, path, body in [
+            ("GET", "/v1/models", None),
+            ("GET", "/v1/models/fake-model", None),
+            ("POST", "/v1/chat/completions", CHAT_BODY),
+            ("POST", "/v1/completions", {"prompt": "x"}),
+            ("POST", "/v1/responses", RESPONSES_BODY),
+            ("GET", "/v1/no-such-route", None),  # refused before routing: nothing is revealed
+        ]:
+            response = await client.open(path, method=method, json=body)
+            assert response.status_code == 401, path
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+            error = await openai_error(response)
+            assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            response = await client.post(path, json=MESSAGES_BODY)
+            assert response.status_code == 401
+            assert (await anthropic_error(response))["type"] == "authentication_error"
+
+
+async def test_api_key_accepted_as_bearer_or_x_api_key(autojump_clock):
+    async with server(api_key=KEY) as (client, _):
+        for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}, {"authorization": f"bearer {KEY}"}):
+            assert (await client.get("/v1/models", headers=headers)).status_code == 200
+            response = await client.post("/v1/chat/completions", json=CHAT_BODY, headers=headers)
+            assert response.status_code == 200
+            assert (await client.post("/v1/messages", json=MESSAGES_BODY, headers=headers)).status_code == 200
+        for headers in ({"Authorization": "Bearer wrong"}, {"x-api-key": KEY + "x"}, {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": KEY}):
+            assert (await client.get("/v1/models", headers=headers)).status_code == 401, headers
+
+
+async def test_open_routes_stay_open_with_a_key(autojump_clock):
+    async with server(api_key=KEY, admin_token=ADMIN) as (client, _):
+        health = await client.get("/health", scope_base=REMOTE)
+        assert health.status_code == 200 and await health.get_data() == b'{"status": "ok"}'
+        assert (await client.get("/metrics", scope_base=REMOTE)).status_code == 200
+        assert (await client.get("/stats", scope_base=REMOTE)).status_code == 200
+
+
+# --- /admin/* --------------------------------------------------------------------------------
+
+
+async def test_admin_routes_are_loopback_only_by_default(autojump_clock):
+    async with server(api_key=KEY) as (client, _):
+        remote = await client.post("/admin/cache/flush", scope_base=REMOTE)
+        assert remote.status_code == 403
+        assert (await openai_error(remote))["code"] == "admin_forbidden"
+        # The API key is not an admin credential.
+        keyed = await client.post("/admin/cache/flush", scope_base=REMOTE, headers={"Authorization": f"Bearer {KEY}"})
+        assert keyed.status_code == 403
+        for client_addr in (("127.0.0.1", 5), ("::1", 5), None):
+            local = await client.post("/admin/no-such-route", scope_base={"client": client_addr})
+            assert local.status_code == 404  # through the gate, then an ordinary unknown path
+
+
+async def test_admin_token_lets_remote_clients_in(autojump_clock):
+    async with server(admin_token=ADMIN) as (client, _):
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"x-admin-token": "nope"}):
+            response = await client.post("/admin/no-such-route", scope_base=REMOTE, headers=headers)
+            assert response.status_code == 401
+            assert (await openai_error(response))["code"] == "invalid_admin_token"
+        for headers in ({"Authorization": f"Bearer {ADMIN}"}, {"x-admin-token": ADMIN}):
+            response = await client.post("/admin/no-such-route", scope_base=REMOTE, headers=headers)
+            assert response.status_code == 404
+        # The admin token opens /admin only, not /v1 (which has no key here, so it is open anyway).
+        assert (await client.get("/v1/models", scope_base=REMOTE)).status_code == 200
+
+
+# --- body cap --------------------------------------------------------------------------------
+
+CAP_MB = 1 / 1024  # 1 KiB
+
+
+async def test_body_over_the_cap_is_413_in_each_api_shape(autojump_clock):
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 2}).encode()
+    # Refused on its Content-Length, before a byte is read (the test client sends none by itself).
+    sized = {"Content-Type": "application/json", "Content-Length": str(len(big))}
+    async with server(max_body_mb=CAP_MB) as (client, _):
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/admin/cache/flush", "/nope"):
+            response = await client.post(path, data=big, headers=sized)
+            assert response.status_code == 413, path
+            error = await openai_error(response)
+            assert error["code"] == "request_too_large" and "1024 bytes" in error["message"]
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            response = await client.post(path, data=big, headers=sized)
+            assert response.status_code == 413
+            assert (await anthropic_error(response))["type"] == "request_too_large"
+        small = await client.post("/v1/chat/completions", json=CHAT_BODY)
+        assert small.status_code == 200
+
+
+async def test_auth_is_checked_before_the_body_cap(autojump_clock):
+    async with server(max_body_mb=CAP_MB, api_key=KEY) as (client, _):
+        response = await client.post("/v1/chat/completions", data=b"x" * 5000, headers={"Content-Length": "5000"})
+        assert response.status_code == 401
+
+
+async def test_chunked_body_over_the_cap_is_cut_while_read(autojump_clock):
+    async with server(max_body_mb=CAP_MB) as (client, _):
+        for path, shape in (("/v1/chat/completions", openai_error), ("/v1/messages", anthropic_error)):
+            async with client.request(path, method="POST", headers={"Content-Type": "application/json"}) as conn:
+                for _ in range(4):
+                    await conn.send(b" " * 512)  # no Content-Length: the cap applies as it arrives
+                await conn.send_complete()
+                response = await conn.as_response()
+            assert response.status_code == 413, path
+            assert "larger" in (await shape(response))["message"]
+
+
+async def test_zero_means_no_cap(autojump_clock):
+    async with server(max_body_mb=0) as (client, _):
+        response = await client.post("/v1/completions", data=b"{" + b" " * (17 * 2**20))
+        assert response.status_code == 400  # read in full (past Quart's 16 MiB default), then bad JSON
+
+
+# --- CORS ------------------------------------------------------------------------------------
+
+ORIGIN = "https://app.example"
+PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+async def test_cors_is_off_by_default(autojump_clock):
+    async with server() as (client, _):
+        response = await client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert response.status_code == 200
+        assert not [k for k, _ in response.headers.items() if k.lower().startswith("access-control-")]
+        preflight = await client.options("/v1/chat/completions", headers=PREFLIGHT)
+        assert preflight.status_code != 204
+        assert "Access-Control-Allow-Origin" not in preflight.headers
+
+
+async def test_cors_preflight_and_responses_for_an_allowed_origin(autojump_clock):
+    async with server(cors_origins=(ORIGIN,), api_key=KEY) as (client, _):
+        preflight = await client.options("/v1/chat/completions", headers=PREFLIGHT)  # no key: preflights carry none
+        assert preflight.status_code == 204
+        assert preflight.headers["Access-Control-Allow-Origin"] == ORIGIN
+        assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+        assert preflight.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        assert "Origin" in preflight.headers.get_all("Vary")
+        assert "Access-Control-Allow-Credentials" not in preflight.headers
+        ok = await client.get("/v1/models", headers={"Origin": ORIGIN, "x-api-key": KEY})
+        assert ok.status_code == 200 and ok.headers["Access-Control-Allow-Origin"] == ORIGIN
+        assert "Retry-After" in ok.headers["Access-Control-Expose-Headers"]
+        refused = await client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert refused.status_code == 401  # and the browser may read why
+        assert refused.headers["Access-Control-Allow-Origin"] == ORIGIN
+
+
+async def test_cors_refuses_other_origins(autojump_clock):
+    async with server(cors_origins=(ORIGIN,)) as (client, _):
+        preflight = await client.options("/v1/messages", headers={**PREFLIGHT, "Origin": "https://evil.example"})
+        assert preflight.status_code == 403
+        assert (await anthropic_error(preflight))["type"] == "permission_error"
+        assert "Access-Control-Allow-Origin" not in preflight.headers
+        response = await client.get("/v1/models", headers={"Origin": "https://evil.example"})
+        assert response.status_code == 200 and "Access-Control-Allow-Origin" not in response.headers
+
+
+async def test_cors_wildcard(autojump_clock):
+    async with server(cors_origins=("*",)) as (client, _):
+        preflight = await client.options("/v1/responses", headers={**PREFLIGHT, "Origin": "https://any.example"})
+        assert preflight.status_code == 204 and preflight.headers["Access-Control-Allow-Origin"] == "*"
+        response = await client.post("/v1/chat/completions", json=CHAT_BODY, headers={"Origin": "https://x.example"})
+        assert response.headers["Access-Control-Allow-Origin"] == "*"
+
+
+# --- /health ---------------------------------------------------------------------------------
+
+
+class MortalWorker(FakeWorker):
+    alive = True
+
+
+async def test_health_is_503_with_a_reason_when_the_worker_is_dead(autojump_clock):
+    worker = MortalWorker()
+    async with server(worker) as (client, handles):
+        assert (await client.get("/health")).status_code == 200
+        worker.alive = False
+        response = await client.get("/health")
+        assert response.status_code == 503
+        assert await response.get_json() == {"status": "unavailable", "reason": "gpu worker is not running"}
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+        assert "mlx_trio:engine_healthy 0.0" in metrics
+
+
+async def test_health_is_503_while_draining_and_without_a_model(autojump_clock):
+    async with server() as (client, handles):
+        handles.admission.close(cutoff_after=30)
+        response = await client.get("/health")
+        assert response.status_code == 503 and (await response.get_json())["reason"] == "shutting down"
+    async with server() as (client, handles):
+        handles.info = None
+        assert (await (await client.get("/health")).get_json())["reason"] == "model not loaded"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_refusal_bodies_are_json(autojump_clock, path):
+    async with server(api_key=KEY) as (client, _):
+        response = await client.post(path, data=b"not json")
+        assert response.status_code == 401 and response.content_type == "application/json"
+        json.loads(await response.get_data())

@@ -1,0 +1,293 @@
+"""The SSD store and the tiered take, with a real tiny engine: file format, atomic layout,
+start-up scan, identity, tiering rules, caps, and restored output equal to a cold run."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.worker_api import RowSpec
+from cache.ssd_store import (
+    QUARANTINE,
+    Identity,
+    LayerMeta,
+    SpillItem,
+    SsdStore,
+    SsdUnavailable,
+    model_fingerprint,
+    namespace_dirname,
+    scheme_key,
+    tokenizer_hash,
+)
+from cache.tiered import TieredPromptCache
+from model.engine import Engine, generate_tokens
+from model.loader import load_model
+from model.params import SamplingParams
+
+RNG = np.random.default_rng(7)
+PROMPT = tuple(int(x) for x in RNG.integers(1, 400, 200))
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen3_dir):
+    return load_model(qwen3_dir)
+
+
+def identity_of(lm) -> Identity:
+    return Identity(lm.name, model_fingerprint(lm.path), scheme_key(str(lm.kv_dtype).rsplit(".", 1)[-1]),
+                    tokenizer_hash(lm.path))
+
+
+def open_store(root: Path, lm, **kw) -> SsdStore:
+    return SsdStore(root, identity_of(lm), max_bytes=kw.pop("max_bytes", 1 << 30), **kw).open()
+
+
+def tiered_engine(lm, store, **kw):
+    cache = TieredPromptCache(1 << 30, store, **kw)
+    return Engine(lm.model, eos_token_ids=[], prompt_cache=cache), cache
+
+
+def write_item(store: SsdStore, item: SpillItem) -> bool:
+    writer = store.begin(item)
+    assert writer is not None
+    while writer.write_next():
+        pass
+    return writer.commit()
+
+
+def store_prompt(lm, store, prompt=PROMPT, max_tokens=6, namespace=""):
+    """Run `prompt` on a tiered engine, write its RAM entry to `store`; (entry tokens, output)."""
+    engine, cache = tiered_engine(lm, store)
+    out = generate_tokens(engine, [RowSpec(1, prompt, SamplingParams(), max_tokens, namespace=namespace)],
+                          reusable=True)[1]
+    (ns, tokens), = cache.keys()
+    assert write_item(store, cache.snapshot(tokens, ns))
+    return tokens, out
+
+
+def cold(lm, prompt, max_tokens=6):
+    return generate_tokens(Engine(lm.model, eos_token_ids=[]), [RowSpec(9, prompt, SamplingParams(), max_tokens)])[9]
+
+
+def run(engine, prompt, max_tokens=6, row_id=2):
+    opened = engine.open_row(RowSpec(row_id, prompt, SamplingParams(), max_tokens))
+    while engine.prefill(row_id).remaining:
+        pass
+    out = [engine.join(row_id).token]
+    while len(out) < max_tokens:
+        out += [t.token for t in engine.step()]
+    engine.close_row(row_id)
+    return opened.cached_tokens, out
+
+
+def test_restart_restores_from_disk_and_output_equals_cold(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    tokens, first = store_prompt(loaded, store)
+    store.close()
+    store = open_store(tmp_path, loaded)  # a new process: empty RAM, index from the scan
+    assert len(store) == 1 and store.longest_durable_prefix_tokens == len(tokens)
+    engine, cache = tiered_engine(loaded, store)
+    turn2 = PROMPT + tuple(first) + (5, 6, 7, 8)
+    cached, out = run(engine, turn2)
+    assert cached == len(tokens) and cache.restores == 1 and store.stats.restores == 1
+    assert out == cold(loaded, turn2)
+
+
+def test_bf16_kv_round_trips(tiny_model_factory, tmp_path):
+    lm = load_model(tiny_model_factory("qwen3", dtype="bfloat16"))
+    assert scheme_key(str(lm.kv_dtype).rsplit(".", 1)[-1]) == "bf16"
+    store = open_store(tmp_path, lm)
+    tokens, first = store_prompt(lm, store)
+    store.close()
+    store = open_store(tmp_path, lm)
+    engine, cache = tiered_engine(lm, store)
+    turn2 = PROMPT + tuple(first) + (5, 6, 7)
+    cached, out = run(engine, turn2)
+    assert cached == len(tokens) and out == cold(lm, turn2)
+
+
+def test_file_is_safetensors_with_a_verified_header(loaded, tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    store = open_store(tmp_path, loaded)
+    tokens, _ = store_prompt(loaded, store)
+    path = store.entries()[0].path
+    assert path.parent == store.dir / "base" and path.suffix == ".mlxkv"
+    assert store.dir.parent == tmp_path and store.dir.name == identity_of(loaded).dirname
+    tensors = safetensors_numpy.load_file(str(path))
+    n_layers = len(loaded.model.layers)
+    assert sorted(tensors) == sorted(f"l{i}.{kv}" for i in range(n_layers) for kv in ("keys", "values"))
+    assert all(t.shape[2] == len(tokens) for t in tensors.values())
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    assert (8 + n) % 4096 == 0  # tensor data is page-aligned
+    meta = json.loads(raw[8 : 8 + n])["__metadata__"]
+    header = json.loads(meta["header"])
+    assert header["tokens"] == list(tokens) and header["namespace"] == ""
+    assert header["fingerprint"] == identity_of(loaded).fingerprint and len(meta["header_hash"]) == 64
+    assert [layer["offset"] for layer in header["layers"]] == [len(tokens)] * n_layers
+    assert all(len(t["hash"]) == 64 and t["hash"] != "0" * 64 for t in header["tensors"].values())
+
+
+def test_scan_reaps_temp_orphans_and_ignores_other_identities(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    store_prompt(loaded, store)
+    store.close()
+    orphan = store.dir / "base" / ".deadbeef.mlxkv.tmp"
+    orphan.write_bytes(b"half a file")
+    other = tmp_path / "0123456789abcdef-bf16-000000000000" / "base"
+    other.mkdir(parents=True)
+    (other / "x.mlxkv").write_bytes(b"another model's entry")
+    (other / ".y.mlxkv.tmp").write_bytes(b"another server's temp file")
+    store = open_store(tmp_path, loaded)
+    assert not orphan.exists() and store.stats.reaped_temp == 1 and len(store) == 1
+    assert (other / "x.mlxkv").exists() and (other / ".y.mlxkv.tmp").exists()  # never touched
+
+
+def test_mismatched_files_in_our_directory_are_quarantined(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    store_prompt(loaded, store)
+    store.close()
+    good = next((store.dir / "base").glob("*.mlxkv"))
+    wrong_ns = store.dir / namespace_dirname("adapter") / good.name
+    wrong_ns.parent.mkdir()
+    wrong_ns.write_bytes(good.read_bytes())  # a base-namespace header in an adapter's directory
+    (store.dir / "base" / "junk.mlxkv").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    store = open_store(tmp_path, loaded)
+    assert len(store) == 1 and store.stats.quarantined == 2
+    assert not wrong_ns.exists() and len(list((store.dir / QUARANTINE).iterdir())) == 2
+
+
+def test_a_second_server_cannot_open_the_same_directory(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    with pytest.raises(SsdUnavailable, match="in use"):
+        open_store(tmp_path, loaded)
+    store.close()
+    open_store(tmp_path, loaded).close()
+
+
+def test_fingerprint_covers_the_weights_not_just_the_config(tiny_model_factory):
+    a, b = tiny_model_factory("qwen3", seed=1), tiny_model_factory("qwen3", seed=2)
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+    assert model_fingerprint(a) != model_fingerprint(b)
+    assert model_fingerprint(a) == model_fingerprint(a)
+
+
+def test_ssd_wins_only_with_a_strictly_longer_prefix(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    engine, cache = tiered_engine(loaded, store)
+    first = generate_tokens(engine, [RowSpec(1, PROMPT, SamplingParams(), 6)], reusable=True)[1]
+    (ns, tokens), = cache.keys()
+    assert write_item(store, cache.snapshot(tokens, ns))
+    # The same entry in RAM and on disk: equal usable prefixes → the RAM tier serves, no disk read.
+    turn2 = PROMPT + tuple(first) + (5, 6)
+    cached, out = run(engine, turn2)
+    assert cached == len(tokens) and cache.restores == 0 and cache.hits == 1
+    # A fresh RAM tier holding only a shorter entry: the SSD's longer prefix wins.
+    engine, cache = tiered_engine(loaded, store)
+    generate_tokens(engine, [RowSpec(1, PROMPT[:100], SamplingParams(), 1)], reusable=True)
+    before = cache.restores
+    cached, out2 = run(engine, turn2)
+    assert cached == len(tokens) and cache.restores == before + 1 and out2 == out == cold(loaded, turn2)
+
+
+def test_a_trimmed_restore_serves_a_shorter_prompt(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    store_prompt(loaded, store)
+    engine, cache = tiered_engine(loaded, store)
+    shorter = PROMPT[:150] + (9, 9, 9)
+    cached, out = run(engine, shorter)
+    assert cached == 150 and cache.restores == 1 and out == cold(loaded, shorter)
+
+
+def test_untrimmable_entries_are_used_only_at_their_exact_length(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    engine, cache = tiered_engine(loaded, store)
+    generate_tokens(engine, [RowSpec(1, PROMPT, SamplingParams(), 1)], reusable=True)
+    (ns, tokens), = cache.keys()
+    item = cache.snapshot(tokens, ns)
+    item.layers = [LayerMeta(layer.kind, layer.offset, False, layer.tensors) for layer in item.layers]
+    assert write_item(store, item)
+    engine, cache = tiered_engine(loaded, store)
+    cached, _ = run(engine, PROMPT[:150] + (1, 2))  # would need a trim: never a candidate
+    assert cached == 0 and cache.restores == 0
+    longer = tuple(tokens) + (3, 4)
+    cached, out = run(engine, longer)  # exact length fits
+    assert cached == len(tokens) and cache.restores == 1 and out == cold(loaded, longer)
+
+
+def test_short_matches_are_not_worth_a_disk_read(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    store_prompt(loaded, store)
+    engine, cache = tiered_engine(loaded, store, min_restore_tokens=64)
+    cached, _ = run(engine, PROMPT[:40] + (1, 2, 3))
+    assert cached == 0 and cache.restores == 0
+
+
+def test_store_replaces_duplicates_supersedes_ancestors_and_evicts_oldest(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    engine, cache = tiered_engine(loaded, store)
+    generate_tokens(engine, [RowSpec(1, PROMPT[:80], SamplingParams(), 1)], reusable=True)
+    short = cache.keys()[-1]
+    assert write_item(store, cache.snapshot(short[1], short[0]))
+    assert write_item(store, cache.snapshot(short[1], short[0]))  # exact duplicate: replaced
+    assert len(store) == 1 and len(list((store.dir / "base").glob("*.mlxkv"))) == 1
+    generate_tokens(engine, [RowSpec(2, PROMPT, SamplingParams(), 1)], reusable=True)
+    long = next(k for k in cache.keys() if len(k[1]) > 100)
+    assert write_item(store, cache.snapshot(long[1], long[0]))  # a trimmable descendant
+    assert [e.length for e in store.entries()] == [len(long[1])] and store.has_durable_prefix(short[1], "")
+    # Cap: room for about one entry; the older one is evicted to make room.
+    size = store.entries()[0].nbytes
+    store.max_bytes = size + size // 2
+    other = tuple(int(x) for x in RNG.integers(1, 400, 200))
+    generate_tokens(engine, [RowSpec(3, other, SamplingParams(), 1)], reusable=True)
+    new = next(k for k in cache.keys() if k[1][:5] == other[:5])
+    assert write_item(store, cache.snapshot(new[1], new[0]))
+    assert [e.ids[:5].tolist() for e in store.entries()] == [list(other[:5])]
+    assert store.stats.evicted == 1 and store.nbytes <= store.max_bytes
+    # Refused outright when one entry exceeds the cap.
+    store.max_bytes = 10
+    assert store.begin(cache.snapshot(new[1], new[0])) is None and store.stats.refused == 1
+
+
+def test_namespaces_never_seed_each_other(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    store_prompt(loaded, store, namespace="adapter-a")
+    assert (store.dir / namespace_dirname("adapter-a")).is_dir()
+    engine, cache = tiered_engine(loaded, store)
+    cached, _ = run(engine, PROMPT + (1, 2))
+    assert cached == 0 and cache.restores == 0
+
+
+def test_demote_idle_frees_ram_and_returns_what_the_ssd_lacks(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    now = [0.0]
+    engine, cache = tiered_engine(loaded, store, clock=lambda: now[0])
+    generate_tokens(engine, [RowSpec(1, PROMPT, SamplingParams(), 1)], reusable=True)
+    now[0] = 10.0
+    other = tuple(int(x) for x in RNG.integers(1, 400, 120))
+    generate_tokens(engine, [RowSpec(2, other, SamplingParams(), 1)], reusable=True)
+    now[0] = 65.0
+    items = cache.demote_idle(60)  # only the first entry is 60 s idle
+    assert [len(i.tokens) for i in items] == [len(PROMPT)] and len(cache) == 1
+    assert cache.demotions == 1
+    assert write_item(store, items[0])
+    now[0] = 200.0
+    assert cache.demote_idle(60) != [] and len(cache) == 0
+
+
+def test_a_failed_restore_is_a_miss_and_the_ram_candidate_serves(loaded, tmp_path):
+    store = open_store(tmp_path, loaded)
+    engine, cache = tiered_engine(loaded, store)
+    generate_tokens(engine, [RowSpec(1, PROMPT[:100], SamplingParams(), 1)], reusable=True)  # RAM: 100
+    tokens, first = store_prompt(loaded, store)  # disk: a longer entry
+    os.truncate(store.entries()[0].path, 5000)  # damaged behind the index's back
+    turn2 = PROMPT + tuple(first) + (5,)
+    cached, out = run(engine, turn2)
+    assert cached == 100 and cache.restores == 0 and cache.restore_misses == 1
+    assert len(store) == 0 and store.stats.quarantined == 1
+    assert out == cold(loaded, turn2)
