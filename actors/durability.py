@@ -182,9 +182,14 @@ class Durability:
             if self._dirty_descendant(key):
                 return "deferred"  # a longer dirty entry supersedes it: it will cover this one
             return "missing"
-        if await self._spills.submit(item):
+        done = await self._spills.submit_outcome(item)
+        if done.stored:
             return "stored"
         self._own_losses += 1
+        if done.reason == "refused":
+            # The store will never take it (bigger than --ssd-cache-max, or an unsupported kind).
+            log.warning("durability: the SSD tier refused a %d-token entry; it stays RAM-only", len(tokens))
+            return "missing"
         return "failed"
 
     def _take_inbox(self) -> None:

@@ -118,6 +118,7 @@ class GpuWorker:
             eos_token_ids=eos,
             device=str(device.type).rsplit(".", 1)[-1],
             memory_bytes=_device_memory_bytes(mx),
+            model_type=loaded.config.model_type,
             generation_defaults=tuple(
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None
             ),

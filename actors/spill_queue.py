@@ -1,7 +1,8 @@
 """Spill-queue actor: the bounded write-behind queue in front of the SSD store (spec §1.14).
 
 Inbound:  `inbox` — `Spill(item, reply)` from durability and demotion_timer (unbounded; senders
-          use `send_nowait`). The byte cap is applied the moment a message is received.
+          go through `submit` / `submit_nowait`, which `send_nowait` on it and count the message
+          as pending until it is received). The byte cap is applied the moment it is received.
 Outbound: one `SpillDone` on each Spill's `reply`; file writes through `store` (begin / write_next
           / commit / abort), each call on a worker thread that is never the MLX one.
 
@@ -197,18 +198,21 @@ class SpillQueue:
 
     async def submit(self, item: Any) -> bool:
         """Queue `item` and wait until it is stored (True) or dropped / refused / failed (False)."""
+        return (await self.submit_outcome(item)).stored
+
+    async def submit_outcome(self, item: Any) -> SpillDone:
         send, recv = trio.open_memory_channel[SpillDone](1)
         with recv:
             try:
                 self.inbox.send_nowait(Spill(item, send))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 item.release()
-                return False
+                return SpillDone(False, "cancelled")
             self._in_transit += 1
             try:
-                return (await recv.receive()).stored
+                return await recv.receive()
             except trio.EndOfChannel:
-                return False
+                return SpillDone(False, "cancelled")
 
     def submit_nowait(self, item: Any) -> None:
         try:

@@ -76,6 +76,7 @@ class ModelInfo:
     memory_bytes: int = 0
     # generation_config.json sampling defaults the checkpoint ships (only the keys it gives).
     generation_defaults: tuple[tuple[str, float], ...] = ()
+    model_type: str = ""  # config.json's model_type (tool-call format detection falls back on it)
 
 
 class Worker(Protocol):

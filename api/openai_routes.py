@@ -569,6 +569,7 @@ def _stats(handles: Any) -> dict[str, Any]:
 def _model_card(handles: Any) -> dict[str, Any]:
     routes = {rule.rule for rule in current_app.url_map.iter_rules()}
     reasoning = bool(getattr(handles.tokenizer, "has_thinking", False))
+    structured_output = _grammar_available()
     defaults = handles.sampling_defaults
     capabilities = {
         "chat_completions": True,
@@ -577,7 +578,7 @@ def _model_card(handles: Any) -> dict[str, Any]:
         "responses": "/v1/responses" in routes,
         "streaming": True,
         "tools": True,
-        "structured_output": False,
+        "structured_output": structured_output,
         "logprobs": True,
         "embeddings": False,
         "vision": False,
@@ -597,13 +598,20 @@ def _model_card(handles: Any) -> dict[str, Any]:
         "audio": False,
         "batch_mode": handles.mode,
         "tools": True,
-        "structured_output": False,
+        "structured_output": structured_output,
         "embeddings": False,
         "adapters": False,
         "training": False,
         "capabilities": capabilities,
         "gen_defaults": {"temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k},
     }
+
+
+def _grammar_available() -> bool:
+    try:
+        return bool(structured.grammar.available())
+    except Exception:  # no grammar engine installed, or it failed to load
+        return False
 
 
 async def _json_body() -> dict[str, Any]:

@@ -442,7 +442,7 @@ class RequestLog:
         if not log.isEnabledFor(level):
             return
         fields = record.fields(prompt_text=self._prompt_text(record))
-        log.log(level, "request %s", json.dumps(fields, ensure_ascii=False), extra={"request": fields})
+        log.log(level, "request %s", json.dumps(fields), extra={"request": fields})
 
     def _prompt_text(self, record: RequestRecord) -> str | None:
         if not self.log_prompts or record.prompt_ids is None:

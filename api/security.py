@@ -38,6 +38,7 @@ from quart import Response, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from api.errors import ApiError, error_response_for
+from api.strict_json import StrictJsonRequest
 
 DEFAULT_MAX_BODY_MB = 16.0  # Quart's and Flask's usual cap; ~4M tokens of text, past any context
 CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
@@ -183,6 +184,7 @@ def install_security(app: Any, options: SecurityOptions | Any) -> SecurityOption
     if not isinstance(options, SecurityOptions):
         options = SecurityOptions.from_config(options)
     app.config["MAX_CONTENT_LENGTH"] = options.max_body_bytes
+    app.request_class = StrictJsonRequest  # hostile bytes are a 400, never a 500
 
     @app.before_request
     async def security_gate() -> Response | None:

@@ -90,9 +90,8 @@ def main() -> None:
         cache = TieredPromptCache(8 << 30, store)
         engine = Engine(lm.model, eos_token_ids=[], prompt_cache=cache, prefill_chunk=args.prefill_chunk)
         _, _, reply = ttft(engine, 1, turn1)
-        engine.close_row(1)
         # ttft() closed the row non-reusable; put turn 1's prompt KV the way a finished row would.
-        opened = engine.open_row(RowSpec(2, turn1 + tuple(reply), SamplingParams(), 1))
+        engine.open_row(RowSpec(2, turn1 + tuple(reply), SamplingParams(), 1))
         while engine.prefill(2).remaining:
             pass
         engine.join(2)

@@ -533,6 +533,12 @@ class SsdStore:
         self.stats.restores += 1
         return header, arrays
 
+    def forget(self, entry: IndexEntry) -> None:
+        """Drop an entry whose file is already gone (evicted or replaced by the writer meanwhile)."""
+        with self._lock:
+            if self._entries.pop(entry.path, None) is not None:
+                self._bytes -= entry.nbytes
+
     def discard(self, entry: IndexEntry, reason: str) -> None:
         """Drop a bad entry: out of the index, file to quarantine."""
         log.warning("SSD cache: %s: %s; treating as a miss and quarantining it", entry.path.name, reason)

@@ -126,6 +126,10 @@ class TieredPromptCache(PromptCache):
             if excess and any(c.trim(excess) != excess for c in caches):
                 raise ValueError("entry cannot be trimmed to the match")
             mx.eval([c.state for c in caches])
+        except FileNotFoundError:
+            self.restore_misses += 1
+            self.ssd.forget(entry)  # evicted by the writer between lookup and read: a plain miss
+            return None
         except Exception as e:  # noqa: BLE001 - any doubt is a miss
             self.restore_misses += 1
             self.ssd.discard(entry, str(e) or type(e).__name__)

@@ -237,3 +237,22 @@ async def test_mid_stream_failure_ends_with_error_then_closing_events(autojump_c
         ok = await client.post(MESSAGES, json=body(max_tokens=2))
         assert ok.status_code == 200
         assert handles.admission.in_flight == 0
+
+
+async def test_client_disconnect_mid_stream_aborts_the_row(autojump_clock):
+    worker = FakeWorker(chunk=4, prefill_cost=3.0, join_cost=0.1, step_cost=1.0)
+    async with server(worker) as (client, handles, _):
+        async with client.request(MESSAGES, method="POST", headers={"Content-Type": "application/json"}) as conn:
+            await conn.send(json.dumps(body("z" * 40, stream=True, max_tokens=50)).encode())
+            await conn.send_complete()
+            for _ in range(3):  # message_start+ping, then pings while the prefill runs
+                await conn.receive()
+            await conn.disconnect()
+            left_at = trio.current_time()
+            conn._client_send.close()  # quart-trio test client hang workaround (trio-stack.md §4)
+        await trio.sleep(10)
+        [row_id] = worker.specs
+        closed_at, reusable = worker.closed[row_id]
+        assert left_at <= closed_at <= left_at + worker.prefill_cost and not reusable
+        assert handles.admission.in_flight == 0 and handles.scheduler.counters.aborted_rows == 1
+        assert not worker.violations

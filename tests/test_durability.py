@@ -221,3 +221,13 @@ async def test_namespaces_are_separate_records(autojump_clock):
         durability.mark("", A)
         await trio.sleep(3)
         assert {k for k in store.files} == {("adapter-x", A), ("", A)}
+
+
+async def test_an_entry_the_store_refuses_is_not_retried_forever(autojump_clock):
+    async with tier() as (store, port, spills, durability):
+        store.max_bytes = 50
+        port.put(A, nbytes=100)
+        durability.mark("", A)
+        await trio.sleep(100)
+        assert len(port.snapshots) == 1 and durability.pending_snapshots == 0
+        assert durability.counters.missing == 1

@@ -130,7 +130,7 @@ async def test_client_abort_while_queued_and_during_prefill(autojump_clock):
             # Holds the only row for 5 s (a 1-token prompt needs no prefill chunk).
             nursery.start_soon(partial(client.post, TEXT, json={"prompt": "a", "max_tokens": 4}))
             await trio.sleep(0.5)
-            nursery.start_soon(leave_mid_stream, client, TEXT, {"prompt": "queued"}, 0, 1.0)
+            nursery.start_soon(partial(leave_mid_stream, client, TEXT, {"prompt": "queued"}, after_s=1.0))
             await trio.sleep(2.0)
             assert value(metrics, "mlx_trio:request_aborts_total", phase="queued", cause="client") == 1
         # A long prompt: 40 tokens = 10 prefill chunks of 1 s each; leave after 2.5 s.

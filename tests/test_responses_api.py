@@ -99,6 +99,8 @@ async def test_stream_events_in_order(autojump_clock):
         # the final object is what the store keeps
         stored = await (await client.get(f"{RESPONSES}/{final['id']}")).get_json()
         assert stored == final
+        items = await (await client.get(f"{RESPONSES}/{final['id']}/input_items")).get_json()
+        assert items["object"] == "list" and [i["content"] for i in items["data"]] == ["hi"]
 
 
 async def test_previous_response_id_continues_the_conversation(autojump_clock):

@@ -40,6 +40,9 @@ class Server:
         self.client = httpx.Client(base_url=self.base, timeout=60)
         try:
             wait_healthy(self.base, self.proc, deadline_s=60)
+        except AssertionError as e:
+            self.kill()
+            raise AssertionError(f"{e}; server log:\n{self.log[-4000:]}") from None
         except BaseException:
             self.kill()
             raise

@@ -290,3 +290,28 @@ async def test_refusal_bodies_are_json(autojump_clock, path):
         response = await client.post(path, data=b"not json")
         assert response.status_code == 401 and response.content_type == "application/json"
         json.loads(await response.get_data())
+
+
+# --- hostile bodies (api/strict_json.py) ----------------------------------------------------
+
+HOSTILE = [
+    b"\xff\xfe{}",  # not UTF-8
+    b"[" * 100_000,  # nested past the recursion limit
+    b'{"prompt": "x", "max_tokens": NaN}',  # not JSON
+    b'{"prompt": "x", "temperature": Infinity}',
+    b'{"prompt": "x", "temperature": 1e400}',  # grammar-valid, but infinite
+    b'{"prompt": "\\ud800", "messages": [{"role": "user", "content": "\\udfff"}]}',  # lone surrogates
+    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's int-digits limit
+]
+
+
+async def test_hostile_bodies_are_400_in_each_api_shape(autojump_clock):
+    async with server() as (client, _):
+        for data in HOSTILE:
+            for path, shape in (("/v1/chat/completions", openai_error), ("/v1/completions", openai_error),
+                                ("/v1/responses", openai_error), ("/v1/messages", anthropic_error)):
+                response = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+                assert response.status_code == 400, (path, data[:40])
+                await shape(response)
+        ok = await client.post("/v1/completions", json={"prompt": "\U0001F600 ok", "max_tokens": 1})
+        assert ok.status_code == 200  # a real astral character (a valid surrogate pair) is fine

@@ -13,11 +13,8 @@ import struct
 import numpy as np
 import pytest
 
-from actors.worker_api import RowSpec
 from cache.ssd_store import QUARANTINE, SsdStore
-from model.engine import generate_tokens
 from model.loader import load_model
-from model.params import SamplingParams
 from tests.test_ssd_store import PROMPT, cold, identity_of, open_store, run, store_prompt, tiered_engine
 
 

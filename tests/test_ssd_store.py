@@ -291,3 +291,24 @@ def test_a_failed_restore_is_a_miss_and_the_ram_candidate_serves(loaded, tmp_pat
     assert cached == 100 and cache.restores == 0 and cache.restore_misses == 1
     assert len(store) == 0 and store.stats.quarantined == 1
     assert out == cold(loaded, turn2)
+
+
+def test_snapshot_views_never_change_under_later_cache_writes():
+    import mlx.core as mx
+
+    from cache.tiered import spill_item
+    from model.kv_cache import KVCache
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.random.normal((1, 2, 10, 4)), mx.random.normal((1, 2, 10, 4)))
+    mx.eval(cache.keys, cache.values)
+    item = spill_item("", tuple(range(10)), [cache])
+    before = [t.data.copy() for t in item.tensors]
+    clone = cache.clone()  # a RAM hit that diverges after 5 tokens
+    clone.trim(5)
+    clone.update_and_fetch(mx.ones((1, 2, 300, 4)), mx.ones((1, 2, 300, 4)))
+    cache.trim(3)  # and the donor itself written in place
+    cache.update_and_fetch(mx.ones((1, 2, 7, 4)) * 5, mx.ones((1, 2, 7, 4)) * 5)
+    mx.eval(clone.keys, cache.keys, cache.values)
+    assert all(np.array_equal(b, t.data) for b, t in zip(before, item.tensors))
+    assert spill_item("", tuple(range(9)), [cache]) is None  # coverage must equal the key
