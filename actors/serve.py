@@ -232,6 +232,8 @@ async def _serve_http(config, app, shutdown_trigger) -> None:  # type: ignore[no
     hc.accesslog = None  # api/request_log.py writes one structured line per request instead
     hc.errorlog = logging.getLogger("hypercorn.error")  # through our handler, not a second one
     log.info("serving on http://%s:%d (OpenAI API at /v1)", config.host, config.port)
+    if not getattr(config, "api_key", None) and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use /v1", config.host)
     await serve(app, hc, shutdown_trigger=shutdown_trigger)
 
 

@@ -147,6 +147,7 @@ class SpillQueue:
 
     async def _write(self, item: Any) -> tuple[bool, str]:
         try:
+            await self._wait_idle()  # begin writes the header: it waits like every piece
             writer = await self._run(self.store.begin, item)
         except Exception as e:  # noqa: BLE001 - the cache tier never takes serving down
             log.warning("SSD spill could not start: %s", e)
