@@ -239,18 +239,15 @@ class _TappedSubmits(_Forwarding):
         record = _current.get()
         if record is not None and isinstance(submit, Submit):
             record.on_submit(submit.request.prompt)
-            submit = attrs.evolve(
-                submit,
-                reply=_TappedReply(submit.reply, record, self._tap),
-                rows=_TappedRows(submit.rows, record, self._tap),
-            )
+            rows = _TappedRows(submit.rows, record, self._tap)
+            submit = attrs.evolve(submit, reply=_TappedReply(submit.reply, record, self._tap, rows), rows=rows)
         self._inner.send_nowait(submit)
 
 
 class _TappedReply(_Forwarding):
-    def __init__(self, inner: Any, record: RequestRecord, tap: _Tap) -> None:
+    def __init__(self, inner: Any, record: RequestRecord, tap: _Tap, rows: _TappedRows) -> None:
         super().__init__(inner)
-        self._record, self._tap = record, tap
+        self._record, self._tap, self._rows = record, tap, rows
 
     def send_nowait(self, decision: Any) -> None:
         try:
@@ -262,24 +259,23 @@ class _TappedReply(_Forwarding):
         self._record.on_decision(decision)
         if isinstance(decision, Admitted):
             self._tap.rows[decision.row_id] = self._record
+            self._rows.row_id = decision.row_id
 
 
 class _TappedRows(_Forwarding):
     def __init__(self, inner: Any, record: RequestRecord, tap: _Tap) -> None:
         super().__init__(inner)
         self._record, self._tap = record, tap
-        self._row_id: int | None = None
+        self.row_id: int | None = None  # set when admission admits the row
 
     def send_nowait(self, event: Any) -> None:
         self._inner.send_nowait(event)  # raises if the request actor is gone: nothing delivered
-        if self._row_id is None:
-            self._row_id = getattr(event, "row_id", None)
         self._record.on_row_event(event)
 
     def close(self) -> None:
         self._inner.close()
-        if self._row_id is not None:  # the row is over: a late Abort cuts nothing
-            self._tap.rows.pop(self._row_id, None)
+        if self.row_id is not None:  # the row is over: a late Abort cuts nothing
+            self._tap.rows.pop(self.row_id, None)
 
 
 class _TappedControl(_Forwarding):
@@ -299,9 +295,6 @@ class _TappedSink(_Forwarding):
     def __init__(self, inner: Any, record: RequestRecord) -> None:
         super().__init__(inner)
         self._record = record
-
-    def push(self, token_id: int) -> list[Any]:
-        return self._inner.push(token_id)
 
     def finish(self, *, reason: str) -> list[Any]:
         events = self._inner.finish(reason=reason)

@@ -18,6 +18,7 @@ encode + device + read-back, nothing overlapped), and the pipelined step time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -37,12 +38,14 @@ from actors.worker_api import RowSpec  # noqa: E402
 from benchmarks.serve_bench import SHAPES  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.kv_cache import make_caches  # noqa: E402
-from model.layers import CompiledDecode  # noqa: E402
+from model.layers import CompiledDecode, _gemv_kernel, gemv_disabled, linear_nt  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 
 
-def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> float:
+def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> tuple[float, dict]:
+    """(tok/s, per-step host ms split): `dispatch` = build + async_eval of step n+1 (host),
+    `read` = waiting for step n's tokens + recording them (mostly device time not hidden)."""
     rows = list(range(batch))
     for r in rows:
         engine.open_row(RowSpec(r, tuple(prompt[r:] + prompt[:r]), SamplingParams(), steps + 16))
@@ -52,14 +55,34 @@ def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> fl
     for _ in range(6):  # warm up (compiles the decode stages for this batch size)
         engine.step()
     mx.synchronize()
+    acc = {"dispatch": 0.0, "read": 0.0}
+    dispatch, read = engine._dispatch, engine._read
+
+    def timed_dispatch(inputs):
+        t = time.perf_counter()
+        out = dispatch(inputs)
+        acc["dispatch"] += time.perf_counter() - t
+        return out
+
+    def timed_read(inflight):
+        t = time.perf_counter()
+        out = read(inflight)
+        acc["read"] += time.perf_counter() - t
+        return out
+
+    engine._dispatch, engine._read = timed_dispatch, timed_read
     t0 = time.perf_counter()
-    produced = 0
+    produced = n_steps = 0
     while produced < steps * batch:
         produced += len(engine.step())
+        n_steps += 1
     elapsed = time.perf_counter() - t0
+    del engine._dispatch, engine._read
     for r in rows:
         engine.close_row(r)
-    return produced / elapsed
+    split = {f"{k}_ms": 1000 * v / n_steps for k, v in acc.items()}
+    split["step_ms"] = 1000 * elapsed / n_steps
+    return produced / elapsed, split
 
 
 def mlx_lm_decode(model, prompt: list[int], steps: int) -> float:
@@ -149,6 +172,47 @@ def profile_b1(model, ref_model, prompt: list[int]) -> dict:
     return out
 
 
+def gemv_available() -> bool:
+    return _gemv_kernel() is not None
+
+
+def gemv_bench(model) -> dict:
+    """Per distinct weight shape: µs and GB/s of x @ W.T for M = 1 and 8, kernel vs MLX matmul."""
+    shapes = {}
+    layer = model.layers[0]
+    mods = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.o_proj,
+            layer.mlp.gate_proj, layer.mlp.down_proj]
+    ws = [m.weight for m in mods if hasattr(m, "weight") and not hasattr(m, "scales")]
+    head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
+    if head.dtype in (mx.bfloat16, mx.float16):
+        ws.append(head)
+    out = {}
+    for w in ws:
+        key = f"{w.shape[0]}x{w.shape[1]}"
+        if key in shapes:
+            continue
+        shapes[key] = True
+        for m in (1, 8):
+            x = mx.random.normal((m, w.shape[1])).astype(w.dtype)
+            res = {}
+            for name, fn in (("gemv", lambda: linear_nt(x, w)), ("mlx", lambda: x @ w.T)):
+                with (gemv_disabled() if name == "mlx" else contextlib.nullcontext()):
+                    for _ in range(3):
+                        mx.eval(fn())
+                    reps = 20
+                    t0 = time.perf_counter()
+                    ys = [fn() for _ in range(reps)]
+                    mx.eval(ys)
+                    dt = (time.perf_counter() - t0) / reps
+                res[f"{name}_us"] = 1e6 * dt
+                res[f"{name}_gbs"] = w.nbytes / dt / 1e9
+            y1 = linear_nt(x, w).astype(mx.float32)
+            y2 = (x @ w.T).astype(mx.float32)
+            res["max_abs_diff"] = mx.abs(y1 - y2).max().item()
+            out[f"{key}_M{m}"] = res
+    return out
+
+
 def versions() -> dict:
     import platform
 
@@ -174,7 +238,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--skip-eager", action="store_true")
+    p.add_argument("--skip-eager", action="store_true", help="only the default engine (no A/B variants)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant; the best is reported")
+    p.add_argument("--gemv-bench", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the CUDA GEMV kernel against MLX's matmul on the model's weight shapes")
     p.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth for the roofline")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -199,18 +266,34 @@ def main() -> None:
               "dtype": args.dtype, "quant": args.quant, "versions": versions(),
               "weights_gb": loaded.weights_bytes / 1e9, "bandwidth_gbs": args.bandwidth_gbs,
               "roofline_tok_s": roofline, "date": time.strftime("%Y-%m-%d")}
-    engines = {"ours": Engine(loaded.model, eos_token_ids=[], compile_decode=True)}
+    # ours: compiled decode + CUDA GEMV (where available) — the defaults; the rest are A/B.
+    variants = {"ours": (Engine(loaded.model, eos_token_ids=[], compile_decode=True), False)}
     if not args.skip_eager:
-        engines["ours_eager"] = Engine(loaded.model, eos_token_ids=[], compile_decode=False)
+        if gemv_available():
+            variants["ours_nogemv"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=True), True)
+        variants["ours_eager"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=False), True)
+    if args.gemv_bench and gemv_available():
+        result["gemv"] = gemv_bench(loaded.model)
+        print(f"gemv: {json.dumps(result['gemv'])}", file=sys.stderr, flush=True)
     for b in [int(x) for x in args.batches.split(",")]:
-        row = {}
-        for name, engine in engines.items():
-            row[f"{name}_tok_s"] = ours_decode(engine, prompt, args.steps, b)
-        row["mlx_lm_tok_s"] = (mlx_lm_decode(ref_model, prompt, args.steps) if b == 1
-                               else mlx_lm_batch(ref_model, prompt, args.steps, b))
+        runs: dict[str, list[float]] = {}
+        splits: dict[str, dict] = {}
+        for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
+            for name, (engine, no_gemv) in variants.items():
+                with (gemv_disabled() if no_gemv else contextlib.nullcontext()):
+                    rate, split = ours_decode(engine, prompt, args.steps, b)
+                runs.setdefault(name, []).append(rate)
+                if rate >= max(runs[name]):
+                    splits[name] = split
+            rate = (mlx_lm_decode(ref_model, prompt, args.steps) if b == 1
+                    else mlx_lm_batch(ref_model, prompt, args.steps, b))
+            runs.setdefault("mlx_lm", []).append(rate)
+        row = {f"{name}_tok_s": max(v) for name, v in runs.items()}
+        row["runs"] = runs
+        row["split_ms"] = splits
         row["ratio"] = row["ours_tok_s"] / row["mlx_lm_tok_s"]
         if b == 1:
-            for name in [*engines, "mlx_lm"]:
+            for name in runs:
                 row[f"{name}_ms_step"] = 1000 / row[f"{name}_tok_s"]
                 row[f"{name}_roofline_pct"] = 100 * row[f"{name}_tok_s"] / roofline
             row["profile"] = profile_b1(loaded.model, ref_model, prompt)

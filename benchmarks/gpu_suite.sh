@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The H200 benchmark suite behind docs/performance.md, in one call (writes everything under $OUT).
-#   OUT=/tmp/out SUITE=full bash benchmarks/gpu_suite.sh
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh
 # Needs mlx (CUDA), mlx-lm, trio, hypercorn, quart-trio importable (PYTHONPATH). Each step has its
-# own time limit so one slow step cannot starve the rest; results land as they finish.
+# own time limit so one slow step cannot starve the rest; results land as they finish, and are
+# packed into $OUT/results.tgz (the device tool returns at most 8 files).
+# Smoke test on CPU: OUT=/tmp/gs Q06=cpu-small L8=cpu-small STEPS=16 MT=16 bash benchmarks/gpu_suite.sh
 set -u
 OUT=${OUT:-/tmp/out}
-SUITE=${SUITE:-full}
 mkdir -p "$OUT/r"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 LOG="$OUT/r/log.txt"
@@ -15,32 +16,22 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 python3 -c "import mlx.core as mx, mlx_lm, platform; print(mx.__version__, mlx_lm.__version__, platform.python_version(), mx.default_device(), mx.device_info())" >>"$OUT/r/gpu.txt" 2>&1
 lscpu | head -20 >>"$OUT/r/gpu.txt"
 
-
 M=${MODELS:-/tmp/models}
 mkdir -p $M
-Q06=${Q06:-qwen3-0.6b}; L8=${L8:-llama3-8b}; STEPS=${STEPS:-128}
-step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+Q06=${Q06:-qwen3-0.6b}; L8=${L8:-llama3-8b}; STEPS=${STEPS:-128}; MT=${MT:-128}
 DE="python3 benchmarks/decode_engine.py --steps $STEPS"
-SB="python3 benchmarks/serve_bench.py"; MT=${MT:-128}
+SB="python3 benchmarks/serve_bench.py"
 
-if [ "$SUITE" = "full" ] || [ "$SUITE" = "decode" ]; then
-  step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --out "$OUT/r/de-q06-bf16.json"
-  step 120 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
-  step 150 $DE --model $M/l8-bf16 --batches 1,8 --out "$OUT/r/de-l8-bf16.json"
-  rm -rf $M/l8-bf16
-fi
-if [ "$SUITE" = "full" ] || [ "$SUITE" = "serve" ]; then
-  step 240 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
-    --out "$OUT/r/sb-q06-bf16.json" --plots "$OUT/r"
-fi
-if [ "$SUITE" = "full" ] || [ "$SUITE" = "decode" ]; then
-  for ops in 60 200; do
-    step 60 env MLX_MAX_OPS_PER_BUFFER=$ops $DE --model $M/q06-bf16 --batches 1 --skip-eager --out "$OUT/r/de-q06-bf16-ops$ops.json"
-  done
-  step 60 python3 benchmarks/synth_fast.py $M/q06-q4 $Q06 bfloat16 q4
-  step 90 $DE --model $M/q06-q4 --batches 1,32 --out "$OUT/r/de-q06-q4.json"
-  step 90 python3 benchmarks/synth_fast.py $M/l8-q4 $L8 bfloat16 q4
-  step 90 $DE --model $M/l8-q4 --batches 1 --out "$OUT/r/de-l8-q4.json"
-fi
+step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+step 150 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 3 --out "$OUT/r/de-q06-bf16.json"
+step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
+step 150 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$OUT/r/de-l8-bf16.json"
+step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+  --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
+  --out "$OUT/r/sb-q06-bf16.json" --plots "$OUT/r"
+step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 --only ours \
+  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-switch-interval 0.0005 \
+  --out "$OUT/r/sb-q06-bf16-si.json"
+step 150 $SB --model $M/l8-bf16 --dtype bfloat16 --max-tokens 64 --concurrency 1,8 --repeats 2 \
+  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$OUT/r/sb-l8-bf16.json"
 cp "$LOG" "$OUT/log.txt"; cd "$OUT" && tar czf results.tgz r && rm -rf r

@@ -9,13 +9,17 @@ Family files (model/families/*.py) only translate a config.json into `DecoderArg
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from functools import partial
 from typing import Any
 
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -42,6 +46,154 @@ class DecoderArgs:
 @partial(mx.compile, shapeless=True)
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return nn.silu(gate) * x
+
+
+# -- decode GEMV on CUDA ----------------------------------------------------------------------
+#
+# A decode step multiplies 1..8 rows by every weight matrix: pure weight streaming. MLX's CUDA
+# gemv (M == 1 only) loads 8 bytes per lane with a runtime-bounded loop, and M = 2..8 goes to a
+# cuBLAS GEMM that streams the weights about as slowly per row block; both stay near half of
+# HBM bandwidth on an H200. This kernel gives each weight row one warp, loads 16 bytes per lane
+# with independent unrolled loads, and applies every x row to each loaded weight vector, so the
+# weights are read once for up to GEMV_MAX_ROWS rows. fp32 accumulation, like MLX's. Only
+# bias-free bf16/fp16 Linear layers on a CUDA device use it; MLX_TRIO_GEMV=0 turns it off.
+
+GEMV_MAX_ROWS = 8
+
+_GEMV_SOURCE = """
+    const int N = w_shape[0];
+    const int K8 = w_shape[1] / 8;
+    const int M = x_shape[0];
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row >= N) return;
+    if ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(x)) & 15) {
+        // Unaligned operands (a view at an odd offset): plain element loads, same sums.
+        const int K = K8 * 8;
+        for (int m = 0; m < M && m < MAXM; ++m) {
+            float v = 0.0f;
+            for (int k = lane; k < K; k += 32)
+                v = fmaf(static_cast<float>(w[(size_t)row * K + k]), static_cast<float>(x[(size_t)m * K + k]), v);
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) y[(size_t)m * N + row] = static_cast<T>(v);
+        }
+        return;
+    }
+    const uint4* wrow = reinterpret_cast<const uint4*>(w) + (size_t)row * K8;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    float acc[MAXM];
+    #pragma unroll
+    for (int m = 0; m < MAXM; ++m) acc[m] = 0.0f;
+    #pragma unroll 4
+    for (int i = lane; i < K8; i += 32) {
+        uint4 wq = __ldg(wrow + i);
+        const T* wp = reinterpret_cast<const T*>(&wq);
+        float wf[8];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) wf[j] = static_cast<float>(wp[j]);
+        #pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+            if (m < M) {
+                uint4 xq = __ldg(xv + (size_t)m * K8 + i);
+                const T* xp = reinterpret_cast<const T*>(&xq);
+                float s = acc[m];
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) s = fmaf(wf[j], static_cast<float>(xp[j]), s);
+                acc[m] = s;
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+        if (m < M) {
+            float v = acc[m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) y[(size_t)m * N + row] = static_cast<T>(v);
+        }
+    }
+"""
+
+_gemv_state: dict[str, Any] = {}
+
+
+def _gemv_kernel() -> Any:
+    """The compiled kernel, or None where unavailable (not CUDA, disabled, or failed its check)."""
+    if "kernel" in _gemv_state:
+        return _gemv_state["kernel"]
+    kernel = None
+    try:
+        if (
+            os.environ.get("MLX_TRIO_GEMV", "1") != "0"
+            and mx.default_device().type == mx.gpu
+            and hasattr(mx, "cuda")
+            and mx.cuda.is_available()
+        ):
+            kernel = mx.fast.cuda_kernel(
+                name="mlx_trio_gemv", input_names=["x", "w"], output_names=["y"], source=_GEMV_SOURCE
+            )
+            _gemv_state["kernel"] = kernel
+            for m in (1, 3, GEMV_MAX_ROWS):  # against MLX's matmul before it is trusted
+                x = mx.random.normal((m, 4096), key=mx.random.key(m)).astype(mx.bfloat16)
+                w = (mx.random.normal((1000, 4096), key=mx.random.key(9)) * 0.02).astype(mx.bfloat16)
+                ref = (x @ w.T).astype(mx.float32)
+                err = mx.abs(_gemv_call(kernel, x, w).astype(mx.float32) - ref).max().item()
+                if not err <= 0.02 * max(1.0, mx.abs(ref).max().item()):
+                    raise RuntimeError(f"gemv self-check failed: max error {err}")
+            log.info("decode GEMV kernel enabled (CUDA)")
+    except Exception as e:  # noqa: BLE001 - the MLX matmul is always there to fall back on
+        log.warning("decode GEMV kernel unavailable, using MLX matmul: %s", e)
+        kernel = None
+    _gemv_state["kernel"] = kernel
+    return kernel
+
+
+def _gemv_call(kernel: Any, x2: mx.array, w: mx.array) -> mx.array:
+    n = w.shape[0]
+    return kernel(
+        inputs=[x2, w],
+        template=[("T", w.dtype), ("MAXM", GEMV_MAX_ROWS)],
+        grid=(((n + 7) // 8) * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(x2.shape[0], n)],
+        output_dtypes=[w.dtype],
+    )[0]
+
+
+def linear_nt(x: mx.array, w: mx.array) -> mx.array:
+    """x @ w.T: the decode GEMV kernel where it applies, else MLX's matmul."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if (
+        0 < rows <= GEMV_MAX_ROWS
+        and w.ndim == 2
+        and x.dtype == w.dtype
+        and w.dtype in (mx.bfloat16, mx.float16)
+        and w.shape[1] % 8 == 0
+    ):
+        kernel = _gemv_kernel()
+        if kernel is not None:
+            return _gemv_call(kernel, x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    return x @ w.T
+
+
+class gemv_disabled:
+    """Context manager: the MLX matmul everywhere (benchmarks' A/B; graphs traced inside keep it)."""
+
+    def __enter__(self) -> None:
+        self._saved = _gemv_kernel()
+        _gemv_state["kernel"] = None
+
+    def __exit__(self, *exc: Any) -> None:
+        _gemv_state["kernel"] = self._saved
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose bias-free decode-sized products may take the CUDA GEMV kernel."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            return super().__call__(x)
+        return linear_nt(x, self["weight"])
 
 
 class Llama3RoPE(nn.Module):
@@ -97,10 +249,10 @@ class Attention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads
         self.scale = hd**-0.5
         qkv_bias = args.attention_bias or args.qkv_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=args.attention_bias)
+        self.q_proj = Linear(dim, self.n_heads * hd, bias=qkv_bias)
+        self.k_proj = Linear(dim, self.n_kv_heads * hd, bias=qkv_bias)
+        self.v_proj = Linear(dim, self.n_kv_heads * hd, bias=qkv_bias)
+        self.o_proj = Linear(self.n_heads * hd, dim, bias=args.attention_bias)
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
@@ -138,9 +290,9 @@ class MLP(nn.Module):
     def __init__(self, args: DecoderArgs):
         super().__init__()
         dim, hidden = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
+        self.gate_proj = Linear(dim, hidden, bias=args.mlp_bias)
+        self.down_proj = Linear(hidden, dim, bias=args.mlp_bias)
+        self.up_proj = Linear(dim, hidden, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -194,14 +346,17 @@ class DecoderModel(nn.Module):
         self.args = args
         self.model = DecoderBody(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array:
         return self.model(tokens, caches)
 
     def logits(self, hidden: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
+            embed = self.model.embed_tokens
+            if type(embed) is nn.Embedding:
+                return linear_nt(hidden, embed.weight)
+            return embed.as_linear(hidden)
         return self.lm_head(hidden)
 
     @property
@@ -259,6 +414,7 @@ class CompiledDecode:
         self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
         self._params = [layer.parameters() for layer in layers]
         self._template = layers[0] if layers else None
+        _gemv_kernel()  # settle the GEMV choice eagerly: its self-check cannot run inside a trace
         self._first = mx.compile(self._first_fn)
         self._mid = mx.compile(self._mid_fn)
         self._last = mx.compile(self._last_fn)

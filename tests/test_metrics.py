@@ -121,6 +121,7 @@ async def test_client_abort_mid_decode(autojump_clock):
     assert value(metrics, "mlx_trio:request_aborts_total", phase="decode", cause="client") == 1
     assert value(metrics, "mlx_trio:requests_total", route=CHAT, status="200", finish_reason="abort") == 1
     assert value(metrics, "mlx_trio:request_success_total", finished_reason="abort") == 1
+    assert handles.ports.submits._tap.rows == {}
 
 
 async def test_client_abort_while_queued_and_during_prefill(autojump_clock):
@@ -139,6 +140,7 @@ async def test_client_abort_while_queued_and_during_prefill(autojump_clock):
         assert value(metrics, "mlx_trio:request_aborts_total", phase="prefill", cause="client") == 1
         assert handles.scheduler.counters.aborted_rows == 2
         assert handles.admission.in_flight == 0
+        assert handles.ports.submits._tap.rows == {}  # the tap holds no record past its row
 
 
 async def test_running_and_waiting_gauges_and_rejections(autojump_clock):
@@ -221,3 +223,14 @@ def test_observer_api_can_be_called_directly():
 def test_token_buckets():
     assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert token_buckets(4096)[-1] == 2000
+
+
+async def test_every_surface_is_observed(autojump_clock):
+    async with server() as (client, metrics, _):
+        anthropic = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+        assert (await client.post("/v1/messages", json=anthropic)).status_code == 200
+        assert (await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3})).status_code == 200
+    for route in ("/v1/messages", "/v1/responses"):
+        assert value(metrics, "mlx_trio:requests_total", route=route, status="200", finish_reason="length") == 1
+    assert value(metrics, "mlx_trio:generation_tokens_total") == 6
+    assert value(metrics, "mlx_trio:time_to_first_token_seconds_count") == 2

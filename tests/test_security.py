@@ -315,3 +315,38 @@ async def test_hostile_bodies_are_400_in_each_api_shape(autojump_clock):
                 await shape(response)
         ok = await client.post("/v1/completions", json={"prompt": "\U0001F600 ok", "max_tokens": 1})
         assert ok.status_code == 200  # a real astral character (a valid surrogate pair) is fine
+
+
+# --- flags and the hypercorn config ----------------------------------------------------------
+
+
+def test_flags_and_environment(monkeypatch):
+    from actors import serve
+
+    args = serve.parse_args([])
+    assert (args.api_key, args.admin_token, args.cors_origins, args.max_body_mb, args.log_prompts,
+            args.idle_timeout) == (None, None, [], 16.0, False, 5.0)
+    monkeypatch.setenv("MLX_TRIO_API_KEY", "from-env")
+    monkeypatch.setenv("MLX_TRIO_ADMIN_TOKEN", "admin-env")
+    args = serve.parse_args(["--cors-origin", "https://a,https://b", "--cors-origin", "*", "--max-body-mb", "0",
+                             "--log-prompts", "--idle-timeout", "30"])
+    assert args.api_key == "from-env" and args.admin_token == "admin-env"
+    assert parse_origins(args.cors_origins) == ("https://a", "https://b", "*")
+    assert args.max_body_mb == 0 and args.log_prompts and args.idle_timeout == 30
+    assert serve.parse_args(["--api-key", "flag"]).api_key == "flag"  # the flag wins
+
+
+async def test_serve_http_sets_the_idle_timeout_and_no_read_timeout(monkeypatch):
+    from actors import serve
+
+    seen = {}
+
+    async def fake_serve(app, config, *, shutdown_trigger):
+        seen["config"] = config
+
+    monkeypatch.setattr("hypercorn.trio.serve", fake_serve)
+    await serve._serve_http(ServeConfig(idle_timeout=7.5, port=0), None, None)
+    config = seen["config"]
+    assert config.keep_alive_timeout == 7.5
+    assert config.read_timeout is None  # a silent streaming client must not be cut
+    assert config.accesslog is None  # api/request_log.py is the access log
