@@ -4,7 +4,7 @@ Inbound: job calls from the scheduler (`open_row`, `prefill`, `join`, `step`, `c
 `run_exclusive` for cache maintenance), each an awaited method that sends a `_Job` over the
 worker's job channel. Outbound: each job's result (or exception) on that job's reply channel.
 
-The actor's whole life is one `trio.to_thread.run_sync` call: a dedicated OS thread that loads
+The actor's whole life is one dedicated OS thread (its own, not trio's thread cache) that loads
 the model itself (MLX arrays, weights included, are bound to the thread that created them) and
 then runs jobs one at a time. A job is never interrupted: a caller that is cancelled while waiting
 merely stops listening, and the job's result is dropped. So rows always leave at step boundaries.
@@ -73,12 +73,35 @@ class GpuWorker:
 
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
         self._trio_token = trio.lowlevel.current_trio_token()
+        finished = trio.Event()
+        ended: list[outcome.Outcome] = []
+
+        def body() -> None:
+            ended.append(outcome.capture(self._thread_main, task_status))
+            try:
+                self._trio_token.run_sync_soon(finished.set)
+            except trio.RunFinishedError:
+                pass
+
+        # Our own thread, not trio's thread cache: a cached thread idles on after the job and can
+        # exit during interpreter shutdown, when MLX's thread-local compile cache (it holds Python
+        # objects) can no longer take the GIL — the process then aborts. This one ends with us.
+        thread = threading.Thread(target=body, name="mlx-gpu-worker")
+        thread.start()
         try:
-            await trio.to_thread.run_sync(self._thread_main, task_status, thread_name="mlx-gpu-worker")
+            try:
+                await finished.wait()
+            finally:
+                # Shutdown: end the job loop; a job already running finishes first (rows leave at
+                # step boundaries), so wait for the thread, shielded.
+                self._jobs_send.close()
+                with trio.CancelScope(shield=True):
+                    await finished.wait()
+                thread.join()
+            ended[0].unwrap()
         finally:
             self.alive = False
             self.close_ssd()  # releases the SSD directory lock (a writer may still finish)
-            self._jobs_send.close()
             if self._current_reply is not None:
                 self._current_reply.close()  # a caller mid-job sees WorkerDied, not a hang
 
@@ -124,17 +147,18 @@ class GpuWorker:
             ),
         )
         self.alive = True
-        trio.from_thread.run_sync(task_status.started, self.info)
+        token = self._trio_token
+        trio.from_thread.run_sync(task_status.started, self.info, trio_token=token)
         while True:
             try:
-                job = trio.from_thread.run(self._jobs_recv.receive)
+                job = trio.from_thread.run(self._jobs_recv.receive, trio_token=token)
             except (trio.EndOfChannel, trio.Cancelled, trio.RunFinishedError):
                 return
             self._current_reply = job.reply
             result = outcome.capture(job.fn, engine)
             self._current_reply = None
             try:
-                trio.from_thread.run_sync(job.reply.send_nowait, result)
+                trio.from_thread.run_sync(job.reply.send_nowait, result, trio_token=token)
             except (trio.BrokenResourceError, trio.ClosedResourceError, trio.RunFinishedError):
                 pass  # the caller went away (cancelled); the job still ran to completion
 

@@ -32,6 +32,9 @@ step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency
 step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 --only ours \
   --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-switch-interval 0.0005 \
   --out "$OUT/r/sb-q06-bf16-si.json"
+step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 2 --only ours \
+  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --profile-out "$OUT/r/profile-q06-c32.txt" \
+  --out "$OUT/r/sb-q06-bf16-prof.json"
 step 150 $SB --model $M/l8-bf16 --dtype bfloat16 --max-tokens 64 --concurrency 1,8 --repeats 2 \
   --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$OUT/r/sb-l8-bf16.json"
 cp "$LOG" "$OUT/log.txt"; cd "$OUT" && tar czf results.tgz r && rm -rf r

@@ -74,12 +74,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, kind: str, model: Path, port: int, extra: list[str], switch_interval: float | None = None):
+    def __init__(self, kind: str, model: Path, port: int, extra: list[str], switch_interval: float | None = None,
+                 profile_out: Path | None = None):
         self.kind, self.port = kind, port
         if kind == "ours" and switch_interval:
             boot = (f"import sys, runpy; sys.setswitchinterval({switch_interval}); "
                     "sys.argv = ['actors.serve'] + sys.argv[1:]; runpy.run_module('actors.serve', run_name='__main__')")
             cmd = [sys.executable, "-c", boot, "--model", str(model), "--port", str(port), *extra]
+        elif kind == "ours" and profile_out:
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_serve.py"), "--out", str(profile_out), "--",
+                   "--model", str(model), "--port", str(port), *extra]
         elif kind == "ours":
             cmd = [sys.executable, "-m", "actors.serve", "--model", str(model), "--port", str(port), *extra]
         elif kind == "mlx_lm+blas":  # mlx_lm.server with the BLAS our server preloads (CPU fairness)
@@ -323,7 +327,7 @@ def run_suite(kind: str, model: Path, args) -> dict:
         default = []
     extra = default + (args.ours_args if kind == "ours" else args.mlx_lm_args).split()
     out: dict = {"server": kind, "args": extra}
-    with Server(kind, model, free_port(), extra, args.ours_switch_interval) as server:
+    with Server(kind, model, free_port(), extra, args.ours_switch_interval, args.profile_out) as server:
         out["start_s"] = server.start_s
         try:
             for c in args.concurrency:
@@ -482,6 +486,8 @@ def main() -> None:
     p.add_argument("--ours-args", default="")
     p.add_argument("--mlx-lm-args", default="")
     p.add_argument("--only", choices=["ours", "mlx_lm"], default=None)
+    p.add_argument("--profile-out", type=Path, default=None,
+                   help="run our server under benchmarks/profile_serve.py; its per-thread profile lands here")
     p.add_argument("--ours-switch-interval", type=float, default=None,
                    help="experiment: start our server with sys.setswitchinterval(S) (GIL hand-off)")
     p.add_argument("--mlx-lm-blas", action="store_true",

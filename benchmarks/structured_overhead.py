@@ -67,7 +67,19 @@ def _timed_mask(orig: Any) -> Any:
     return mask
 
 
+def _timed_fill(orig: Any) -> Any:
+    def fill(grammars: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            orig(grammars)
+        finally:
+            _mask_s[0] += time.perf_counter() - t0
+
+    return fill
+
+
 grammar_mod.RowGrammar.mask = _timed_mask(grammar_mod.RowGrammar.mask)
+grammar_mod.fill_masks = _timed_fill(grammar_mod.fill_masks)
 
 
 def build_model(kind: str, root: Path) -> Path:
@@ -138,7 +150,7 @@ def measure(engine: Engine, rows: list[SamplingParams], steps: int, prompt: tupl
     }
 
 
-def run(kind: str, root: Path, steps: int) -> dict[str, Any]:
+def run(kind: str, root: Path, steps: int, repeats: int) -> dict[str, Any]:
     d = build_model(kind, root)
     loaded = load_model(d)
     eos = loaded.config.eos_token_ids
@@ -166,8 +178,15 @@ def run(kind: str, root: Path, steps: int) -> dict[str, Any]:
         + [SamplingParams(temperature=1.0, seed=10 + i) for i in range(4)],
     }
     out: dict[str, Any] = {"vocab": loaded.config.raw["vocab_size"], "compiler_prep_ms": prep_ms, "cases": {}}
-    for name, rows in cases.items():
-        out["cases"][name] = measure(engine, rows, steps, prompt)
+    # The fastest of `repeats` runs per case, the cases interleaved round by round: other
+    # processes on shared cores only ever add time, and they then hit every case alike.
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(repeats):
+        for name, rows in cases.items():
+            m = measure(engine, rows, steps, prompt)
+            if name not in best or m["ms_per_step"] < best[name]["ms_per_step"]:
+                best[name] = m
+    out["cases"] = best
     return out
 
 
@@ -175,17 +194,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", choices=("small", "big", "both"), default="both")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("small", "big") if args.vocab == "both" else (args.vocab,):
-            r = run(kind, Path(tmp), args.steps)
+            r = run(kind, Path(tmp), args.steps, args.repeats)
             results[kind] = r
             print(f"\n== vocab {r['vocab']} (grammar tokenizer prep {r['compiler_prep_ms']:.0f} ms), device {mx.default_device()}")
-            print(f"{'case':38s} {'ms/step':>8s} {'ms/token':>9s} {'mask us/row':>11s}")
+            print(f"{'case':38s} {'ms/step':>8s} {'ms/token':>9s} {'grammar host us/row/step':>24s}")
             for case, m in r["cases"].items():
-                print(f"{case:38s} {m['ms_per_step']:8.3f} {m['ms_per_token']:9.3f} {m['mask_us_per_row_step']:11.1f}")
+                print(f"{case:38s} {m['ms_per_step']:8.3f} {m['ms_per_token']:9.3f} {m['mask_us_per_row_step']:24.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

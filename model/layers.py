@@ -415,6 +415,8 @@ class CompiledDecode:
         self._params = [layer.parameters() for layer in layers]
         self._template = layers[0] if layers else None
         _gemv_kernel()  # settle the GEMV choice eagerly: its self-check cannot run inside a trace
+        self._offset_host: int | None = None
+        self._offset_dev: mx.array | None = None
         self._first = mx.compile(self._first_fn)
         self._mid = mx.compile(self._mid_fn)
         self._last = mx.compile(self._last_fn)
@@ -452,7 +454,13 @@ class CompiledDecode:
         mask = caches[0].make_mask(1)
         offset = caches[0].offset
         if isinstance(offset, int):
-            offset = mx.array(offset)
+            # A solo row's position as a device scalar, advanced on the device from step to step
+            # (no host-to-device upload per step); rebuilt only when the position jumps.
+            host = offset
+            if self._offset_host != host:
+                self._offset_dev = mx.array(host, dtype=mx.int32)
+            offset = self._offset_dev
+            self._offset_host, self._offset_dev = host + 1, offset + 1
         params, layers = self._params, self.model.layers
         h, q, k, v = self._first(params[0], tokens, offset)
         last = len(caches) - 1

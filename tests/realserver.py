@@ -57,8 +57,8 @@ def _join_mlx_threads() -> None:
     A trio thread-cache thread that ran MLX work and whose 10 s idle timeout fires while the
     interpreter is finalizing aborts the process ("terminate called without an active
     exception", exit 134): measured with a GpuWorker used 9.5-10 s before exit. Waiting for it
-    here (atexit runs before finalization) makes the exit clean; the root fix belongs in
-    actors/gpu_worker.py (a dedicated, joined thread instead of trio's cache).
+    here (atexit runs before finalization) makes the exit clean. A GpuWorker that runs on its
+    own thread and joins it (the root fix, actors/gpu_worker.py) leaves nothing to wait for here.
     """
     threads = [t for t in threading.enumerate() if t.ident in _MLX_THREADS and t is not threading.current_thread()]
     for thread in threads:

@@ -17,7 +17,6 @@ from tests.realserver import (
     RealServer,
     Streamed,
     complete,
-    complete_whole,
     real_server,
     stream,
     wait_until,
