@@ -198,6 +198,12 @@ class RequestActor:
             self.finish_reason = CUT_OFF_FINISH_REASON
         return events
 
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the completion, if one did (Anthropic's stop_sequence)."""
+        value = getattr(self._sink, "matched_stop", None)
+        return value if isinstance(value, str) else None
+
     def usage(self) -> dict[str, Any]:
         prompt = len(self.request.prompt)
         return {

@@ -17,8 +17,7 @@ import trio
 from quart import Blueprint, Response
 
 from api import openai_routes
-from api.anthropic_translate import AnthropicStream, anthropic_to_chat, error_body, message_object
-from api.errors import ApiError
+from api.anthropic_translate import AnthropicStream, anthropic_to_chat, message_object
 from api.protocol_common import (
     TIMED_OUT,
     Completion,
@@ -110,5 +109,3 @@ async def _stream(actor: Any, stream: AnthropicStream) -> AsyncIterator[bytes]:
         actor.close()
 
 
-def error_response(error: ApiError) -> Response:
-    return json_response(error_body(error), status=error.status, headers=error.headers)

@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 
 from api import anthropic_routes, openai_routes, responses_routes
 from api.errors import ApiError
-from api.errors import error_response as openai_error_response
+from api.errors import error_response_for
 from api.health import install_health
 from api.metrics import install_metrics
 from api.request_log import install_request_log
@@ -43,11 +43,7 @@ def create_app(handles: Any) -> QuartTrio:
 
     def error_response(error: ApiError) -> Response:
         # Each API answers in its own envelope, 404s for unknown sub-paths included.
-        if request.path.startswith(anthropic_routes.PATH_PREFIX):
-            return anthropic_routes.error_response(error)
-        if request.path.startswith(responses_routes.PATH_PREFIX):
-            return responses_routes.error_response(error)
-        return openai_error_response(error)
+        return error_response_for(request.path, error)
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:

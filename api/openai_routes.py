@@ -289,6 +289,8 @@ def _flat_content(content: Any, where: str) -> str | None:
         if not isinstance(part, dict):
             raise bad_request(f"{where} parts must be objects", param="messages")
         kind = part.get("type")
+        if not isinstance(kind, (str, type(None))):
+            raise bad_request(f"{where} part type must be a string", param="messages")
         if kind in _MEDIA_PARTS:
             raise bad_request(
                 f"{kind} content parts are not supported: this server has no {_MEDIA_PARTS[kind]} input "
@@ -468,6 +470,10 @@ async def start_chat(handles: Any, body: Mapping[str, Any]) -> StartedChat:
     # reasoning (spec §1.8).
     starts_in_reasoning = prompt_text is not None and prompt_ends_in_open_think(prompt_text)
     tool_format = _tool_format(handles, tools) if tools else None
+    if tool_format is not None and gen.sampling.constraint is not None:
+        # A forced tool call's grammar wraps the call in the model's own markup, known only now.
+        constraint = structured.request_constraint(body, tool_format=tool_format)
+        gen = attrs.evolve(gen, sampling=attrs.evolve(gen.sampling, constraint=constraint))
     snapshot_at = _snapshot_position(handles, messages, prompt, tools=tools, **template_kwargs)
     actor = await _admitted(
         handles, prompt, gen, snapshot_at=snapshot_at,

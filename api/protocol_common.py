@@ -51,16 +51,8 @@ async def json_body() -> dict[str, Any]:
 
 
 def matched_stop(actor: Any) -> str | None:
-    """The stop string that ended the completion, if one did.
-
-    `RequestActor` keeps its sink private; this is the one place that reads through it, so a
-    public accessor on the actor can replace it without touching the encoders.
-    """
+    """The stop string that ended the completion, if one did (`RequestActor.matched_stop`)."""
     value = getattr(actor, "matched_stop", None)
-    if isinstance(value, str):
-        return value
-    sink = getattr(actor, "_sink", None)
-    value = getattr(sink, "matched_stop", None)
     return value if isinstance(value, str) else None
 
 

@@ -32,7 +32,6 @@ from api.response_store import ResponseStore
 from api.responses_translate import (
     ResponseMeta,
     ResponsesStream,
-    error_body,
     input_items,
     output_to_input,
     response_object,
@@ -142,5 +141,3 @@ async def _stream(actor: Any, stream: ResponsesStream, remember: Callable[[dict[
         actor.close()
 
 
-def error_response(error: ApiError) -> Response:
-    return json_response(error_body(error), status=error.status, headers=error.headers)

@@ -238,8 +238,9 @@ def make_compiler(model_dir: Path | str, *, vocab_size: int, eos_token_ids: Iter
         return None
     try:
         return GrammarCompiler.from_model_dir(model_dir, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
-    except Exception:
-        log.exception("grammar engine unavailable for %s: constraints will not be enforced", model_dir)
+    except Exception as exc:  # a degraded feature, not a crash: one warning line, no traceback
+        log.warning("grammar engine unavailable for %s (%s): constraints will not be enforced", model_dir, exc)
+        log.debug("grammar engine start-up failure", exc_info=True)
         return None
 
 

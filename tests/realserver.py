@@ -13,9 +13,7 @@ wrap themselves in a generous `trio.fail_after`.
 
 from __future__ import annotations
 
-import atexit
 import json
-import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -43,26 +41,6 @@ class Call:
     result: Any = None
     started: float = 0.0
     ended: float | None = None
-
-
-# Threads that ran a GpuWorker (trio's thread cache keeps them idle for 10 s afterwards).
-_MLX_THREADS: set[int] = set()
-_JOIN_AT_EXIT_S = 12.0
-
-
-@atexit.register
-def _join_mlx_threads() -> None:
-    """Let an idle GPU-worker thread exit before the interpreter finalizes.
-
-    A trio thread-cache thread that ran MLX work and whose 10 s idle timeout fires while the
-    interpreter is finalizing aborts the process ("terminate called without an active
-    exception", exit 134): measured with a GpuWorker used 9.5-10 s before exit. Waiting for it
-    here (atexit runs before finalization) makes the exit clean. A GpuWorker that runs on its
-    own thread and joins it (the root fix, actors/gpu_worker.py) leaves nothing to wait for here.
-    """
-    threads = [t for t in threading.enumerate() if t.ident in _MLX_THREADS and t is not threading.current_thread()]
-    for thread in threads:
-        thread.join(timeout=_JOIN_AT_EXIT_S)
 
 
 class RecordingWorker:
@@ -174,7 +152,6 @@ async def real_server(
             nursery, worker, config=ServeConfig(batch=batch, prompt_cache_gb=prompt_cache_bytes / 2**30, **config),
             make_tokenizer=make_tokenizer,
         )
-        _MLX_THREADS.add(worker.inner.thread_ident)  # set on the MLX thread before it reported started
         yield RealServer(create_app(handles).test_client(), handles, worker, tokenizers[0])
         nursery.cancel_scope.cancel()
 
