@@ -1,25 +1,41 @@
-"""Fuzz /v1/chat/completions and /v1/completions with hypothesis, on a FakeWorker.
+"""Fuzz every body-reading route with hypothesis, on a FakeWorker (issue 9 "must show").
 
-Malformed and adversarial bodies — raw bytes, truncated JSON, wrong types at every known field,
-hostile numbers, odd message shapes, non-object JSON — must never get a 500 and never hang
-(every call runs under a virtual-time `fail_after`, so a deadlock fails fast), and every answer
-is well formed: an OpenAI error envelope, a completion object, or an SSE stream that ends with
-`[DONE]`. Afterwards the server is back at baseline (nothing in flight, no rows, no worker
-protocol violation).
+Routes: /v1/chat/completions, /v1/completions (OpenAI), /v1/messages, /v1/messages/count_tokens
+(Anthropic), /v1/responses (OpenAI Responses) and /admin/cache/flush. Bodies are malformed and
+adversarial — raw bytes, JSON cut short, invalid UTF-8 spliced into valid JSON, lone surrogates,
+NaN / 1e400 / 5,000-digit integers, wrong types at every known field, missing fields, nested
+junk, non-object JSON, odd Content-Types — and also plausible-but-odd valid-shaped bodies, most of
+which reach the engine. Every call runs under a virtual-time `fail_after` (a deadlock fails
+fast), must never answer 5xx, and must answer in THAT route's API:
 
-Each hypothesis example is a batch of bodies sent to one fresh server (a server per body would
-spend the run on start-up). `MLX_TRIO_FUZZ_EXAMPLES` scales it: the default 10 examples x 20
-bodies x 2 routes is 400 bodies (~20 s); MLX_TRIO_FUZZ_EXAMPLES=125 is 5,000 (~4 min on 2
-cores). The issue's >= 5,000-body run across all six routes is still to be scheduled.
+* OpenAI (chat, completions, admin): `{"error": {"message", "type", "param", "code"}}`, or a
+  completion object / an SSE stream ending in `[DONE]`;
+* Anthropic: `{"type": "error", "error": {"type", "message"}}` (type matching the status), or a
+  `message` object / a native event stream (message_start ... message_stop), validated by the
+  anthropic SDK's pydantic models; count_tokens: `{"input_tokens": n}`;
+* Responses: OpenAI's envelope with type `invalid_request_error` (api/responses_translate.py's
+  `error_body`), or a Response object / its event stream (sequence numbers 0.., ending in
+  response.completed), validated by the openai SDK's models.
+
+Afterwards each server is back at baseline (nothing in flight, no rows, no worker protocol
+violation).
+
+Each hypothesis example is a batch of BODIES_PER_EXAMPLE bodies sent to one fresh server (a
+server per body would spend the run on start-up). `MLX_TRIO_FUZZ_EXAMPLES` (examples per route)
+scales it: the default 4 is 4 x 20 x 6 routes = 480 bodies (~30 s on 2 shared cores);
+MLX_TRIO_FUZZ_EXAMPLES=42 is 5,040.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
+import pydantic
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
@@ -30,10 +46,37 @@ from actors.root import ServeConfig, start_actors
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker
 
-EXAMPLES = int(os.environ.get("MLX_TRIO_FUZZ_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("MLX_TRIO_FUZZ_EXAMPLES", "4"))
 BODIES_PER_EXAMPLE = 20
 CONTEXT = 256  # a small context caps every generation (max_tokens is clamped to it)
 VIRTUAL_LIMIT_S = 3600.0
+REAL_LIMIT_S = 60.0
+
+CHAT, TEXT, MESSAGES, COUNT, RESPONSES, FLUSH = (
+    "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+    "/admin/cache/flush",
+)
+
+# --- raw fragments ---------------------------------------------------------------------------------
+# Values json.dumps cannot write: a placeholder string in the object, swapped for the raw bytes
+# after encoding.
+
+RAW = {
+    "@@NAN@@": b"NaN", "@@INF@@": b"-Infinity", "@@E400@@": b"1e400", "@@NEGE400@@": b"-1e400",
+    "@@BIGINT@@": b"1" + b"0" * 5000,  # past Python's 4300-digit int limit
+    "@@SURROGATE@@": b'"\\ud800x"', "@@LOWSURROGATE@@": b'"\\udfff"', "@@PAIR@@": b'"\\ud83d\\ude00"',
+    "@@BADUTF8@@": b'"\xff\xfe"', "@@OVERLONG@@": b'"\xc0\xaf"', "@@TRUNCUTF8@@": b'"\xe2\x82"',
+    "@@DEEP@@": b"[" * 3000 + b"]" * 3000,
+    "@@TINY@@": b"5e-324", "@@NEGZERO@@": b"-0.0", "@@HUGEFLOAT@@": b"1.7976931348623157e308",
+}
+PREV = "@@PREV@@"  # previous_response_id: swapped for the newest response id the server gave
+
+
+def raw_bytes(data: bytes) -> bytes:
+    for key, raw in RAW.items():
+        data = data.replace(json.dumps(key).encode(), raw)
+    return data
+
 
 # --- strategies ----------------------------------------------------------------------------------
 
@@ -43,6 +86,7 @@ leaf = (
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12)
+    | st.sampled_from(sorted(RAW))
 )
 json_value = st.recursive(
     leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -51,13 +95,44 @@ json_value = st.recursive(
 small_number = st.integers(min_value=-3, max_value=300) | st.floats(min_value=-5, max_value=5, allow_nan=False)
 unit = st.floats(min_value=0, max_value=1)
 count = st.integers(min_value=0, max_value=300)
-text = st.text(max_size=24) | st.sampled_from(["", "RAISE", "<|im_end|>", "\u0000", "\U0001F600", "a" * 300])
+text = st.text(max_size=24) | st.sampled_from([
+    "", "RAISE", "<|im_end|>", "<think>", "</think>", "<tool_call>", "\u0000", "\U0001F600", "\u2028", "a" * 300,
+    "{{ raise_exception('x') }}", "{% for %}",
+])
+schema = st.sampled_from([
+    {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+    {"type": "object"}, {"type": "array", "items": {"type": "integer"}}, {"enum": ["a", "b"]},
+    {"type": "string", "pattern": "[a-z]+"}, {"type": "bogus"}, {"$ref": "#/nope"}, {},
+])
 
 
 def field(plausible: st.SearchStrategy) -> st.SearchStrategy:
     """Mostly plausible values, sometimes any JSON at all."""
     return st.one_of(plausible, plausible, json_value)
 
+
+def objects(required: dict, optional: dict) -> st.SearchStrategy:
+    """Four shapes: plausible (most reach the engine), plausible with one field gone wrong,
+    plausible with one field missing, and chaotic (every field may be anything)."""
+    plausible = st.fixed_dictionaries(required, optional=optional)
+    keys = sorted({*required, *optional})
+
+    def spoil(pair):
+        body, (key, junk) = pair
+        return {**body, key: junk}
+
+    def drop(pair):
+        body, key = pair
+        return {k: v for k, v in body.items() if k != key}
+
+    one_wrong = st.tuples(plausible, st.tuples(st.sampled_from(keys), json_value)).map(spoil)
+    one_missing = st.tuples(plausible, st.sampled_from(sorted(required) or keys)).map(drop)
+    chaotic = st.fixed_dictionaries(
+        {k: field(v) for k, v in required.items()}, optional={k: field(v) for k, v in optional.items()})
+    return st.one_of(plausible, plausible, one_wrong, one_missing, chaotic)
+
+
+# OpenAI chat / completions
 
 content_part = st.fixed_dictionaries(
     {"type": field(st.sampled_from(["text", "image_url", "input_audio", "bogus"]))},
@@ -79,24 +154,28 @@ message = st.fixed_dictionaries(
 tool = st.fixed_dictionaries({
     "type": field(st.just("function")),
     "function": field(st.fixed_dictionaries(
-        {"name": field(text)}, optional={"description": json_value, "parameters": json_value})),
+        {"name": field(text)}, optional={"description": json_value, "parameters": field(schema)})),
 })
 
 # Plausible values per field: each is sometimes replaced by any JSON at all (`field`).
-COMMON = {
-    "model": text,
-    "max_tokens": st.integers(min_value=1, max_value=300),
+SAMPLING = {
     "temperature": st.floats(min_value=0, max_value=2),
     "top_p": unit,
-    "top_k": count,
+    "top_k": count | st.just(-1),
     "min_p": unit,
     "repetition_penalty": st.floats(min_value=0, max_value=3),
     "presence_penalty": small_number,
     "frequency_penalty": small_number,
     "repetition_context_size": count,
+    "presence_context_size": count,
     "xtc_probability": unit,
     "xtc_threshold": unit,
     "seed": st.integers(min_value=-(2**70), max_value=2**70),
+}
+COMMON = {
+    **SAMPLING,
+    "model": text,
+    "max_tokens": st.integers(min_value=1, max_value=300),
     "stop": text | st.lists(text, max_size=5),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
@@ -111,48 +190,274 @@ CHAT_ONLY = {
     "tools": st.lists(tool, max_size=2),
     "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_value,
     "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}]) | st.fixed_dictionaries(
-        {"type": st.just("json_schema"), "json_schema": json_value}),
+        {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": text, "schema": schema})
+         | json_value}),
     "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"]),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), leaf, max_size=2),
 }
 TEXT_ONLY = {"echo": json_value, "suffix": json_value, "best_of": json_value}
 plain_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": text})
 
-
-def objects(required: dict, optional: dict) -> st.SearchStrategy:
-    """Three shapes: plausible (most reach the engine), plausible with one field gone wrong, and
-    chaotic (every field may be anything)."""
-    plausible = st.fixed_dictionaries(required, optional=optional)
-
-    def spoil(pair):
-        body, (key, junk) = pair
-        return {**body, key: junk}
-
-    keys = sorted({*required, *optional})
-    one_wrong = st.tuples(plausible, st.tuples(st.sampled_from(keys), json_value)).map(spoil)
-    chaotic = st.fixed_dictionaries(
-        {k: field(v) for k, v in required.items()}, optional={k: field(v) for k, v in optional.items()})
-    return st.one_of(plausible, one_wrong, chaotic)
-
-
 chat_object = objects({"messages": st.lists(plain_message, min_size=1, max_size=3) | st.lists(message, max_size=3)},
                       {**COMMON, **CHAT_ONLY})
 text_object = objects({"prompt": st.text(min_size=1, max_size=24) | st.lists(st.integers(-5, 300), max_size=6)},
                       {**COMMON, **TEXT_ONLY})
 
+# Anthropic Messages / count_tokens
 
-def encoded(objects: st.SearchStrategy) -> st.SearchStrategy[bytes]:
-    """A body: mostly a generated object; else any JSON, raw bytes, or a JSON text cut short."""
-    as_json = objects.map(lambda o: json.dumps(o).encode())
+a_text = st.fixed_dictionaries({"type": st.just("text"), "text": field(text)}, optional={"cache_control": json_value})
+a_image = st.fixed_dictionaries({"type": st.just("image"), "source": field(st.one_of(
+    st.fixed_dictionaries({"type": st.just("base64"), "media_type": field(st.sampled_from(["image/png", "x"])),
+                           "data": field(text)}),
+    st.fixed_dictionaries({"type": st.just("url"), "url": field(text)}),
+))})
+a_tool_use = st.fixed_dictionaries(
+    {"type": st.just("tool_use"), "id": field(text), "name": field(text), "input": field(st.just({"x": "y"}))})
+a_tool_result = st.fixed_dictionaries(
+    {"type": st.just("tool_result"), "tool_use_id": field(text)},
+    optional={"content": field(text | st.lists(a_text, max_size=2)), "is_error": json_value})
+a_thinking = st.fixed_dictionaries(
+    {"type": st.sampled_from(["thinking", "redacted_thinking"])},
+    optional={"thinking": field(text), "signature": field(text), "data": json_value})
+a_odd = st.fixed_dictionaries(
+    {"type": field(st.sampled_from(["audio", "input_audio", "document", "bogus", ""]))},
+    optional={"text": json_value, "source": json_value})
+a_block = st.one_of(a_text, a_text, a_image, a_tool_use, a_tool_result, a_thinking, a_odd)
+a_message = st.fixed_dictionaries({
+    "role": field(st.sampled_from(["user", "assistant", "user", "system", "bogus"])),
+    "content": field(text | st.lists(a_block, max_size=3)),
+})
+a_plain = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": text})
+a_tool = st.fixed_dictionaries(
+    {"name": field(text), "input_schema": field(schema)},
+    optional={"description": field(text), "type": field(st.sampled_from(["custom", "web_search_20250305"]))})
+A_PROMPT = {
+    "model": text,
+    "system": text | st.lists(a_text, max_size=2),
+    "tools": st.lists(a_tool, max_size=2),
+    "tool_choice": st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any", "tool", "none", "bogus"])},
+        optional={"name": text, "disable_parallel_tool_use": st.booleans()}),
+    "thinking": st.fixed_dictionaries(
+        {"type": st.sampled_from(["enabled", "disabled", "bogus"])}, optional={"budget_tokens": count}),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), leaf, max_size=2),
+    "metadata": st.fixed_dictionaries({}, optional={"user_id": text}),
+}
+A_GENERATION = {
+    **SAMPLING,
+    "temperature": unit,
+    "stop_sequences": st.lists(text, max_size=3),
+    "stream": st.booleans(),
+    "service_tier": st.sampled_from(["auto", "standard_only"]),
+}
+a_messages = st.lists(a_plain, min_size=1, max_size=3) | st.lists(a_message, max_size=3)
+messages_object = objects({"messages": a_messages, "max_tokens": st.integers(1, 300)}, {**A_PROMPT, **A_GENERATION})
+count_object = objects({"messages": a_messages, "model": text}, {k: v for k, v in A_PROMPT.items() if k != "model"})
+
+# OpenAI Responses
+
+r_part = st.fixed_dictionaries(
+    {"type": field(st.sampled_from(
+        ["input_text", "output_text", "text", "refusal", "input_image", "input_audio", "summary_text", "bogus"]))},
+    optional={"text": field(text), "refusal": field(text), "image_url": field(text), "file_id": json_value,
+              "input_audio": json_value, "annotations": json_value})
+r_message = st.fixed_dictionaries(
+    {"role": field(st.sampled_from(["user", "assistant", "system", "developer", "bogus"]))},
+    optional={"type": field(st.just("message")), "content": field(text | st.lists(r_part, max_size=3)),
+              "id": json_value, "status": json_value})
+r_call = st.fixed_dictionaries(
+    {"type": st.just("function_call"), "name": field(text), "arguments": field(text)},
+    optional={"call_id": field(text), "id": json_value})
+r_output = st.fixed_dictionaries(
+    {"type": st.just("function_call_output"), "call_id": field(text),
+     "output": field(text | st.lists(r_part, max_size=2))})
+r_other = st.fixed_dictionaries(
+    {"type": field(st.sampled_from(["reasoning", "item_reference", "web_search_call", "bogus"]))},
+    optional={"id": json_value, "summary": json_value})
+r_item = st.one_of(r_message, r_message, r_message, r_call, r_output, r_other)
+r_tool = st.one_of(
+    st.fixed_dictionaries({"type": field(st.just("function")), "name": field(text)},
+                          optional={"description": field(text), "parameters": field(schema), "strict": json_value}),
+    st.fixed_dictionaries({"type": st.sampled_from(["web_search", "file_search", "bogus"])}),
+)
+R_FIELDS = {
+    **SAMPLING,
+    "model": text,
+    "instructions": text,
+    "previous_response_id": st.sampled_from([PREV, PREV, "resp_missing", ""]),
+    "store": st.booleans(),
+    "stream": st.booleans(),
+    "max_output_tokens": st.integers(min_value=1, max_value=300),
+    "tools": st.lists(r_tool, max_size=2),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "name": text}),
+    "reasoning": st.fixed_dictionaries({}, optional={
+        "effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"]),
+        "summary": st.sampled_from(["auto", "concise", "detailed"])}),
+    "text": st.fixed_dictionaries({"format": st.one_of(
+        st.just({"type": "text"}), st.just({"type": "json_object"}),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "name": text, "schema": schema},
+                              optional={"strict": st.booleans()}),
+    )}),
+    "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+    "parallel_tool_calls": st.booleans(),
+    "truncation": st.sampled_from(["auto", "disabled"]),
+    "user": text,
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(min_value=0, max_value=11),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), leaf, max_size=2),
+}
+responses_object = objects({"input": text | st.lists(r_item, max_size=3)}, R_FIELDS)
+
+# /admin/cache/flush reads no body: anything at all must still get the flush result.
+flush_object = st.one_of(st.just({}), st.dictionaries(st.text(max_size=8), json_value, max_size=4))
+
+CONTENT_TYPES = ["application/json"] * 8 + ["text/plain", "application/x-www-form-urlencoded",
+                                            "application/json; charset=latin-1", ""]
+
+
+def encoded(objects: st.SearchStrategy) -> st.SearchStrategy[tuple[str, bytes]]:
+    """(Content-Type, body): mostly a generated object; else any JSON, raw bytes, a JSON text cut
+    short, or one with junk bytes spliced in."""
+    as_json = objects.map(lambda o: raw_bytes(json.dumps(o).encode()))
     truncated = st.tuples(as_json, st.floats(min_value=0, max_value=1)).map(
         lambda pair: pair[0][: int(len(pair[0]) * pair[1])])
-    return st.one_of(
-        as_json, as_json, as_json, as_json, as_json, as_json,
-        json_value.map(lambda v: json.dumps(v).encode()),
+    spliced = st.tuples(as_json, st.floats(min_value=0, max_value=1), st.binary(min_size=1, max_size=4)).map(
+        lambda t: t[0][: int(len(t[0]) * t[1])] + t[2] + t[0][int(len(t[0]) * t[1]):])
+    body = st.one_of(
+        as_json, as_json, as_json, as_json, as_json, as_json, as_json, as_json,
+        json_value.map(lambda v: raw_bytes(json.dumps(v).encode())),
         st.binary(max_size=64),
         truncated,
-        st.sampled_from([b"", b"null", b"[]", b"{}", b'{"messages": NaN}', b"\xef\xbb\xbf{}", b'{"a":1}' * 3]),
+        spliced,
+        st.sampled_from([b"", b"null", b"[]", b"{}", b'{"messages": NaN}', b"\xef\xbb\xbf{}", b'{"a":1}' * 3,
+                         b'{"a":1,"a":2}', b"  {} ", b"\x00", b"true", b'"{}"', b"1e400"]),
     )
+    return st.tuples(st.sampled_from(CONTENT_TYPES), body)
+
+
+# --- checking answers ------------------------------------------------------------------------------
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+}
+
+
+def sdk_adapters() -> dict[str, Any]:
+    """The SDKs' pydantic models for success bodies, where the SDKs are installed."""
+    out: dict[str, Any] = {}
+    try:
+        import anthropic
+
+        out["message"] = pydantic.TypeAdapter(anthropic.types.Message)
+        out["message_event"] = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    except ImportError:
+        pass
+    try:
+        from openai.types.responses import Response, ResponseStreamEvent
+
+        out["response"] = pydantic.TypeAdapter(Response)
+        out["response_event"] = pydantic.TypeAdapter(ResponseStreamEvent)
+    except ImportError:
+        pass
+    return out
+
+
+SDK = sdk_adapters()
+
+
+def validate(kind: str, payload: Any) -> None:
+    if kind in SDK:
+        SDK[kind].validate_python(payload)
+
+
+def named_events(raw: bytes) -> list[tuple[str, dict]]:
+    out = []
+    for frame in raw.decode().split("\n\n"):
+        if not frame.strip():
+            continue
+        lines = dict(line.split(": ", 1) for line in frame.split("\n"))
+        payload = json.loads(lines["data"])
+        assert payload["type"] == lines["event"], frame
+        out.append((lines["event"], payload))
+    return out
+
+
+def check_error(path: str, status: int, body: Any) -> None:
+    if path.startswith("/v1/messages"):
+        assert set(body) == {"type", "error"} and body["type"] == "error", body
+        error = body["error"]
+        assert set(error) == {"type", "message"} and isinstance(error["message"], str), error
+        assert error["type"] == ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error"), (status, error)
+        return
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), error
+    assert isinstance(error["type"], str), error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    assert error["code"] is None or isinstance(error["code"], str), error
+    if path.startswith("/v1/responses"):
+        assert error["type"] == "invalid_request_error", error
+
+
+def check_answer(path: str, status: int, content_type: str, raw: bytes) -> str | None:
+    """Raises unless the answer is well formed for `path`; returns a new response id, if any."""
+    assert status < 500, (status, raw[:300])
+    if status >= 400:
+        assert content_type == "application/json", content_type
+        check_error(path, status, json.loads(raw))
+        return None
+    if path == FLUSH:
+        body = json.loads(raw)
+        assert status == 200 and body["durable"] is True and body["entries"] == 0, body
+        return None
+    assert status == 200, status
+    if content_type == "text/event-stream":
+        return check_stream(path, raw)
+    assert content_type == "application/json", content_type
+    body = json.loads(raw)
+    if path == CHAT or path == TEXT:
+        want = "chat.completion" if path == CHAT else "text_completion"
+        assert body["object"] == want and isinstance(body["choices"], list), body
+    elif path == MESSAGES:
+        assert body["type"] == "message" and body["role"] == "assistant", body
+        validate("message", body)
+    elif path == COUNT:
+        assert set(body) == {"input_tokens"} and isinstance(body["input_tokens"], int) and body["input_tokens"] > 0
+    elif path == RESPONSES:
+        assert body["object"] == "response" and body["status"] in ("completed", "incomplete"), body
+        validate("response", body)
+        return body["id"]
+    return None
+
+
+def check_stream(path: str, raw: bytes) -> str | None:
+    if path == CHAT or path == TEXT:
+        frames = [f.removeprefix("data: ") for f in raw.decode().split("\n\n") if f and not f.startswith(":")]
+        assert frames and frames[-1] == "[DONE]", frames[-3:]
+        for frame in frames[:-1]:
+            chunk = json.loads(frame)
+            assert "error" not in chunk, chunk
+            assert isinstance(chunk["choices"], list)
+        return None
+    events = named_events(raw)
+    names = [name for name, _ in events]
+    assert "error" not in names, events
+    if path == MESSAGES:
+        assert names[0] == "message_start" and names[-1] == "message_stop", names
+        for name, payload in events:
+            if name != "ping":
+                validate("message_event", payload)
+        return None
+    assert path == RESPONSES, path
+    assert names[0] == "response.created" and names[-1] == "response.completed", names
+    assert [payload["sequence_number"] for _, payload in events] == list(range(len(events)))
+    for _, payload in events:
+        validate("response_event", payload)
+    final = events[-1][1]["response"]
+    assert final["status"] in ("completed", "incomplete"), final
+    return final["id"]
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -170,53 +475,48 @@ async def server():
         nursery.cancel_scope.cancel()
 
 
-def check_answer(path: str, status: int, content_type: str, raw: bytes) -> None:
-    assert status < 500, (status, raw[:300])
-    if status >= 400:
-        assert content_type == "application/json", content_type
-        body = json.loads(raw)
-        assert set(body) == {"error"}, body
-        error = body["error"]
-        assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), error
-        return
-    assert status == 200, status
-    if content_type == "text/event-stream":
-        frames = [f.removeprefix("data: ") for f in raw.decode().split("\n\n") if f and not f.startswith(":")]
-        assert frames and frames[-1] == "[DONE]", frames[-3:]
-        for frame in frames[:-1]:
-            chunk = json.loads(frame)
-            assert "error" not in chunk, chunk
-            assert isinstance(chunk["choices"], list)
-        return
-    assert content_type == "application/json", content_type
-    body = json.loads(raw)
-    want = "chat.completion" if path.endswith("chat/completions") else "text_completion"
-    assert body["object"] == want and isinstance(body["choices"], list), body
-
-
-async def post(client, path: str, data: bytes):
+async def post(client, path: str, data: bytes, content_type: str = "application/json"):
     """POST, draining the body as it comes (the test client's `post` holds only 10 chunks, so a
     long stream through it would deadlock)."""
-    async with client.request(path, method="POST", headers={"Content-Type": "application/json"}) as conn:
+    headers = {"Content-Type": content_type} if content_type else {}
+    async with client.request(path, method="POST", headers=headers) as conn:
         await conn.send(data)
         await conn.send_complete()
         return await conn.as_response()
 
 
-def send_all(path: str, bodies: list[bytes]) -> None:
+def send_all(path: str, bodies: list[tuple[str, bytes]]) -> list[int]:
+    """Every body to one fresh server, in order; the statuses."""
+    statuses: list[int] = []
+
     async def main() -> None:
         async with server() as (client, handles, worker):
-            for data in bodies:
-                with trio.fail_after(VIRTUAL_LIMIT_S):  # a hang fails here, in virtual time
-                    response = await post(client, path, data)
+            previous = "resp_none_yet"
+            for content_type, data in bodies:
+                data = data.replace(PREV.encode(), previous.encode())
+                with trio.fail_after(limit):  # a hang fails here
+                    response = await post(client, path, data, content_type)
                     raw = await response.get_data()
-                check_answer(path, response.status_code, response.content_type or "", raw)
-            await trio.sleep(1)  # let aborted / finished rows leave at their step boundary
+                try:
+                    new_id = check_answer(path, response.status_code, response.content_type or "", raw)
+                except Exception as exc:
+                    raise AssertionError(f"POST {path} {content_type!r} {data[:2000]!r}\n-> "
+                                         f"{response.status_code} {raw[:2000]!r}") from exc
+                previous = new_id or previous
+                statuses.append(response.status_code)
+            if not real_time:
+                await trio.sleep(1)  # let aborted / finished rows leave at their step boundary
             assert handles.admission.in_flight == 0
             assert handles.scheduler.active_rows == 0 and not handles.scheduler.table.queue
             assert not worker.violations, worker.violations
 
-    trio.run(main, clock=MockClock(autojump_threshold=0))
+    # count_tokens tokenizes on a worker thread, and an autojump clock jumps while a thread runs
+    # (every task is blocked), straight to the fail_after deadline. It never generates, so it
+    # runs on the real clock; everything else in virtual time.
+    real_time = path == COUNT
+    limit = REAL_LIMIT_S if real_time else VIRTUAL_LIMIT_S
+    trio.run(main, clock=None if real_time else MockClock(autojump_threshold=0))
+    return statuses
 
 
 FUZZ = settings(
@@ -225,24 +525,81 @@ FUZZ = settings(
 )
 
 
+def batches(objects: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(encoded(objects), min_size=BODIES_PER_EXAMPLE, max_size=BODIES_PER_EXAMPLE)
+
+
 @FUZZ
-@given(st.lists(encoded(chat_object), min_size=BODIES_PER_EXAMPLE, max_size=BODIES_PER_EXAMPLE))
+@given(batches(chat_object))
 def test_fuzz_chat_completions(bodies):
-    send_all("/v1/chat/completions", bodies)
+    send_all(CHAT, bodies)
 
 
 @FUZZ
-@given(st.lists(encoded(text_object), min_size=BODIES_PER_EXAMPLE, max_size=BODIES_PER_EXAMPLE))
+@given(batches(text_object))
 def test_fuzz_completions(bodies):
-    send_all("/v1/completions", bodies)
+    send_all(TEXT, bodies)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@FUZZ
+@given(batches(messages_object))
+def test_fuzz_anthropic_messages(bodies):
+    send_all(MESSAGES, bodies)
+
+
+@FUZZ
+@given(batches(count_object))
+def test_fuzz_anthropic_count_tokens(bodies):
+    send_all(COUNT, bodies)
+
+
+@FUZZ
+@given(batches(responses_object))
+def test_fuzz_responses(bodies):
+    send_all(RESPONSES, bodies)
+
+
+@FUZZ
+@given(batches(flush_object))
+def test_fuzz_admin_cache_flush(bodies):
+    send_all(FLUSH, bodies)
+
+
+HOSTILE = [
+    b"\xff" * 10, b"[" * 50_000, b"{" * 50_000, b'{"max_tokens": 1e400}', b'{"prompt": "\\udc00"}',
+    b'{"messages": [{"role": "user", "content": "\\ud800"}]}', b'{"input": "\xc3\x28"}',
+    b'{"max_tokens": ' + b"9" * 5000 + b"}", b'{"messages": "' + b"x" * 100_000 + b'"}',
+    json.dumps({"messages": [{"role": "user", "content": "x"}], "prompt": "x", "input": "x", "max_tokens": 10**30,
+                "max_output_tokens": 10**30, "seed": -(2**80), "stream": True}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 50}], "input": "y" * 1000,
+                "prompt": "y" * 1000, "stop": ["a"] * 100, "stop_sequences": ["a"] * 100, "max_tokens": 3}).encode(),
+    # Unhashable values where a translator looks a string up in a set of known types.
+    json.dumps({"messages": [{"role": "user", "content": [{"type": ["text"]}, {"type": {"a": 1}}]}],
+                "input": [{"type": "message", "role": ["user"], "content": [{"type": ["input_text"], "text": "x"}]}],
+                "max_tokens": 3}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": [{"type": []}]}]}],
+                "input": [{"type": {}}], "max_tokens": 3}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "x"}], "input": [{"role": {}, "content": "x"}],
+                "max_tokens": 3}).encode(),
+]
+
+
+@pytest.mark.parametrize("path", [CHAT, TEXT, MESSAGES, COUNT, RESPONSES, FLUSH])
 def test_known_hostile_bodies(path):
-    send_all(path, [
-        b"\xff" * 10, b"[" * 50_000, b'{"max_tokens": 1e400}', b'{"prompt": "\\udc00"}',
-        json.dumps({"messages": [{"role": "user", "content": "x"}], "prompt": "x", "max_tokens": 10**30,
-                    "seed": -(2**80), "stream": True}).encode(),
-        json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 50}],
-                    "prompt": "y" * 1000, "stop": ["a"] * 100, "max_tokens": 3}).encode(),
-    ])
+    send_all(path, [("application/json", body) for body in HOSTILE])
+
+
+def test_responses_continuation_chain_under_fuzzed_fields():
+    """PREV really is replaced by a stored id: a continuation of a continuation succeeds."""
+    first = json.dumps({"input": "hi", "max_output_tokens": 3}).encode()
+    follow = json.dumps({"input": "again", "previous_response_id": PREV, "max_output_tokens": 3}).encode()
+    statuses = send_all(RESPONSES, [("application/json", first), ("application/json", follow),
+                                    ("application/json", follow)])
+    assert statuses == [200, 200, 200]
+
+
+def test_raw_fragments_really_are_raw():
+    """The placeholders turn into bytes json.dumps would never write."""
+    data = raw_bytes(json.dumps({"a": "@@E400@@", "b": ["@@BADUTF8@@"]}).encode())
+    assert data == b'{"a": 1e400, "b": ["\xff\xfe"]}'
+    assert not re.search(rb"@@[A-Z0-9]+@@", raw_bytes(json.dumps(sorted(RAW)).encode()))
