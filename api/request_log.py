@@ -369,9 +369,11 @@ class RequestObserver:
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
                     headers.append((b"x-request-id", record.id.encode()))
                 message = {**message, "headers": headers}
-            await send(message)
             if kind == "http.response.body" and not message.get("more_body", False):
+                # Before the await: hypercorn delivers its end-of-cycle http.disconnect while the
+                # final send is in flight, which is not a client abort.
                 record.body_complete = True
+            await send(message)
 
         token = _current.set(record)
         try:
