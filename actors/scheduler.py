@@ -27,6 +27,10 @@ from actors.worker_api import TokenOut, Worker
 
 log = logging.getLogger(__name__)
 
+# Undelivered events on one row's channel that mean its reader is gone. A live reader drains its
+# channel every event-loop turn; even a slow one stays far below this (~tens of seconds of decode).
+DEFAULT_STALL_BACKLOG = 2048
+
 
 @attrs.define
 class SchedulerCounters:
@@ -41,8 +45,16 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, worker: Worker, *, capacity: int, inbox: trio.MemoryReceiveChannel[Control]) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        *,
+        capacity: int,
+        inbox: trio.MemoryReceiveChannel[Control],
+        stall_backlog: int = DEFAULT_STALL_BACKLOG,
+    ) -> None:
         self._worker = worker
+        self.stall_backlog = stall_backlog
         self._inbox = inbox
         self.table = RowTable(capacity)
         self.counters = SchedulerCounters()
@@ -190,9 +202,19 @@ class Scheduler:
                 row.leaving = "error"
 
     def _prune_disconnected(self) -> None:
-        """Belt and braces for a request actor that vanished without sending Abort."""
+        """Belt and braces for a request actor that vanished without sending Abort, and the
+        guard against a client that stopped reading: hypercorn shields socket writes, so such a
+        stream never errors; its row would decode to max_tokens holding KV. A backlog past
+        `stall_backlog` undelivered events means nobody is reading: the row is aborted."""
         for row in [*self.table.queue, *self.table.running.values(), self.table.joiner]:
-            if row is not None and row.out.statistics().open_receive_channels == 0:
+            if row is None:
+                continue
+            stats = row.out.statistics()
+            stalled = stats.current_buffer_used > self.stall_backlog
+            if stalled and row.leaving is None:
+                log.warning("row %d: %d tokens unread, the client stopped reading: aborting it",
+                            row.row_id, stats.current_buffer_used)
+            if stats.open_receive_channels == 0 or stalled:
                 dropped = self.table.mark_leaving(row.row_id, "abort")
                 if dropped is not None:
                     self._end(dropped)

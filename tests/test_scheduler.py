@@ -234,3 +234,18 @@ async def test_a_failed_step_fails_the_running_rows_and_the_scheduler_carries_on
     assert isinstance(doomed.events[-1][1], RowFailed)
     assert worker.closed[1][1] is False  # never reusable after an error
     assert later.tokens == worker.expected(prompt(1, salt=2), 3)
+
+
+async def test_a_row_nobody_reads_is_aborted_once_its_backlog_passes_the_limit(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        h.scheduler.stall_backlog = 5
+        reader = h.submit(1, prompt(3), max_tokens=40)
+        h.submit(2, prompt(3, salt=50), max_tokens=40, collect=False)  # a client that stopped reading
+        await trio.sleep(200)
+        stalled = h.receivers[2]
+        unread = stalled.statistics().current_buffer_used
+    assert 2 in worker.closed and worker.closed[2][1] is False  # aborted: not put back
+    assert unread <= 5 + 2  # RowOpened + a token or two past the limit, not 40 tokens
+    assert h.scheduler.counters.aborted_rows == 1
+    assert reader.tokens == worker.expected(prompt(3), 40)  # the reading row is untouched
