@@ -14,8 +14,10 @@ from typing import Any
 from api.errors import ApiError, bad_request
 from api.protocol_common import Completion, sse_event
 
-AUDIO_BLOCKS = frozenset({"audio", "input_audio", "audio_url"})
-DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})  # prior reasoning is not re-fed
+# Tuples, not sets: a block's "type" may be any JSON value, and `[] in frozenset(...)` raises
+# TypeError (unhashable) where `in` on a tuple compares with == (tests/test_fuzz.py).
+AUDIO_BLOCKS = ("audio", "input_audio", "audio_url")
+DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # prior reasoning is not re-fed
 PASSTHROUGH_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "seed",
     "min_p", "xtc_probability", "xtc_threshold",

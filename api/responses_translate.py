@@ -25,9 +25,11 @@ PASSTHROUGH_FIELDS = (
     "frequency_penalty", "frequency_context_size",
     "chat_template_kwargs", "logprobs", "top_logprobs",
 )
-TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
-AUDIO_PART_TYPES = frozenset({"input_audio", "audio", "audio_url"})
-SYSTEM_ROLES = frozenset({"system", "developer"})
+# Tuples, not sets: a part's "type" or an item's "role" may be any JSON value, and
+# `[] in frozenset(...)` raises TypeError (unhashable) where a tuple compares with ==.
+TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+AUDIO_PART_TYPES = ("input_audio", "audio", "audio_url")
+SYSTEM_ROLES = ("system", "developer")
 
 # --- request ---------------------------------------------------------------------------------
 

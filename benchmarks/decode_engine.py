@@ -38,7 +38,7 @@ from actors.worker_api import RowSpec  # noqa: E402
 from benchmarks.serve_bench import SHAPES  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.kv_cache import make_caches  # noqa: E402
-from model.layers import CompiledDecode, _gemv_kernel, gemv_disabled, linear_nt  # noqa: E402
+from model.layers import CompiledDecode, _gemv_call, _gemv_kernel, gemv_disabled  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 
@@ -195,7 +195,8 @@ def gemv_bench(model) -> dict:
         for m in (1, 8):
             x = mx.random.normal((m, w.shape[1])).astype(w.dtype)
             res = {}
-            for name, fn in (("gemv", lambda: linear_nt(x, w)), ("mlx", lambda: x @ w.T)):
+            kernel = _gemv_kernel()
+            for name, fn in (("gemv", lambda: _gemv_call(kernel, x, w)), ("mlx", lambda: x @ w.T)):
                 with (gemv_disabled() if name == "mlx" else contextlib.nullcontext()):
                     for _ in range(3):
                         mx.eval(fn())
@@ -206,7 +207,7 @@ def gemv_bench(model) -> dict:
                     dt = (time.perf_counter() - t0) / reps
                 res[f"{name}_us"] = 1e6 * dt
                 res[f"{name}_gbs"] = w.nbytes / dt / 1e9
-            y1 = linear_nt(x, w).astype(mx.float32)
+            y1 = _gemv_call(_gemv_kernel(), x, w).astype(mx.float32)
             y2 = (x @ w.T).astype(mx.float32)
             res["max_abs_diff"] = mx.abs(y1 - y2).max().item()
             out[f"{key}_M{m}"] = res
@@ -272,6 +273,8 @@ def main() -> None:
         if gemv_available():
             variants["ours_nogemv"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=True), True)
         variants["ours_eager"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=False), True)
+    compiled = variants["ours"][0]._compiled
+    result["gemv_policy"] = getattr(compiled, "gemv_report", {})
     if args.gemv_bench and gemv_available():
         result["gemv"] = gemv_bench(loaded.model)
         print(f"gemv: {json.dumps(result['gemv'])}", file=sys.stderr, flush=True)

@@ -23,18 +23,13 @@ DE="python3 benchmarks/decode_engine.py --steps $STEPS"
 SB="python3 benchmarks/serve_bench.py"
 
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-step 150 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 3 --out "$OUT/r/de-q06-bf16.json"
+step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$OUT/r/de-q06-bf16.json"
 step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
-step 150 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$OUT/r/de-l8-bf16.json"
-step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+step 120 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$OUT/r/de-l8-bf16.json"
+step 150 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
   --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
   --out "$OUT/r/sb-q06-bf16.json" --plots "$OUT/r"
-step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 --only ours \
-  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-switch-interval 0.0005 \
-  --out "$OUT/r/sb-q06-bf16-si.json"
-step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 2 --only ours \
+step 45 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 1 --only ours \
   --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --profile-out "$OUT/r/profile-q06-c32.txt" \
   --out "$OUT/r/sb-q06-bf16-prof.json"
-step 150 $SB --model $M/l8-bf16 --dtype bfloat16 --max-tokens 64 --concurrency 1,8 --repeats 2 \
-  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$OUT/r/sb-l8-bf16.json"
 cp "$LOG" "$OUT/log.txt"; cd "$OUT" && tar czf results.tgz r && rm -rf r

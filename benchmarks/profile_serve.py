@@ -41,7 +41,6 @@ def main() -> None:
     total_counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     samples: collections.Counter = collections.Counter()
     stop = threading.Event()
-    me = threading.get_ident()
 
     def where(code) -> str:
         path = code.co_filename
@@ -51,6 +50,7 @@ def main() -> None:
         return f"{path}:{code.co_name}"
 
     def sampler() -> None:
+        me = threading.get_ident()
         while not stop.is_set():
             names = {t.ident: t.name for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():

@@ -372,7 +372,7 @@ def _solo_from_batch(cache: BatchKVCache) -> KVCache:
     """A one-row batch with no padding is exactly a solo cache: hand the buffers over."""
     solo = KVCache()
     if cache.keys is not None:
-        pad = cache.left_padding.tolist()[0]
+        pad = cache.pads[0]
         solo.keys = cache.keys[..., pad:, :] if pad else cache.keys
         solo.values = cache.values[..., pad:, :] if pad else cache.values
         solo.offset = cache._idx - pad

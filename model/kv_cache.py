@@ -98,8 +98,11 @@ class BatchKVCache:
     def __init__(self, left_padding: Sequence[int]) -> None:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
-        self.left_padding = mx.array(list(left_padding))
-        self.offset = mx.array([-p for p in left_padding])
+        # The padding lives on the host too: reading the device copy back (filter, extract)
+        # would wait for the in-flight decode step and stall the pipeline at every row leave.
+        self.pads: list[int] = [int(p) for p in left_padding]
+        self.left_padding = mx.array(self.pads)
+        self.offset = mx.array([-p for p in self.pads])
         self._idx = 0
 
     @classmethod
@@ -156,19 +159,22 @@ class BatchKVCache:
             self.values = self.values[idx]
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
-        min_pad = min(self.left_padding.tolist())
+        self.pads = [self.pads[i] for i in keep]
+        min_pad = min(self.pads)
         if min_pad > 0:
             if self.keys is not None:
                 self.keys = self.keys[..., min_pad:, :]
                 self.values = self.values[..., min_pad:, :]
             self._idx -= min_pad
             self.left_padding = self.left_padding - min_pad
+            self.pads = [p - min_pad for p in self.pads]
 
     def extend(self, other: "BatchKVCache") -> None:
         """Append `other`'s rows, right-justifying both so every row ends at the same slot."""
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
+            self.pads = self.pads + other.pads
             return
         max_idx = max(self._idx, other._idx)
         ref = self if self.keys is not None else other
@@ -191,6 +197,7 @@ class BatchKVCache:
                 k, v = mx.pad(k, widths), mx.pad(v, widths)
             return k, v, c.offset, c.left_padding + left
 
+        self.pads = [p + max_idx - self._idx for p in self.pads] + [p + max_idx - other._idx for p in other.pads]
         self.keys, self.values, self.offset, self.left_padding = map(
             mx.concatenate, zip(pad(self), pad(other))
         )
@@ -198,7 +205,7 @@ class BatchKVCache:
 
     def extract(self, i: int) -> KVCache:
         """Row i as a solo cache with its padding stripped."""
-        pad = self.left_padding.tolist()[i]
+        pad = self.pads[i]
         cache = KVCache()
         if self.keys is not None:
             cache.keys = mx.contiguous(self.keys[i : i + 1, :, pad : self._idx])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from functools import partial
 from typing import Any
 
@@ -60,45 +61,55 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 GEMV_MAX_ROWS = 8
 
-_GEMV_SOURCE = """
-    const int N = w_shape[0];
-    const int K8 = w_shape[1] / 8;
-    const int M = x_shape[0];
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (row >= N) return;
-    if ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(x)) & 15) {
-        // Unaligned operands (a view at an odd offset): plain element loads, same sums.
-        const int K = K8 * 8;
-        for (int m = 0; m < M && m < MAXM; ++m) {
-            float v = 0.0f;
-            for (int k = lane; k < K; k += 32)
-                v = fmaf(static_cast<float>(w[(size_t)row * K + k]), static_cast<float>(x[(size_t)m * K + k]), v);
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) y[(size_t)m * N + row] = static_cast<T>(v);
-        }
-        return;
+_GEMV_HEADER = """
+template <int W> struct TrioVec;
+template <> struct TrioVec<4> {
+    static __device__ __forceinline__ void load(const char* p, unsigned* o) {
+        uint4 v = __ldg(reinterpret_cast<const uint4*>(p)); o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
     }
-    const uint4* wrow = reinterpret_cast<const uint4*>(w) + (size_t)row * K8;
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
+};
+template <> struct TrioVec<2> {
+    static __device__ __forceinline__ void load(const char* p, unsigned* o) {
+        uint2 v = __ldg(reinterpret_cast<const uint2*>(p)); o[0] = v.x; o[1] = v.y;
+    }
+};
+// The two 16-bit elements of a little-endian 32-bit word, as floats (exact conversions).
+__device__ __forceinline__ float trio_lo(unsigned w, const __nv_bfloat16*) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float trio_hi(unsigned w, const __nv_bfloat16*) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float trio_lo(unsigned w, const __half*) { return __half2float(__ushort_as_half((unsigned short)(w & 0xffffu))); }
+__device__ __forceinline__ float trio_hi(unsigned w, const __half*) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+
+// One warp per weight row; W 32-bit words (2W elements) per lane per load; every x row reuses
+// each loaded weight vector.
+template <typename T, int W, int MAXM>
+__device__ __forceinline__ void trio_gemv_row(const T* x, const T* w, T* y, int N, int K, int M, int row, int lane) {
+    constexpr int E = 2 * W;
+    const int KV = K / E;
+    const char* wrow = reinterpret_cast<const char*>(w + (size_t)row * K);
     float acc[MAXM];
     #pragma unroll
     for (int m = 0; m < MAXM; ++m) acc[m] = 0.0f;
     #pragma unroll 4
-    for (int i = lane; i < K8; i += 32) {
-        uint4 wq = __ldg(wrow + i);
-        const T* wp = reinterpret_cast<const T*>(&wq);
-        float wf[8];
+    for (int i = lane; i < KV; i += 32) {
+        unsigned wv[W];
+        TrioVec<W>::load(wrow + (size_t)i * E * 2, wv);
+        float wf[E];
         #pragma unroll
-        for (int j = 0; j < 8; ++j) wf[j] = static_cast<float>(wp[j]);
+        for (int j = 0; j < W; ++j) {
+            wf[2 * j] = trio_lo(wv[j], w);
+            wf[2 * j + 1] = trio_hi(wv[j], w);
+        }
         #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
             if (m < M) {
-                uint4 xq = __ldg(xv + (size_t)m * K8 + i);
-                const T* xp = reinterpret_cast<const T*>(&xq);
+                unsigned xw[W];
+                TrioVec<W>::load(reinterpret_cast<const char*>(x + (size_t)m * K) + (size_t)i * E * 2, xw);
                 float s = acc[m];
                 #pragma unroll
-                for (int j = 0; j < 8; ++j) s = fmaf(wf[j], static_cast<float>(xp[j]), s);
+                for (int j = 0; j < W; ++j) {
+                    s = fmaf(wf[2 * j], trio_lo(xw[j], x), s);
+                    s = fmaf(wf[2 * j + 1], trio_hi(xw[j], x), s);
+                }
                 acc[m] = s;
             }
         }
@@ -108,6 +119,30 @@ _GEMV_SOURCE = """
         if (m < M) {
             float v = acc[m];
             #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) y[(size_t)m * N + row] = static_cast<T>(v);
+        }
+    }
+}
+"""
+
+_GEMV_SOURCE = """
+    const int N = w_shape[0];
+    const int K = w_shape[1];
+    const int M = x_shape[0];
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row >= N) return;
+    const size_t align = reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(x);
+    if ((align & 15) == 0) {
+        trio_gemv_row<T, 4, MAXM>(x, w, y, N, K, M, row, lane);
+    } else if ((align & 7) == 0) {
+        trio_gemv_row<T, 2, MAXM>(x, w, y, N, K, M, row, lane);
+    } else {
+        for (int m = 0; m < M && m < MAXM; ++m) {
+            float v = 0.0f;
+            for (int k = lane; k < K; k += 32)
+                v = fmaf(static_cast<float>(w[(size_t)row * K + k]), static_cast<float>(x[(size_t)m * K + k]), v);
             for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
             if (lane == 0) y[(size_t)m * N + row] = static_cast<T>(v);
         }
@@ -130,16 +165,19 @@ def _gemv_kernel() -> Any:
             and mx.cuda.is_available()
         ):
             kernel = mx.fast.cuda_kernel(
-                name="mlx_trio_gemv", input_names=["x", "w"], output_names=["y"], source=_GEMV_SOURCE
+                name="mlx_trio_gemv", input_names=["x", "w"], output_names=["y"], source=_GEMV_SOURCE,
+                header=_GEMV_HEADER,
             )
             _gemv_state["kernel"] = kernel
-            for m in (1, 3, GEMV_MAX_ROWS):  # against MLX's matmul before it is trusted
+            flat = (mx.random.normal((1000 * 4096 + 4,), key=mx.random.key(9)) * 0.02).astype(mx.bfloat16)
+            for m, w in ((1, flat[:-4].reshape(1000, 4096)), (3, flat[4:].reshape(1000, 4096)),
+                         (GEMV_MAX_ROWS, flat[:-4].reshape(1000, 4096)), (2, flat[1:-3].reshape(1000, 4096))):
+                # against MLX's matmul before it is trusted: 16-, 8- and 2-byte aligned weights
                 x = mx.random.normal((m, 4096), key=mx.random.key(m)).astype(mx.bfloat16)
-                w = (mx.random.normal((1000, 4096), key=mx.random.key(9)) * 0.02).astype(mx.bfloat16)
                 ref = (x @ w.T).astype(mx.float32)
                 err = mx.abs(_gemv_call(kernel, x, w).astype(mx.float32) - ref).max().item()
                 if not err <= 0.02 * max(1.0, mx.abs(ref).max().item()):
-                    raise RuntimeError(f"gemv self-check failed: max error {err}")
+                    raise RuntimeError(f"gemv self-check failed (M={m}): max error {err}")
             log.info("decode GEMV kernel enabled (CUDA)")
     except Exception as e:  # noqa: BLE001 - the MLX matmul is always there to fall back on
         log.warning("decode GEMV kernel unavailable, using MLX matmul: %s", e)
@@ -160,8 +198,45 @@ def _gemv_call(kernel: Any, x2: mx.array, w: mx.array) -> mx.array:
     )[0]
 
 
+def _rows_bucket(rows: int) -> int:
+    return 1 if rows == 1 else 2 if rows == 2 else 4 if rows <= 4 else 8
+
+
+def tune_gemv(weights: list[mx.array]) -> dict[str, Any]:
+    """Time the kernel against MLX's matmul on these (real, as-loaded) weights for 1, 2, 4 and
+    8 rows, and record per (N, K, rows) which is faster; `linear_nt` follows the table. Without
+    an entry the kernel is used for 2..8 rows only (MLX's own M == 1 gemv is already decent;
+    M >= 2 goes to a cuBLAS GEMM with a large fixed cost). Returns the timings (µs)."""
+    kernel = _gemv_kernel()
+    report: dict[str, Any] = {}
+    if kernel is None:
+        return report
+    table = _gemv_state.setdefault("table", {})
+    for w in weights:
+        if w.ndim != 2 or w.dtype not in (mx.bfloat16, mx.float16) or w.shape[1] % 8:
+            continue
+        n, k = w.shape
+        for m in (1, 2, 4, 8):
+            if (n, k, m) in table:
+                continue
+            x = mx.random.normal((m, k), key=mx.random.key(m)).astype(w.dtype)
+            best = {}
+            for name, fn in (("kernel", lambda: _gemv_call(kernel, x, w)), ("mlx", lambda: x @ w.T)):
+                mx.eval(fn())
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    mx.eval([fn() for _ in range(10)])
+                    times.append((time.perf_counter() - t0) / 10)
+                best[name] = min(times)
+            table[(n, k, m)] = best["kernel"] < 0.95 * best["mlx"]
+            report[f"{n}x{k}_M{m}"] = {"kernel_us": 1e6 * best["kernel"], "mlx_us": 1e6 * best["mlx"],
+                                       "uses_kernel": table[(n, k, m)]}
+    return report
+
+
 def linear_nt(x: mx.array, w: mx.array) -> mx.array:
-    """x @ w.T: the decode GEMV kernel where it applies, else MLX's matmul."""
+    """x @ w.T: the decode GEMV kernel where it applies (and is faster), else MLX's matmul."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if (
         0 < rows <= GEMV_MAX_ROWS
@@ -172,7 +247,9 @@ def linear_nt(x: mx.array, w: mx.array) -> mx.array:
     ):
         kernel = _gemv_kernel()
         if kernel is not None:
-            return _gemv_call(kernel, x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+            use = _gemv_state.get("table", {}).get((w.shape[0], w.shape[1], _rows_bucket(rows)), rows > 1)
+            if use:
+                return _gemv_call(kernel, x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
     return x @ w.T
 
 
@@ -390,6 +467,23 @@ def _structure(layer: nn.Module) -> tuple:
     return tuple(out)
 
 
+def _dense_weights(model: "DecoderModel") -> list[mx.array]:
+    """One of each distinct dense (bias-free) projection weight a decode step multiplies by."""
+    out: dict[tuple[int, ...], mx.array] = {}
+    layer = model.layers[0] if model.layers else None
+    mods = [] if layer is None else [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                      layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                                      layer.mlp.down_proj]
+    if not model.args.tie_word_embeddings:
+        mods.append(model.lm_head)
+    weights = [m["weight"] for m in mods if type(m) is Linear and "bias" not in m]
+    if model.args.tie_word_embeddings and type(model.model.embed_tokens) is nn.Embedding:
+        weights.append(model.model.embed_tokens.weight)
+    for w in weights:
+        out.setdefault(tuple(w.shape), w)
+    return list(out.values())
+
+
 class CompiledDecode:
     """One decode forward (L == 1) whose shape-stable stages run as compiled, fused graphs.
 
@@ -414,7 +508,9 @@ class CompiledDecode:
         self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
         self._params = [layer.parameters() for layer in layers]
         self._template = layers[0] if layers else None
-        _gemv_kernel()  # settle the GEMV choice eagerly: its self-check cannot run inside a trace
+        # Settle the GEMV choices eagerly (self-check, per-shape timing): nothing can be timed
+        # or checked inside a trace.
+        self.gemv_report = tune_gemv(_dense_weights(model)) if _gemv_kernel() is not None else {}
         self._offset_host: int | None = None
         self._offset_dev: mx.array | None = None
         self._first = mx.compile(self._first_fn)
