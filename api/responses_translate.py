@@ -236,18 +236,22 @@ class ResponseMeta:
         self.echo = {
             "instructions": instructions,
             "max_output_tokens": body.get("max_output_tokens", body.get("max_tokens")),
-            "metadata": body.get("metadata") if isinstance(body.get("metadata"), Mapping) else {},
+            # Echoed fields the pipeline does not validate keep their value only when it has the
+            # Responses schema's type, else the default: the SDK must be able to parse the object
+            # (tests/test_fuzz.py validates every success with the openai SDK's models).
+            "metadata": _echo_metadata(body.get("metadata")),
             "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
             "previous_response_id": previous_response_id,
-            "reasoning": {"effort": _get(body, "reasoning", "effort"), "summary": _get(body, "reasoning", "summary")},
+            "reasoning": {"effort": _get(body, "reasoning", "effort"),
+                          "summary": _one_of(_get(body, "reasoning", "summary"), ("auto", "concise", "detailed"))},
             "store": store,
             "temperature": body.get("temperature"),
-            "text": {"format": _get(body, "text", "format") or {"type": "text"}},
-            "tool_choice": body.get("tool_choice", "auto"),
-            "tools": [t for t in body.get("tools") or [] if isinstance(t, Mapping) and t.get("type") == "function"],
+            "text": {"format": _echo_format(_get(body, "text", "format"))},
+            "tool_choice": _echo_tool_choice(body.get("tool_choice")),
+            "tools": [_echo_tool(t) for t in body.get("tools") or [] if isinstance(t, Mapping) and t.get("type") == "function"],
             "top_p": body.get("top_p"),
-            "truncation": body.get("truncation") or "disabled",
-            "user": body.get("user"),
+            "truncation": _one_of(body.get("truncation"), ("auto", "disabled")) or "disabled",
+            "user": body.get("user") if isinstance(body.get("user"), str) else None,
         }
 
     def response(self, *, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
@@ -264,6 +268,46 @@ class ResponseMeta:
             "usage": usage,
             **self.echo,
         }
+
+
+def _one_of(value: Any, allowed: tuple[str, ...]) -> str | None:
+    return value if isinstance(value, str) and value in allowed else None
+
+
+def _echo_metadata(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _echo_format(fmt: Any) -> dict[str, Any]:
+    """`text.format` as applied (`_response_format`): json_schema / json_object, else text."""
+    if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema":
+        out: dict[str, Any] = {"type": "json_schema", "name": fmt.get("name") if isinstance(fmt.get("name"), str)
+                               else "response", "schema": fmt.get("schema") if isinstance(fmt.get("schema"), Mapping) else {}}
+        if isinstance(fmt.get("strict"), bool):
+            out["strict"] = fmt["strict"]
+        if isinstance(fmt.get("description"), str):
+            out["description"] = fmt["description"]
+        return out
+    if isinstance(fmt, Mapping) and fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    return {"type": "text"}
+
+
+def _echo_tool_choice(choice: Any) -> Any:
+    """As `_tool_choice` applies it: a named function, a mode string, else "auto"."""
+    if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "name": choice["name"]}
+    return choice if isinstance(choice, str) else "auto"
+
+
+def _echo_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(tool)
+    for key, kind in (("parameters", Mapping), ("description", str), ("strict", bool)):
+        if key in out and not isinstance(out[key], kind):
+            out[key] = None
+    return out
 
 
 def _get(body: Mapping[str, Any], outer: str, inner: str) -> Any:

@@ -38,7 +38,7 @@ from actors.worker_api import RowSpec  # noqa: E402
 from benchmarks.serve_bench import SHAPES  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.kv_cache import make_caches  # noqa: E402
-from model.layers import CompiledDecode, _gemv_call, _gemv_kernel, gemv_disabled  # noqa: E402
+from model.layers import CompiledDecode, _gemv_call, _gemv_kernel, fusion_disabled, gemv_disabled  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 
@@ -214,6 +214,22 @@ def gemv_bench(model) -> dict:
     return out
 
 
+def parity(engine: Engine, ref_model, prompt: list[int], n: int = 48) -> dict:
+    """Greedy B=1 tokens of our default engine vs mlx_lm.generate_step on this device."""
+    from mlx_lm.generate import generate_step
+
+    engine.open_row(RowSpec(999, tuple(prompt), SamplingParams(), n))
+    while engine.prefill(999).remaining:
+        pass
+    ours = [engine.join(999).token]
+    while len(ours) < n:
+        ours += [t.token for t in engine.step()]
+    engine.close_row(999)
+    ref = [int(t) for t, _ in zip((tok for tok, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n)), range(n))]
+    same = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    return {"tokens": n, "identical_prefix": same, "equal": ours[:n] == ref[:n]}
+
+
 def versions() -> dict:
     import platform
 
@@ -268,11 +284,15 @@ def main() -> None:
               "weights_gb": loaded.weights_bytes / 1e9, "bandwidth_gbs": args.bandwidth_gbs,
               "roofline_tok_s": roofline, "date": time.strftime("%Y-%m-%d")}
     # ours: compiled decode + CUDA GEMV (where available) — the defaults; the rest are A/B.
-    variants = {"ours": (Engine(loaded.model, eos_token_ids=[], compile_decode=True), False)}
+    # variant: (engine, gemv off, fusion off)
+    variants = {"ours": (Engine(loaded.model, eos_token_ids=[], compile_decode=True), False, False)}
     if not args.skip_eager:
         if gemv_available():
-            variants["ours_nogemv"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=True), True)
-        variants["ours_eager"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=False), True)
+            variants["ours_nogemv"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=True), True, False)
+        # the engine before this work: eager graph, MLX matmuls, separate projections
+        variants["ours_eager"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=False), True, True)
+    result["parity_b1"] = parity(variants["ours"][0], ref_model, prompt)
+    print(f"parity: {result['parity_b1']}", file=sys.stderr, flush=True)
     compiled = variants["ours"][0]._compiled
     result["gemv_policy"] = getattr(compiled, "gemv_report", {})
     if args.gemv_bench and gemv_available():
@@ -282,8 +302,9 @@ def main() -> None:
         runs: dict[str, list[float]] = {}
         splits: dict[str, dict] = {}
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
-            for name, (engine, no_gemv) in variants.items():
-                with (gemv_disabled() if no_gemv else contextlib.nullcontext()):
+            for name, (engine, no_gemv, no_fuse) in variants.items():
+                with (gemv_disabled() if no_gemv else contextlib.nullcontext()), \
+                        (fusion_disabled() if no_fuse else contextlib.nullcontext()):
                     rate, split = ours_decode(engine, prompt, args.steps, b)
                 runs.setdefault(name, []).append(rate)
                 if rate >= max(runs[name]):

@@ -7,14 +7,18 @@
 # Smoke test on CPU: OUT=/tmp/gs Q06=cpu-small L8=cpu-small STEPS=16 MT=16 bash benchmarks/gpu_suite.sh
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/r"
+# Results gather in $RES (outside $OUT) and are re-packed into $OUT/results.tgz after every step,
+# so a call cut short still returns everything finished so far.
+RES=${RES:-/tmp/res}
+rm -rf "$RES" && mkdir -p "$RES" "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-LOG="$OUT/r/log.txt"
-step() { local limit=$1; shift; echo "== $(date +%T) [$limit s] $*" | tee -a "$LOG"; timeout "$limit" "$@" >>"$LOG" 2>&1; echo "== rc=$? $(date +%T)" | tee -a "$LOG"; }
+LOG="$RES/log.txt"
+pack() { tar czf "$OUT/results.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"; cp "$LOG" "$OUT/log.txt"; }
+step() { local limit=$1; shift; echo "== $(date +%T) [$limit s] $*" | tee -a "$LOG"; timeout "$limit" "$@" >>"$LOG" 2>&1; echo "== rc=$? $(date +%T)" | tee -a "$LOG"; pack; }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv >"$OUT/r/gpu.txt" 2>&1
-python3 -c "import mlx.core as mx, mlx_lm, platform; print(mx.__version__, mlx_lm.__version__, platform.python_version(), mx.default_device(), mx.device_info())" >>"$OUT/r/gpu.txt" 2>&1
-lscpu | head -20 >>"$OUT/r/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv >"$RES/gpu.txt" 2>&1
+python3 -c "import mlx.core as mx, mlx_lm, platform; print(mx.__version__, mlx_lm.__version__, platform.python_version(), mx.default_device(), mx.device_info())" >>"$RES/gpu.txt" 2>&1
+lscpu | head -20 >>"$RES/gpu.txt"
 
 M=${MODELS:-/tmp/models}
 mkdir -p $M
@@ -23,13 +27,13 @@ DE="python3 benchmarks/decode_engine.py --steps $STEPS"
 SB="python3 benchmarks/serve_bench.py"
 
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$OUT/r/de-q06-bf16.json"
+step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
 step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
-step 120 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$OUT/r/de-l8-bf16.json"
+step 120 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"
 step 150 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
   --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
-  --out "$OUT/r/sb-q06-bf16.json" --plots "$OUT/r"
+  --out "$RES/sb-q06-bf16.json" --plots "$RES"
 step 45 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 1 --only ours \
-  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --profile-out "$OUT/r/profile-q06-c32.txt" \
-  --out "$OUT/r/sb-q06-bf16-prof.json"
-cp "$LOG" "$OUT/log.txt"; cd "$OUT" && tar czf results.tgz r && rm -rf r
+  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --profile-out "$RES/profile-q06-c32.txt" \
+  --out "$RES/sb-q06-bf16-prof.json"
+pack

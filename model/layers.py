@@ -203,10 +203,11 @@ def _rows_bucket(rows: int) -> int:
 
 
 def tune_gemv(weights: list[mx.array]) -> dict[str, Any]:
-    """Time the kernel against MLX's matmul on these (real, as-loaded) weights for 1, 2, 4 and
-    8 rows, and record per (N, K, rows) which is faster; `linear_nt` follows the table. Without
-    an entry the kernel is used for 2..8 rows only (MLX's own M == 1 gemv is already decent;
-    M >= 2 goes to a cuBLAS GEMM with a large fixed cost). Returns the timings (µs)."""
+    """Time the kernel against MLX's matmul on these (real, as-loaded) weights for 2, 4 and 8
+    rows, and record per (N, K, rows) which is faster; `linear_nt` follows the table (default:
+    the kernel). One row always uses MLX's own gemv (decent, and what mlx-lm computes: B = 1
+    stays token-identical); 2..8 rows otherwise go to a cuBLAS GEMM with a large fixed cost.
+    Returns the timings (µs)."""
     kernel = _gemv_kernel()
     report: dict[str, Any] = {}
     if kernel is None:
@@ -216,7 +217,7 @@ def tune_gemv(weights: list[mx.array]) -> dict[str, Any]:
         if w.ndim != 2 or w.dtype not in (mx.bfloat16, mx.float16) or w.shape[1] % 8:
             continue
         n, k = w.shape
-        for m in (1, 2, 4, 8):
+        for m in (2, 4, 8):  # one row stays on MLX's gemv: B = 1 results equal mlx-lm's
             if (n, k, m) in table:
                 continue
             x = mx.random.normal((m, k), key=mx.random.key(m)).astype(w.dtype)
@@ -247,7 +248,7 @@ def linear_nt(x: mx.array, w: mx.array) -> mx.array:
     ):
         kernel = _gemv_kernel()
         if kernel is not None:
-            use = _gemv_state.get("table", {}).get((w.shape[0], w.shape[1], _rows_bucket(rows)), rows > 1)
+            use = rows > 1 and _gemv_state.get("table", {}).get((w.shape[0], w.shape[1], _rows_bucket(rows)), True)
             if use:
                 return _gemv_call(kernel, x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
     return x @ w.T
@@ -345,7 +346,14 @@ class Attention(nn.Module):
     # shape-stable ones fused and only the cache update + attention eagerly.
     def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         B, L, _ = x.shape
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        fused = self.get("_qkv")
+        if fused is not None and B * L <= GEMV_MAX_ROWS and _fusion_on[0]:
+            # Decode: one product over the concatenated q/k/v rows (see fuse_projections).
+            qkv = linear_nt(x, fused)
+            nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+            queries, keys, values = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+        else:
+            queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         queries = queries.reshape(B, L, self.n_heads, -1)
         keys = keys.reshape(B, L, self.n_kv_heads, -1)
         if self.qk_norm:
@@ -372,7 +380,59 @@ class MLP(nn.Module):
         self.up_proj = Linear(dim, hidden, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
+        fused = self.get("_gate_up")
+        if fused is not None and x.size // x.shape[-1] <= GEMV_MAX_ROWS and _fusion_on[0]:
+            n = self.gate_proj.weight.shape[0]
+            gate_up = linear_nt(x, fused)
+            return self.down_proj(swiglu(gate_up[..., :n], gate_up[..., n:]))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+_fusion_on = [True]
+
+
+class fusion_disabled:
+    """Context manager: separate q/k/v and gate/up products (benchmarks' A/B)."""
+
+    def __enter__(self) -> None:
+        _fusion_on[0] = False
+
+    def __exit__(self, *exc: Any) -> None:
+        _fusion_on[0] = True
+
+
+def fuse_projections(model: "DecoderModel") -> bool:
+    """Concatenate each layer's q/k/v weights (and gate/up) into one [rows, K] array, and make
+    the per-projection weights row views of it (no extra memory). Decode then runs one product
+    per group: fewer kernels per step, and the small k/v products (far below bandwidth on
+    their own) ride along with q. Each output row is still its own dot product over K, and
+    MLX's gemv computes rows independently, so B = 1 results are unchanged; prefill keeps the
+    separate products (the views). Only plain bias-free bf16/fp16 layers; idempotent."""
+    fused_any = False
+    for layer in model.layers:
+        groups = (
+            (layer.self_attn, "_qkv", ("q_proj", "k_proj", "v_proj")),
+            (layer.mlp, "_gate_up", ("gate_proj", "up_proj")),
+        )
+        for owner, key, names in groups:
+            mods = [owner[n] for n in names]
+            if owner.get(key) is not None or not all(
+                type(m) is Linear and "bias" not in m and m.weight.dtype in (mx.bfloat16, mx.float16) for m in mods
+            ):
+                continue
+            if len({m.weight.shape[1] for m in mods}) != 1:
+                continue
+            fused = mx.concatenate([m.weight for m in mods], axis=0)
+            mx.eval(fused)
+            start = 0
+            for m in mods:
+                rows = m.weight.shape[0]
+                m.weight = fused[start : start + rows]
+                start += rows
+            owner[key] = fused
+            fused_any = True
+        mx.eval(layer.parameters())
+    return fused_any
 
 
 class DecoderLayer(nn.Module):
@@ -467,6 +527,29 @@ def _structure(layer: nn.Module) -> tuple:
     return tuple(out)
 
 
+def _fusion_wanted() -> bool:
+    """Fused projections on CUDA only (where kernel count and small-product efficiency are the
+    bottleneck); MLX_TRIO_FUSE=0 turns it off."""
+    try:
+        return (
+            os.environ.get("MLX_TRIO_FUSE", "1") != "0"
+            and mx.default_device().type == mx.gpu
+            and hasattr(mx, "cuda")
+            and mx.cuda.is_available()
+        )
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _layer_inputs(layer: "DecoderLayer") -> dict:
+    """What a compiled stage takes per layer: its parameters and its fused weights."""
+    fused = {}
+    for owner, key in ((layer.self_attn, "_qkv"), (layer.mlp, "_gate_up")):
+        if owner.get(key) is not None:
+            fused[key] = owner[key]
+    return {"p": layer.parameters(), "f": fused}
+
+
 def _dense_weights(model: "DecoderModel") -> list[mx.array]:
     """One of each distinct dense (bias-free) projection weight a decode step multiplies by."""
     out: dict[tuple[int, ...], mx.array] = {}
@@ -477,6 +560,8 @@ def _dense_weights(model: "DecoderModel") -> list[mx.array]:
     if not model.args.tie_word_embeddings:
         mods.append(model.lm_head)
     weights = [m["weight"] for m in mods if type(m) is Linear and "bias" not in m]
+    weights += [o[k] for o, k in ((layer.self_attn, "_qkv"), (layer.mlp, "_gate_up")) if layer is not None
+                and o.get(k) is not None]
     if model.args.tie_word_embeddings and type(model.model.embed_tokens) is nn.Embedding:
         weights.append(model.model.embed_tokens.weight)
     for w in weights:
@@ -506,7 +591,9 @@ class CompiledDecode:
         self.model = model
         layers = model.layers
         self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
-        self._params = [layer.parameters() for layer in layers]
+        if layers and _fusion_wanted():
+            fuse_projections(model)
+        self._params = [_layer_inputs(layer) for layer in layers]
         self._template = layers[0] if layers else None
         # Settle the GEMV choices eagerly (self-check, per-shape timing): nothing can be timed
         # or checked inside a trace.
@@ -518,11 +605,15 @@ class CompiledDecode:
         self._last = mx.compile(self._last_fn)
 
     def _as(self, params: dict) -> "DecoderLayer":
-        self._template.update(params)
-        return self._template
+        t = self._template
+        t.update(params["p"])
+        for owner, key in ((t.self_attn, "_qkv"), (t.mlp, "_gate_up")):
+            if key in params["f"]:
+                owner[key] = params["f"][key]
+        return t
 
     def _restore(self) -> None:
-        self._template.update(self._params[0])
+        self._as(self._params[0])
 
     def _first_fn(self, p0: dict, tokens: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
         try:
