@@ -410,7 +410,7 @@ def plots(results: dict, args, out_dir: Path) -> list[str]:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     kinds = [k for k in ("ours", "mlx_lm") if k in results]
-    tag = f"{results['model']}-{results['dtype']}{'-' + results['quant'] if results['quant'] else ''}"
+    tag = f"{Path(results['model']).name}-{results['dtype']}{'-' + results['quant'] if results['quant'] else ''}"
     files = []
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for k in kinds:
@@ -494,7 +494,13 @@ def main() -> None:
                    help="start mlx_lm.server with the optimized BLAS our server preloads (Linux CPU)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
+    p.add_argument("--replot", type=Path, default=None, help="only redraw --plots from a saved --out JSON")
     args = p.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        args.concurrency = [c for c in args.concurrency if f"c{c}" in saved.get("ours", {})]
+        print(plots(saved, args, args.plots or args.replot.parent))
+        return
 
     tmp = None
     model = args.model

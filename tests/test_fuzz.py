@@ -355,6 +355,12 @@ def sdk_adapters() -> dict[str, Any]:
     except ImportError:
         pass
     try:
+        from openai.types import Completion
+        from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+        out["chat.completion"] = pydantic.TypeAdapter(ChatCompletion)
+        out["chat.completion.chunk"] = pydantic.TypeAdapter(ChatCompletionChunk)
+        out["text_completion"] = pydantic.TypeAdapter(Completion)
         from openai.types.responses import Response, ResponseStreamEvent
 
         out["response"] = pydantic.TypeAdapter(Response)
@@ -420,6 +426,7 @@ def check_answer(path: str, status: int, content_type: str, raw: bytes) -> str |
     if path == CHAT or path == TEXT:
         want = "chat.completion" if path == CHAT else "text_completion"
         assert body["object"] == want and isinstance(body["choices"], list), body
+        validate(want, body)
     elif path == MESSAGES:
         assert body["type"] == "message" and body["role"] == "assistant", body
         validate("message", body)
@@ -440,6 +447,11 @@ def check_stream(path: str, raw: bytes) -> str | None:
             chunk = json.loads(frame)
             assert "error" not in chunk, chunk
             assert isinstance(chunk["choices"], list)
+            assert chunk["object"] == ("chat.completion.chunk" if path == CHAT else "text_completion"), chunk
+            # The SDK types legacy stream chunks as `Completion`, whose finish_reason is not
+            # optional, yet OpenAI (and we) send null until the last one: check those fully.
+            if path == CHAT or all(c.get("finish_reason") for c in chunk["choices"]):
+                validate(chunk["object"], chunk)
         return None
     events = named_events(raw)
     names = [name for name, _ in events]

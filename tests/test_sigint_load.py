@@ -118,6 +118,20 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def log_tail(log: str, lines: int = 40) -> str:
+    """The log without its per-request lines (32 of them), last `lines` lines: for failures."""
+    kept = [line for line in log.splitlines() if "mlx_trio.requests" not in line]
+    return "\n".join(kept[-lines:])
+
+
+def check_exit(code: int, log: str, allowed: tuple[int, ...]) -> None:
+    if code == -signal.SIGABRT and "terminate called without an active exception" in log:
+        pytest.fail("the process aborted at interpreter exit (SIGABRT, 'terminate called without an active "
+                    "exception'): MLX streams of the GPU-worker thread were not destroyed before it ended "
+                    "(mx.clear_streams() at the end of actors/gpu_worker.py's thread)\n" + log_tail(log))
+    assert code in allowed, (code, log_tail(log))
+
+
 def stats(base: str) -> dict:
     return httpx.get(f"{base}/stats", timeout=10).json()
 
@@ -143,7 +157,7 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
         try:
             code = proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"still running {budget:.0f} s after SIGINT:\n" + log_path.read_text())
+            pytest.fail(f"still running {budget:.0f} s after SIGINT:\n" + log_tail(log_path.read_text()))
         exited_s = time.monotonic() - signalled
         for thread in threads:
             thread.join(timeout=10)
@@ -152,9 +166,9 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
             proc.kill()
             proc.wait()
     log = log_path.read_text()
-    assert code == 0, log
-    assert "Traceback" not in log, log
-    assert "SIGINT: shutting down gracefully" in log and "bye" in log, log
+    check_exit(code, log, (0,))
+    assert "Traceback" not in log, log_tail(log)
+    assert "SIGINT: shutting down gracefully" in log and "bye" in log, log_tail(log)
     # Every stream ended cleanly: 200, a final chunk cut by the deadline, then [DONE], nothing after.
     for s in streams:
         assert s.status == 200 and s.error is None, s
@@ -164,7 +178,7 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
     assert len(decoding) >= 8 and all(s.chunks > chunks_before[s.index] for s in decoding)  # kept streaming
     # The durability flush ran after HTTP was done, and reported what it made durable.
     match = re.search(r"shutdown flush: durable \(flushed (\d+), missing (\d+).*?\)", log)
-    assert match, log
+    assert match, log_tail(log)
     assert log.index("HTTP server stopped") < match.start() < log.index("bye")
     assert list((tmp_path / "ssd").rglob("*.mlxkv")), "the warm-up's prompt-cache entry is not on disk"
     assert exited_s <= SHUTDOWN_TIMEOUT_S + 6.0, exited_s  # ~the deadline, the flush, teardown
@@ -186,7 +200,7 @@ def test_a_second_sigint_exits_at_once(model_dir, tmp_path):
         try:
             code = proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            pytest.fail("a second SIGINT did not exit within 10 s:\n" + log_path.read_text())
+            pytest.fail("a second SIGINT did not exit within 10 s:\n" + log_tail(log_path.read_text()))
         exited_s = time.monotonic() - second
         for thread in threads:
             thread.join(timeout=10)
@@ -195,10 +209,10 @@ def test_a_second_sigint_exits_at_once(model_dir, tmp_path):
             proc.kill()
             proc.wait()
     log = log_path.read_text()
-    assert exited_s <= 3.0, (exited_s, log)
-    assert "SIGINT: exiting now" in log, log
+    assert exited_s <= 3.0, (exited_s, log_tail(log))
+    assert "SIGINT: exiting now" in log, log_tail(log)
     # An exit, not a crash: 0, or 1 because the cut flush left the SSD tier not durable.
-    assert code in (0, 1), (code, log)
+    check_exit(code, log, (0, 1))
     assert all(not t.is_alive() for t in threads)  # no client left hanging on a dead server
     assert all(s.ended_at is not None and s.ended_at - second <= 3.0 for s in streams)
     print(f"second SIGINT: exit {code} after {exited_s:.2f} s; "
