@@ -78,6 +78,15 @@ class GpuWorker:
 
         def body() -> None:
             ended.append(outcome.capture(self._thread_main, task_status))
+            # MLX keeps per-thread streams; a thread that used MLX must drop them before it ends,
+            # or interpreter exit aborts ("terminate called without an active exception",
+            # ml-explore/mlx#3126).
+            try:
+                import mlx.core as mx
+
+                mx.clear_streams()
+            except Exception:
+                log.debug("mx.clear_streams failed", exc_info=True)
             try:
                 self._trio_token.run_sync_soon(finished.set)
             except trio.RunFinishedError:

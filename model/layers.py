@@ -432,7 +432,40 @@ def fuse_projections(model: "DecoderModel") -> bool:
             owner[key] = fused
             fused_any = True
         mx.eval(layer.parameters())
+    if fused_any and not _fusion_checks_out(model.layers[0]):
+        for layer in model.layers:  # back to separate products (the views stay valid weights)
+            for owner, key in ((layer.self_attn, "_qkv"), (layer.mlp, "_gate_up")):
+                if owner.get(key) is not None:
+                    del owner[key]
+        log.warning("fused decode projections disabled: they did not match the separate products")
+        return False
     return fused_any
+
+
+def _fusion_checks_out(layer: "DecoderLayer") -> bool:
+    """The fused products against the separate ones on layer 0: exactly equal for one row (the
+    B = 1 path must stay mlx-lm's), close for several."""
+    try:
+        for owner, key, names in (
+            (layer.self_attn, "_qkv", ("q_proj", "k_proj", "v_proj")),
+            (layer.mlp, "_gate_up", ("gate_proj", "up_proj")),
+        ):
+            fused = owner.get(key)
+            if fused is None:
+                continue
+            for rows in (1, 4):
+                x = mx.random.normal((rows, fused.shape[1]), key=mx.random.key(rows)).astype(fused.dtype)
+                together = linear_nt(x, fused)
+                apart = mx.concatenate([owner[n](x) for n in names], axis=-1)
+                if rows == 1 and not mx.array_equal(together, apart).item():
+                    return False
+                scale = max(1.0, mx.abs(apart.astype(mx.float32)).max().item())
+                if mx.abs(together.astype(mx.float32) - apart.astype(mx.float32)).max().item() > 0.02 * scale:
+                    return False
+        return True
+    except Exception as e:  # noqa: BLE001
+        log.warning("fused projection check failed: %s", e)
+        return False
 
 
 class DecoderLayer(nn.Module):
