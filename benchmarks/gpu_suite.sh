@@ -42,7 +42,7 @@ step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
 step 120 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"
 step 150 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
   --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
-  --out "$RES/sb-q06-bf16.json" --plots "$RES"
+  --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
 step 45 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 1 --only ours \
   --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --profile-out "$RES/profile-q06-c32.txt" \
   --out "$RES/sb-q06-bf16-prof.json"

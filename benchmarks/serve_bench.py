@@ -10,6 +10,8 @@ mlx_lm) plus JSON (and PNG plots with --plots DIR). Workloads:
   abort   (ours only: needs /stats) client disconnects during decode and during prefill: seconds
           and decode steps / prefill chunks until the row has left the batch
   exit    SIGINT with N streams in flight: seconds until the process is gone
+  restart (--restart-words N) one long prompt's TTFT on a fresh server, then after a restart
+          (ours with --ssd-cache in a temp dir; mlx_lm.server keeps nothing)
 
 Both servers get greedy decoding, the same max_tokens, and a batch as wide as the largest
 concurrency (ours: --batch N; mlx_lm.server: --decode-concurrency N, its default 32).
@@ -320,6 +322,30 @@ def exit_under_load(server: Server, streams: int, max_tokens: int) -> float:
     return asyncio.run(go())
 
 
+def restart(kind: str, model: Path, args) -> dict:
+    """Warm restart: TTFT of one long prompt on a fresh server (cold), then again after a
+    restart. Ours keeps its prompt cache on disk (--ssd-cache), mlx_lm.server has nothing to
+    keep, so its 'restart' TTFT is a cold one again."""
+    launch = "mlx_lm+blas" if kind == "mlx_lm" and args.mlx_lm_blas else kind
+    prompt = [{"role": "user", "content": "restart " + text_of(args.restart_words, 7)}]
+
+    async def one(server: Server) -> tuple[float, int]:
+        async with httpx.AsyncClient(timeout=None) as client:
+            r = await stream_chat(client, server, prompt, 4)
+        return r["ttft"], (r["usage"] or {}).get("prompt_tokens", 0)
+
+    with tempfile.TemporaryDirectory() as ssd:
+        extra = (["--ssd-cache", ssd] if kind == "ours" else []) + \
+            (args.ours_args if kind == "ours" else args.mlx_lm_args).split()
+        out = {}
+        for phase in ("cold", "warm"):
+            with Server(launch, model, free_port(), extra) as server:
+                out[f"{phase}_ttft"], out["prompt_tokens"] = asyncio.run(one(server))
+                out[f"{phase}_exit_s"] = server.stop()
+    out["speedup"] = out["cold_ttft"] / out["warm_ttft"] if out["warm_ttft"] else float("nan")
+    return out
+
+
 def run_suite(kind: str, model: Path, args) -> dict:
     width = max(args.concurrency)
     default = [f"--batch={width}"] if kind == "ours" else [f"--decode-concurrency={width}"]
@@ -482,6 +508,8 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=1500)
     p.add_argument("--joiner-words", type=int, default=3000)
     p.add_argument("--abort", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--restart-words", type=int, default=0,
+                   help="warm-restart workload: a prompt of this many words, cold then after a restart (0: off)")
     p.add_argument("--exit-streams", type=int, default=8, help="streams in flight at SIGINT (0: exit idle)")
     p.add_argument("--ours-args", default="")
     p.add_argument("--mlx-lm-args", default="")
@@ -521,8 +549,24 @@ def main() -> None:
         launch = "mlx_lm+blas" if kind == "mlx_lm" and args.mlx_lm_blas else kind
         results[kind] = run_suite(launch, model, args)
     results["mlx_lm_blas"] = args.mlx_lm_blas
+    if args.restart_words:
+        results["restart"] = {}
+        for kind in kinds:
+            try:
+                results["restart"][kind] = restart(kind, model, args)
+            except Exception as e:  # noqa: BLE001
+                results["restart"][kind] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"  {kind} restart: {results['restart'][kind]}", file=sys.stderr, flush=True)
     if len(kinds) == 2:
         results["table"] = ratio_table(results["ours"], results["mlx_lm"], args)
+        rs = results.get("restart", {})
+        if "warm_ttft" in rs.get("ours", {}) and "warm_ttft" in rs.get("mlx_lm", {}):
+            a, b = rs["ours"], rs["mlx_lm"]
+            results["table"] += (
+                f"\n| restart ({a['prompt_tokens']} tok) | TTFT after restart s (ours: SSD tier) | "
+                f"{a['warm_ttft']:.4g} | {b['warm_ttft']:.4g} | {b['warm_ttft'] / a['warm_ttft']:.2f}x (speed-up) |"
+                f"\n| restart | ours warm vs ours cold | {a['warm_ttft']:.4g} | {a['cold_ttft']:.4g} (ours cold) | "
+                f"{a['speedup']:.2f}x (speed-up) |")
         print(results["table"])
     if args.plots:
         try:
