@@ -57,7 +57,8 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 # HBM bandwidth on an H200. This kernel gives each weight row one warp, loads 16 bytes per lane
 # with independent unrolled loads, and applies every x row to each loaded weight vector, so the
 # weights are read once for up to GEMV_MAX_ROWS rows. fp32 accumulation, like MLX's. Only
-# bias-free bf16/fp16 Linear layers on a CUDA device use it; MLX_TRIO_GEMV=0 turns it off.
+# bias-free bf16/fp16 Linear layers on a CUDA device use it, opt-in with MLX_TRIO_GEMV=1 until it has
+# been measured on a GPU (it has not: see docs/performance.md).
 
 GEMV_MAX_ROWS = 8
 
@@ -159,7 +160,7 @@ def _gemv_kernel() -> Any:
     kernel = None
     try:
         if (
-            os.environ.get("MLX_TRIO_GEMV", "1") != "0"
+            os.environ.get("MLX_TRIO_GEMV", "0") == "1"
             and mx.default_device().type == mx.gpu
             and hasattr(mx, "cuda")
             and mx.cuda.is_available()
@@ -562,10 +563,10 @@ def _structure(layer: nn.Module) -> tuple:
 
 def _fusion_wanted() -> bool:
     """Fused projections on CUDA only (where kernel count and small-product efficiency are the
-    bottleneck); MLX_TRIO_FUSE=0 turns it off."""
+    bottleneck); opt-in with MLX_TRIO_FUSE=1 until measured on a GPU."""
     try:
         return (
-            os.environ.get("MLX_TRIO_FUSE", "1") != "0"
+            os.environ.get("MLX_TRIO_FUSE", "0") == "1"
             and mx.default_device().type == mx.gpu
             and hasattr(mx, "cuda")
             and mx.cuda.is_available()
