@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 # hypercorn's own deadline sits past ours, so our clean final chunk is written before it cancels.
 HTTP_GRACE_MARGIN_S = 2.0
 FLUSH_BUDGET_S = 10.0
+HTTP_DRAIN_POLL_S = 0.05
+HTTP_DRAIN_GRACE_S = 0.5  # after the last generation ends: its final frames, short requests
 
 FlushHook = Callable[[], Awaitable[Any]]
 ServeHttp = Callable[[Any, Callable[[], Awaitable[None]]], Awaitable[None]]
@@ -305,7 +307,9 @@ async def run_server(
         app = make_app(handles)
         serving = True
         if not shutdown.requested.is_set():
-            await serve_http(app, shutdown.requested.wait)
+            with trio.CancelScope() as http_scope:
+                nursery.start_soon(_end_http_once_drained, handles, shutdown, http_scope)
+                await serve_http(app, shutdown.requested.wait)
             trace("http done")
             log.info("HTTP server stopped; %d request(s) still in flight", handles.admission.in_flight)
         if handles.ssd is not None:
@@ -321,6 +325,17 @@ async def run_server(
 
         flushed = FlushResult(durable=False)  # cut by a second signal or never reached
     return flushed
+
+
+async def _end_http_once_drained(handles: ServerHandles, shutdown: Shutdown, http_scope: trio.CancelScope) -> None:
+    """hypercorn keeps an idle keep-alive connection (an SDK's pool) open through its whole
+    graceful timeout, so Ctrl-C would wait `--shutdown-timeout` for nothing. Once every admitted
+    request has ended and its last frame had a moment to go out, end HTTP ourselves."""
+    await shutdown.requested.wait()
+    while handles.admission.in_flight > 0:
+        await trio.sleep(HTTP_DRAIN_POLL_S)
+    await trio.sleep(HTTP_DRAIN_GRACE_S)
+    http_scope.cancel()
 
 
 async def run_flush_hooks(hooks: Sequence[FlushHook], *, budget: float = FLUSH_BUDGET_S) -> None:
