@@ -10,23 +10,19 @@ functions driving the SDK.
 from __future__ import annotations
 
 import json
-import queue
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import attrs
 import httpx
 import pytest
-import trio
 
 from actors.gpu_worker import GpuWorker
-from actors.root import ServeConfig, Shutdown, run_server
 from model.synth import write_scripted_model_dir
 from model.tokenizer import Tokenizer
+from tests.live_http import serve_in_thread
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -81,54 +77,10 @@ class Live:
 
 @contextmanager
 def live_server(model_dir: Path, *, failing: bool = False, prompt_cache_bytes: int = 64 << 20) -> Iterator[Live]:
-    ready: queue.Queue = queue.Queue()
-    shutdown = Shutdown()
-    trio_token: list[trio.lowlevel.TrioToken] = []
     inner = GpuWorker(model_dir, prompt_cache_bytes=prompt_cache_bytes)
     worker = FailingWorker(inner) if failing else inner
-
-    async def serve_http(app: Any, shutdown_trigger: Any) -> None:
-        from hypercorn.config import Config
-        from hypercorn.trio import serve
-
-        hc = Config()
-        hc.bind = ["127.0.0.1:0"]  # the OS picks the port
-        hc.graceful_timeout = 5
-        hc.accesslog = None
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(serve, app, hc, shutdown_trigger=shutdown_trigger))
-            ready.put(binds[0])
-
-    async def main() -> None:
-        trio_token.append(trio.lowlevel.current_trio_token())
-        await run_server(
-            worker,
-            config=ServeConfig(model=str(model_dir), shutdown_timeout=5),
-            make_tokenizer=lambda info: Tokenizer.from_dir(model_dir, eos_token_ids_from_config=info.eos_token_ids),
-            serve_http=serve_http,
-            shutdown=shutdown,
-        )
-
-    def thread_main() -> None:
-        try:
-            trio.run(main)
-        except BaseException as exc:  # surfaced to the fixture instead of dying silently
-            ready.put(exc)
-
-    thread = threading.Thread(target=thread_main, name=f"server-{model_dir.name}", daemon=True)
-    thread.start()
-    got = ready.get(timeout=240)
-    if isinstance(got, BaseException):
-        raise got
-    try:
-        yield Live(got, Tokenizer.from_dir(model_dir), worker)
-    finally:
-        try:
-            trio.from_thread.run_sync(shutdown.request, trio_token=trio_token[0])
-        except trio.RunFinishedError:
-            pass
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "server did not shut down"
+    with serve_in_thread(model_dir, worker=worker) as base:
+        yield Live(base, Tokenizer.from_dir(model_dir), worker)
 
 
 def scripted(tmp_path_factory: pytest.TempPathFactory, name: str, script: Sequence[str]) -> Path:

@@ -11,25 +11,20 @@ threads); the tests are plain sync functions driving `openai.OpenAI` / `httpx`.
 from __future__ import annotations
 
 import json
-import queue
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import attrs
 import httpx
 import pytest
-import trio
 
 openai = pytest.importorskip("openai")
 
-from actors.gpu_worker import GpuWorker  # noqa: E402
-from actors.root import ServeConfig, Shutdown, run_server  # noqa: E402
 from model.synth import write_scripted_model_dir  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
+from tests.live_http import serve_in_thread  # noqa: E402
 
 WEATHER_ARGS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 # Reasoning, prose, then one hermes call: every stage of the pipeline in one reply.
@@ -97,54 +92,12 @@ class Served:
 
 @contextmanager
 def served(model_dir: Path, **config: Any) -> Iterator[Served]:
-    ready: queue.Queue = queue.Queue()
-    shutdown = Shutdown()
-    trio_token: list[trio.lowlevel.TrioToken] = []
-
-    async def serve_http(app: Any, shutdown_trigger: Any) -> None:
-        from hypercorn.config import Config
-        from hypercorn.trio import serve
-
-        hc = Config()
-        hc.bind = ["127.0.0.1:0"]  # the OS picks the port
-        hc.graceful_timeout = 5
-        hc.accesslog = None
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(serve, app, hc, shutdown_trigger=shutdown_trigger))
-            ready.put(binds[0])
-
-    async def main() -> None:
-        trio_token.append(trio.lowlevel.current_trio_token())
-        await run_server(
-            GpuWorker(model_dir, prompt_cache_bytes=64 << 20),
-            config=ServeConfig(model=str(model_dir), shutdown_timeout=5, **config),
-            make_tokenizer=lambda info: Tokenizer.from_dir(model_dir, eos_token_ids_from_config=info.eos_token_ids),
-            serve_http=serve_http,
-            shutdown=shutdown,
-        )
-
-    def thread_main() -> None:
+    with serve_in_thread(model_dir, **config) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         try:
-            trio.run(main)
-        except BaseException as exc:  # surfaced to the fixture instead of dying silently
-            ready.put(exc)
-
-    thread = threading.Thread(target=thread_main, name=f"server-{model_dir.name}", daemon=True)
-    thread.start()
-    got = ready.get(timeout=240)
-    if isinstance(got, BaseException):
-        raise got
-    client = openai.OpenAI(base_url=f"{got}/v1", api_key="none", max_retries=0, timeout=60)
-    try:
-        yield Served(got, client, Tokenizer.from_dir(model_dir), model_dir)
-    finally:
-        client.close()
-        try:
-            trio.from_thread.run_sync(shutdown.request, trio_token=trio_token[0])
-        except trio.RunFinishedError:
-            pass
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "server did not shut down"
+            yield Served(base, client, Tokenizer.from_dir(model_dir), model_dir)
+        finally:
+            client.close()
 
 
 def _model(tmp_path_factory: pytest.TempPathFactory, name: str, script: Sequence[str], **kw: Any) -> Path:
