@@ -374,6 +374,7 @@ def _solo_from_batch(cache: BatchKVCache) -> KVCache:
     if cache.keys is not None:
         pad = cache.pads[0]
         solo.keys = cache.keys[..., pad:, :] if pad else cache.keys
+        solo.pinned_slots = cache.keys.shape[2] if pad else 0
         solo.values = cache.values[..., pad:, :] if pad else cache.values
         solo.offset = cache._idx - pad
     return solo

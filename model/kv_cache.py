@@ -46,12 +46,16 @@ class KVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        # Slots of the buffer `keys` is a view of, when it is one (a clone): an MLX slice keeps
+        # its whole source buffer alive, so that is the memory this cache really holds.
+        self.pinned_slots = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev = self.offset
         if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
             self.keys = _grow(self.keys, prev, keys)
             self.values = _grow(self.values, prev, values)
+            self.pinned_slots = 0  # a fresh buffer: no view is held any more
         self.offset += keys.shape[2]
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
@@ -80,6 +84,7 @@ class KVCache:
         if self.keys is not None:
             other.keys = self.keys[..., : self.offset, :]
             other.values = self.values[..., : self.offset, :]
+            other.pinned_slots = max(self.keys.shape[2], self.pinned_slots)
         other.offset = self.offset
         return other
 
@@ -87,9 +92,12 @@ class KVCache:
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        # Bytes of what this entry covers, not of the shared backing buffer.
-        per_slot = self.keys.nbytes // self.keys.shape[2] + self.values.nbytes // self.values.shape[2]
-        return per_slot * self.offset
+        # Bytes of the buffer held: the grown buffer's spare slots, or a view's whole source
+        # buffer, count too, so a byte cap bounds real memory (clones sharing one buffer are
+        # each charged for it: an over-count, never an under-count).
+        slots = self.keys.shape[2]
+        per_slot = self.keys.nbytes // slots + self.values.nbytes // self.values.shape[2]
+        return per_slot * max(slots, self.pinned_slots)
 
 
 class BatchKVCache:

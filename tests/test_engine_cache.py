@@ -266,7 +266,7 @@ def test_eviction_keeps_bytes_under_the_cap(model):
 
 def test_a_hit_whose_donor_is_evicted_while_live_stays_correct(model, cold):
     per_token = model.kv_bytes_per_token(4)
-    hot = hot_engine(model, max_bytes=450 * per_token)  # one entry at a time
+    hot = hot_engine(model, max_bytes=700 * per_token)  # one (512-slot buffer) entry at a time
     run_solo(hot, P)
     mine = P[:300] + rand_tokens(50, 8)
     opened = hot.open_row(spec(0, mine))  # holds clones of P's entry

@@ -24,8 +24,21 @@ def kv(tokens, layers=LAYERS, cls=KVCache):
         c = cls()
         if tokens:
             col = mx.array(tokens, dtype=mx.float32)[None, None, :, None]
-            block = mx.broadcast_to(col, (1, 1, len(tokens), HEAD_DIM))
-            c.update_and_fetch(block, block)
+            block = mx.broadcast_to(col, (1, 1, len(tokens), HEAD_DIM)) + 0  # its own exact buffer
+            mx.eval(block)
+            c.keys, c.values, c.offset = block, block, len(tokens)
+        caches.append(c)
+    return caches
+
+
+def grown(tokens, layers=LAYERS):
+    """Caches filled the way a forward fills them: a buffer grown in 256-slot steps."""
+    caches = []
+    for _ in range(layers):
+        c = KVCache()
+        col = mx.array(tokens, dtype=mx.float32)[None, None, :, None]
+        block = mx.broadcast_to(col, (1, 1, len(tokens), HEAD_DIM))
+        c.update_and_fetch(block, block)
         caches.append(c)
     return caches
 
@@ -222,3 +235,19 @@ def test_a_take_after_trim_reports_the_offset_it_hands_out(cut):
     prompt = [1, 2, 3, 4, 5][:-cut] + [42]
     caches, n = pc.take(prompt)
     assert all(c.offset == n for c in caches) and n == 5 - cut
+
+
+def test_bytes_count_the_buffer_held_not_just_the_tokens_covered():
+    """A byte cap must bound real memory: a grown buffer's spare slots and a clone's whole
+    source buffer (an MLX slice keeps it alive) are charged."""
+    pc = PromptCache(1 << 30)
+    assert pc.put(list(range(5)), grown(list(range(5))))
+    assert pc.nbytes == 256 * BYTES_PER_TOKEN  # the 256-slot buffer, not 5 tokens
+    donor = grown(list(range(1000, 1300)))  # a 512-slot buffer (not an extension of the first)
+    clones = [c.clone() for c in donor]
+    for c in clones:
+        c.trim(290)  # covers 10 tokens, still pins the donor's 512 slots
+    assert pc.put(list(range(1000, 1010)), clones)
+    assert pc.nbytes == (256 + 512) * BYTES_PER_TOKEN
+    tight = PromptCache(300 * BYTES_PER_TOKEN)
+    assert not tight.put(list(range(300)), grown(list(range(300))))  # 512 slots do not fit
