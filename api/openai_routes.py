@@ -19,14 +19,15 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import attrs
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, current_app
 
 from actors.messages import GenerationRequest
 from actors.request import GenerationFailed, RequestActor, RequestRejected
-from api.errors import ApiError, bad_request, error_body, from_rejection
+from api.errors import bad_request, error_body, from_rejection
 from api import structured
 from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools import detect_tool_format
+from api.protocol_common import collect, json_body
 from cache.boundary import stable_prefix_length
 from model.params import SamplingParams
 
@@ -413,7 +414,7 @@ def blueprint(handles: Any) -> Blueprint:
 
     @bp.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        started = await start_chat(handles, await _json_body())
+        started = await start_chat(handles, await json_body())
         meta = _Meta("chatcmpl", "chat.completion", handles.info.name)
         if started.gen.stream:
             return _sse(_chat_stream(started.actor, meta))
@@ -421,7 +422,7 @@ def blueprint(handles: Any) -> Blueprint:
 
     @bp.post("/v1/completions")
     async def completions() -> Response:
-        started = await start_text(handles, await _json_body())
+        started = await start_text(handles, await json_body())
         meta = _Meta("cmpl", "text_completion", handles.info.name)
         if started.gen.stream:
             return _sse(_text_stream(started.actor, meta))
@@ -620,14 +621,6 @@ def _grammar_available() -> bool:
         return False
 
 
-async def _json_body() -> dict[str, Any]:
-    # force=True: a missing or wrong Content-Type must not turn a valid body into None.
-    body = await request.get_json(force=True, silent=True)
-    if not isinstance(body, dict):
-        raise bad_request("invalid JSON body")
-    return body
-
-
 def _snapshot_position(handles: Any, messages: list[dict[str, Any]], prompt: Any, **template: Any) -> int | None:
     """Where the next turn's prompt stops agreeing with this one: the boundary snapshot."""
     if handles.prompt_cache is None:
@@ -772,33 +765,18 @@ async def _chat_stream(actor: RequestActor, meta: _Meta) -> AsyncIterator[bytes]
 
 
 async def _chat_whole(started: StartedChat, meta: _Meta, tokenizer: Any) -> dict[str, Any]:
-    actor = started.actor
-    content, reasoning, calls = [], [], []
-    try:
-        while (events := await actor.next_events()) is not None:
-            for event in events:
-                if hasattr(event, "calls"):
-                    calls.extend(event.calls)
-                elif event.kind == "reasoning":
-                    reasoning.append(event.text)
-                else:
-                    content.append(event.text)
-    except GenerationFailed as exc:
-        raise ApiError(500, str(exc)) from exc
-    finally:
-        actor.close()
-    text = "".join(content)
-    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-    if reasoning:
-        message["reasoning"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = [_tool_call(call) for call in calls]
+    done = await collect(started.actor)
+    message: dict[str, Any] = {"role": "assistant", "content": done.content or (None if done.calls else "")}
+    if done.reasoning:
+        message["reasoning"] = done.reasoning
+    if done.calls:
+        message["tool_calls"] = [_tool_call(call) for call in done.calls]
     choice: dict[str, Any] = {"index": 0, "message": message}
-    block = logprobs_block(actor, started.gen, tokenizer)
+    block = logprobs_block(started.actor, started.gen, tokenizer)
     if block is not None:
         choice["logprobs"] = block
-    choice["finish_reason"] = actor.finish_reason
-    return meta.envelope("chat.completion", choice, actor.usage())
+    choice["finish_reason"] = done.finish_reason
+    return meta.envelope("chat.completion", choice, done.usage)
 
 
 async def _text_stream(actor: RequestActor, meta: _Meta) -> AsyncIterator[bytes]:
@@ -822,19 +800,11 @@ async def _text_stream(actor: RequestActor, meta: _Meta) -> AsyncIterator[bytes]
 
 
 async def _text_whole(started: StartedChat, meta: _Meta, tokenizer: Any) -> dict[str, Any]:
-    actor = started.actor
-    parts = []
-    try:
-        while (events := await actor.next_events()) is not None:
-            parts.extend(e.text for e in events if not hasattr(e, "calls"))
-    except GenerationFailed as exc:
-        raise ApiError(500, str(exc)) from exc
-    finally:
-        actor.close()
+    done = await collect(started.actor)  # no think split or tools here: all text is content
     choice = {
         "index": 0,
-        "text": "".join(parts),
-        "logprobs": logprobs_block(actor, started.gen, tokenizer),
-        "finish_reason": actor.finish_reason,
+        "text": done.content,
+        "logprobs": logprobs_block(started.actor, started.gen, tokenizer),
+        "finish_reason": done.finish_reason,
     }
-    return meta.envelope("text_completion", choice, actor.usage())
+    return meta.envelope("text_completion", choice, done.usage)
