@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -289,6 +290,9 @@ def main() -> None:
     if not args.skip_eager:
         if gemv_available():
             variants["ours_nogemv"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=True), True, False)
+        if os.environ.get("MLX_TRIO_GEMV") == "1" or os.environ.get("MLX_TRIO_FUSE") == "1":
+            # compiled decode without either opt-in: what the server does by default
+            variants["ours_plain"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=True), True, True)
         # the engine before this work: eager graph, MLX matmuls, separate projections
         variants["ours_eager"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=False), True, True)
     result["parity_b1"] = parity(variants["ours"][0], ref_model, prompt)

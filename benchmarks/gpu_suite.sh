@@ -26,13 +26,17 @@ Q06=${Q06:-qwen3-0.6b}; L8=${L8:-llama3-8b}; STEPS=${STEPS:-128}; MT=${MT:-128}
 DE="python3 benchmarks/decode_engine.py --steps $STEPS"
 SB="python3 benchmarks/serve_bench.py"
 
-if [ "${SUITE:-full}" = "mini" ]; then  # the short final check: engine decode + a short serve run
+if [ "${SUITE:-full}" = "mini" ]; then  # the short check: engine decode (opt-ins A/B) + a short serve run
+  OPT="env MLX_TRIO_GEMV=1 MLX_TRIO_FUSE=1"  # ours = both opt-ins; ours_plain = the default engine
   step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 60 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 1 --out "$RES/de-q06-bf16.json"
+  step 90 $OPT $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
   step 40 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
-  step 70 $DE --model $M/l8-bf16 --batches 1,8 --repeats 1 --no-gemv-bench --out "$RES/de-l8-bf16.json"
+  step 90 $OPT $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"
   step 80 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 1 \
     --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
+  step 45 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 1 --only ours \
+    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --profile-out "$RES/profile-q06-c32.txt" \
+    --out "$RES/sb-q06-bf16-prof.json"
   pack
   exit 0
 fi
