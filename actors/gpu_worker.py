@@ -1,8 +1,13 @@
 """GPU-worker actor: the only owner of MLX objects.
 
 Inbound: job calls from the scheduler (`open_row`, `prefill`, `join`, `step`, `close_row`, and
-`run_exclusive` for cache maintenance), each an awaited method that sends a `_Job` over the
-worker's job channel. Outbound: each job's result (or exception) on that job's reply channel.
+`run_exclusive` for cache maintenance), each an awaited method that puts a `_Job` on the worker's
+job queue. Outbound: each job's result (or exception) on that job's reply channel.
+
+Neither direction makes the MLX thread wait for the trio thread: jobs arrive on a thread-safe
+queue (the worker blocks on it with the GIL released) and replies are posted with
+`run_sync_soon`. Under load the trio thread is busy with every stream's per-token work; a
+blocking hand-off (`trio.from_thread.run`) would idle the device until the event loop came round.
 
 The actor's whole life is one dedicated OS thread (its own, not trio's thread cache) that loads
 the model itself (MLX arrays, weights included, are bound to the thread that created them) and
@@ -13,6 +18,7 @@ merely stops listening, and the job's result is dropped. So rows always leave at
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -26,10 +32,11 @@ from actors.worker_api import ModelInfo, PrefillProgress, RowOpened, RowSpec, To
 log = logging.getLogger(__name__)
 
 
-@attrs.frozen
+@attrs.define(eq=False)
 class _Job:
     fn: Callable[[Any], Any]
     reply: trio.MemorySendChannel
+    abandoned: bool = False  # its caller was cancelled before the worker took it: skip it
 
 
 class WorkerDied(RuntimeError):
@@ -65,7 +72,7 @@ class GpuWorker:
         self.ssd_store = None
         self._put_listener: Callable[[str, tuple[int, ...]], None] | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
-        self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Job](0)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None ends the loop
         self.alive = False
         self.info: ModelInfo | None = None
         self.thread_ident: int | None = None
@@ -103,7 +110,7 @@ class GpuWorker:
             finally:
                 # Shutdown: end the job loop; a job already running finishes first (rows leave at
                 # step boundaries), so wait for the thread, shielded.
-                self._jobs_send.close()
+                self._jobs.put(None)
                 with trio.CancelScope(shield=True):
                     await finished.wait()
                 thread.join()
@@ -113,6 +120,13 @@ class GpuWorker:
             self.close_ssd()  # releases the SSD directory lock (a writer may still finish)
             if self._current_reply is not None:
                 self._current_reply.close()  # a caller mid-job sees WorkerDied, not a hang
+            while True:  # and so does one whose job was still queued
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.reply.close()
 
     def _thread_main(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
         # Everything MLX is imported and created here, on this thread only.
@@ -158,32 +172,33 @@ class GpuWorker:
         self.alive = True
         token = self._trio_token
         trio.from_thread.run_sync(task_status.started, self.info, trio_token=token)
-        while True:
-            try:
-                job = trio.from_thread.run(self._jobs_recv.receive, trio_token=token)
-            except (trio.EndOfChannel, trio.Cancelled, trio.RunFinishedError):
-                return
+        while (job := self._jobs.get()) is not None:
+            if job.abandoned:
+                continue
             self._current_reply = job.reply
             result = outcome.capture(job.fn, engine)
             self._current_reply = None
             try:
-                trio.from_thread.run_sync(job.reply.send_nowait, result, trio_token=token)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.RunFinishedError):
-                pass  # the caller went away (cancelled); the job still ran to completion
+                token.run_sync_soon(_reply, job.reply, result)
+            except trio.RunFinishedError:
+                return
 
     async def _call(self, fn: Callable[[Any], Any]) -> Any:
         if not self.alive:
             raise WorkerDied("the GPU worker is not running")
         reply_send, reply_recv = trio.open_memory_channel[outcome.Outcome](1)
+        job = _Job(fn, reply_send)
         with reply_recv:
-            try:
-                await self._jobs_send.send(_Job(fn, reply_send))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise WorkerDied("the GPU worker is not running") from None
+            self._jobs.put(job)
             try:
                 result = await reply_recv.receive()
             except trio.EndOfChannel:
                 raise WorkerDied("the GPU worker stopped mid-job") from None
+            except BaseException:
+                # Cancelled while queued: the job never runs. Once taken it runs to completion
+                # (rows leave at step boundaries) and its result is dropped.
+                job.abandoned = True
+                raise
         return result.unwrap()
 
     # -- the Worker interface (actors/worker_api.py) -------------------------------------------
@@ -273,6 +288,14 @@ class GpuWorker:
     def close_ssd(self) -> None:
         if self.ssd_store is not None:
             self.ssd_store.close()
+
+
+def _reply(channel: trio.MemorySendChannel, result: outcome.Outcome) -> None:
+    """On the trio thread (run_sync_soon: must not raise)."""
+    try:
+        channel.send_nowait(result)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+        pass  # the caller went away (cancelled); the job still ran to completion
 
 
 def _device_memory_bytes(mx: Any) -> int:

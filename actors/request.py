@@ -40,6 +40,10 @@ from actors.worker_api import RowOpened, TokenOut
 # ended it, which is what "length" tells a client, and strict SDK enums accept nothing else.
 CUT_OFF_FINISH_REASON = "length"
 
+# How many already-waiting tokens one `next_events` call takes at most (a stream far behind still
+# yields to the event loop every this many tokens).
+MAX_TOKENS_PER_TURN = 64
+
 
 class Sink(Protocol):
     """`api.pipeline.sink.CompletionSink`."""
@@ -123,6 +127,7 @@ class RequestActor:
         self.finish_reason: str | None = None
         self.cut_off = False  # ended by the shutdown deadline
         self._done = False
+        self._failure: str | None = None  # a RowFailed met while taking waiting tokens
 
     @property
     def lane(self) -> Lane | None:
@@ -146,21 +151,52 @@ class RequestActor:
 
     async def next_events(self) -> list[Any] | None:
         """The text events of the next token(s); the last list carries the pipeline's tail;
-        None once the completion is over. Raises `GenerationFailed`."""
+        None once the completion is over. Raises `GenerationFailed`.
+
+        Tokens that are already waiting (the stream fell behind the batch) are taken in the same
+        call, up to `MAX_TOKENS_PER_TURN`, so a busy event loop pays the per-wake and per-write
+        costs once per turn instead of once per token.
+        """
         if self._done:
             return None
-        while True:
-            item = await self._receive()
-            if item is None:  # shutdown cut-off, or the scheduler ended the row without a finish
-                return self._finish("length")
-            if isinstance(item, RowOpened):
-                self.cached_tokens = item.cached_tokens
-                continue
-            if isinstance(item, RowFailed):
+        if self._failure is not None:
+            self._done = True
+            raise GenerationFailed(self._failure)
+        events = None
+        while events is None:
+            events = self._take(await self._receive(), raise_failure=True)
+        for _ in range(MAX_TOKENS_PER_TURN - 1):
+            if self._done:
+                break
+            try:
+                item = self._rows.receive_nowait()
+            except trio.WouldBlock:
+                break
+            except trio.EndOfChannel:
                 self._release.row_over = True
+                item = None
+            more = self._take(item, raise_failure=False)
+            if more:
+                events.extend(more)
+            if self._failure is not None:
+                break
+        return events
+
+    def _take(self, item: RowEvent | None, *, raise_failure: bool) -> list[Any] | None:
+        """One row event's text events; None when it carried none (`RowOpened`)."""
+        if item is None:  # shutdown cut-off, or the scheduler ended the row without a finish
+            return self._finish("length")
+        if isinstance(item, RowOpened):
+            self.cached_tokens = item.cached_tokens
+            return None
+        if isinstance(item, RowFailed):
+            self._release.row_over = True
+            if raise_failure:
                 self._done = True
                 raise GenerationFailed(item.message)
-            return self._on_token(item)
+            self._failure = item.message  # raised on the next call, after what came before it
+            return None
+        return self._on_token(item)
 
     def _on_token(self, token: TokenOut) -> list[Any]:
         self.completion_tokens += 1
@@ -180,6 +216,17 @@ class RequestActor:
         return events
 
     async def _receive(self) -> RowEvent | None:
+        if self._ports.admission.cutoff > trio.current_time():
+            # The common case under load: the event is already here, so no cancel scope is
+            # needed for the shutdown cut-off (entering one per token is measurable).
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                return self._rows.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            except trio.EndOfChannel:
+                self._release.row_over = True
+                return None
         item: RowEvent | None = None
         with self._ports.admission.cutoff_scope() as scope:
             try:

@@ -752,8 +752,8 @@ async def _chat_stream(actor: RequestActor, meta: _Meta) -> AsyncIterator[bytes]
     try:
         yield chunk({"role": "assistant", "content": ""})
         while (events := await actor.next_events()) is not None:
-            for event in events:
-                yield chunk(_chat_delta(event))
+            if events:  # one write for every token that was waiting: one chunk each
+                yield b"".join([chunk(_chat_delta(event)) for event in events])
         yield chunk({}, actor.finish_reason, actor.usage())
         yield DONE_FRAME
     except Exception as exc:  # after the headers an exception would only truncate the body
@@ -786,9 +786,10 @@ async def _text_stream(actor: RequestActor, meta: _Meta) -> AsyncIterator[bytes]
 
     try:
         while (events := await actor.next_events()) is not None:
-            text = "".join(e.text for e in events if not hasattr(e, "calls"))
-            if text:
-                yield chunk(text)
+            # One chunk per text event (about one per token), all waiting ones in one write.
+            frames = [chunk(e.text) for e in events if not hasattr(e, "calls") and e.text]
+            if frames:
+                yield b"".join(frames)
         yield chunk("", actor.finish_reason, actor.usage())
         yield DONE_FRAME
     except Exception as exc:

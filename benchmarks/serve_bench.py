@@ -55,6 +55,9 @@ SHAPES = {
                       tie_word_embeddings=False, rope_scaling="llama3", max_position_embeddings=131072),
     "cpu-small": dict(family="qwen3", hidden_size=256, num_hidden_layers=4, intermediate_size=768,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    # The server's own per-token host work, with the engine nearly free (as on a fast GPU).
+    "cpu-tiny": dict(family="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=32),
     "cpu-medium": dict(family="qwen3", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64),
 }

@@ -64,3 +64,20 @@ async def test_load_error_surfaces_from_start(tmp_path):
     with pytest.RaisesGroup(pytest.RaisesExc(ModelLoadError, match="unsupported model_type 'gpt9'"), flatten_subgroups=True):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
+
+
+async def test_a_job_whose_caller_is_cancelled_while_queued_never_runs(qwen3_dir):
+    worker = GpuWorker(qwen3_dir, eos_token_ids=[])
+    release, ran = threading.Event(), []
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            # hold the MLX thread in a job, queue a second one behind it, cancel its caller
+            nursery.start_soon(worker.run_exclusive, lambda engine: release.wait(60))
+            await trio.sleep(0.05)
+            with trio.move_on_after(0.05):
+                await worker.run_exclusive(lambda engine: ran.append("queued"))
+            release.set()
+            assert await worker.run_exclusive(lambda engine: "after") == "after"
+            nursery.cancel_scope.cancel()
+    assert ran == []

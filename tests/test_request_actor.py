@@ -1,0 +1,106 @@
+"""The request actor on its own: what `next_events` takes in one call, and in what order."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import trio
+
+from actors.messages import Admitted, GenerationRequest, RowFailed, Submit
+from actors.request import MAX_TOKENS_PER_TURN, GenerationFailed, RequestActor, RequestPorts
+from actors.worker_api import RowOpened, TokenOut
+from model.params import SamplingParams
+
+
+class _Admission:
+    cutoff = math.inf
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def cutoff_scope(self):
+        with trio.CancelScope(deadline=self.cutoff) as scope:
+            yield scope
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+
+    def request_ended(self) -> None:
+        self.in_flight -= 1
+
+
+class _Sink:
+    """Token t → the text event "<t>"."""
+
+    stopped = False
+    finish_reason = None
+
+    def push(self, token_id: int) -> list[str]:
+        return [f"<{token_id}>"]
+
+    def finish(self, *, reason: str) -> list[str]:
+        return [f"end:{reason}"]
+
+
+async def _admitted_actor(max_tokens: int = 1000) -> tuple[RequestActor, trio.MemorySendChannel]:
+    submits_send, submits_recv = trio.open_memory_channel[Submit](1)
+    control_send, _control_recv = trio.open_memory_channel(math.inf)
+    ports = RequestPorts(submits=submits_send, control=control_send, admission=_Admission())
+    actor = RequestActor(ports, GenerationRequest(prompt=(1, 2, 3), sampling=SamplingParams(), max_tokens=max_tokens),
+                         _Sink())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.admit)
+        submit = await submits_recv.receive()
+        submit.reply.send_nowait(Admitted(row_id=7, max_tokens=max_tokens, lane="batched", seed=0))
+    return actor, submit.rows
+
+
+async def test_waiting_tokens_are_taken_in_one_call_in_order():
+    actor, rows = await _admitted_actor()
+    rows.send_nowait(RowOpened(7, cached_tokens=2, to_prefill=0))
+    for t in range(5):
+        rows.send_nowait(TokenOut(7, 100 + t))
+    assert await actor.next_events() == [f"<{100 + t}>" for t in range(5)]
+    assert actor.cached_tokens == 2 and actor.completion_tokens == 5
+    # nothing waiting now: the next call blocks until a token arrives
+    with trio.move_on_after(0.01) as scope:
+        await actor.next_events()
+    assert scope.cancelled_caught
+    rows.send_nowait(TokenOut(7, 9, finish="length"))
+    assert await actor.next_events() == ["<9>", "end:length"]
+    assert await actor.next_events() is None
+    actor.close()
+
+
+async def test_one_call_takes_at_most_a_turn_of_tokens():
+    actor, rows = await _admitted_actor()
+    for t in range(MAX_TOKENS_PER_TURN + 3):
+        rows.send_nowait(TokenOut(7, t))
+    assert len(await actor.next_events()) == MAX_TOKENS_PER_TURN
+    assert await actor.next_events() == [f"<{t}>" for t in range(MAX_TOKENS_PER_TURN, MAX_TOKENS_PER_TURN + 3)]
+    actor.close()
+
+
+async def test_a_failure_behind_waiting_tokens_comes_after_them():
+    actor, rows = await _admitted_actor()
+    rows.send_nowait(TokenOut(7, 1))
+    rows.send_nowait(TokenOut(7, 2))
+    rows.send_nowait(RowFailed(7, "boom"))
+    rows.send_nowait(TokenOut(7, 3))  # never shown: the row failed before it
+    assert await actor.next_events() == ["<1>", "<2>"]
+    with pytest.raises(GenerationFailed, match="boom"):
+        await actor.next_events()
+    assert await actor.next_events() is None
+    actor.close()
+
+
+async def test_the_row_ending_without_a_finish_ends_the_taken_events():
+    actor, rows = await _admitted_actor()
+    rows.send_nowait(TokenOut(7, 1))
+    rows.close()  # the scheduler ended the row (shutdown)
+    assert await actor.next_events() == ["<1>", "end:length"]
+    assert await actor.next_events() is None
+    actor.close()
