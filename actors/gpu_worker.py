@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -36,7 +37,32 @@ log = logging.getLogger(__name__)
 class _Job:
     fn: Callable[[Any], Any]
     reply: trio.MemorySendChannel
+    kind: str = "other"  # what /stats counts its time under
     abandoned: bool = False  # its caller was cancelled before the worker took it: skip it
+
+
+@attrs.define
+class WorkerTimes:
+    """Where the MLX thread's time goes (seconds; written on that thread, read by /stats).
+    `idle_s` is time spent waiting for the next job: under load it is the scheduler's turn-around,
+    i.e. device time the event loop did not hand work to."""
+
+    jobs: dict[str, int] = attrs.Factory(dict)
+    busy_s: dict[str, float] = attrs.Factory(dict)
+    idle_s: float = 0.0
+    warm_up_s: float = 0.0
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.jobs[kind] = self.jobs.get(kind, 0) + 1
+        self.busy_s[kind] = self.busy_s.get(kind, 0.0) + seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "idle_s": round(self.idle_s, 4),
+            "warm_up_s": round(self.warm_up_s, 4),
+            "jobs": dict(self.jobs),
+            "busy_s": {k: round(v, 4) for k, v in self.busy_s.items()},
+        }
 
 
 class WorkerDied(RuntimeError):
@@ -56,8 +82,15 @@ class GpuWorker:
         ssd_cache_dir: Path | str | None = None,
         ssd_cache_max_bytes: int = 32 * 2**30,
         ssd_verify: bool = True,
+        warm_up_batch: int = 0,
+        warm_up: str = "auto",
     ) -> None:
         self.model_dir = Path(model_dir)
+        # Decode batch sizes 1..warm_up_batch are met once before serving ("auto": on a GPU only,
+        # where a new shape's first step stalls live streams; "on" / "off" force it).
+        self.warm_up_batch = warm_up_batch
+        self.warm_up = warm_up
+        self.times = WorkerTimes()
         self.name = name
         self.prefill_chunk = prefill_chunk
         self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
@@ -156,6 +189,11 @@ class GpuWorker:
             grammar_compiler=grammars,
         )
         device = mx.default_device()
+        if self.warm_up_batch > 0 and (self.warm_up == "on" or (self.warm_up == "auto" and device.type == mx.gpu)):
+            started = time.perf_counter()
+            engine.warm_up(self.warm_up_batch)
+            self.times.warm_up_s = time.perf_counter() - started
+            log.info("decode warmed up for batch sizes 1..%d in %.1f s", self.warm_up_batch, self.times.warm_up_s)
         self.info = ModelInfo(
             name=loaded.name,
             context_length=loaded.config.max_position_embeddings,
@@ -172,22 +210,30 @@ class GpuWorker:
         self.alive = True
         token = self._trio_token
         trio.from_thread.run_sync(task_status.started, self.info, trio_token=token)
-        while (job := self._jobs.get()) is not None:
+        times, clock = self.times, time.perf_counter
+        while True:
+            waited = clock()
+            job = self._jobs.get()
+            started = clock()
+            times.idle_s += started - waited
+            if job is None:
+                break
             if job.abandoned:
                 continue
             self._current_reply = job.reply
             result = outcome.capture(job.fn, engine)
             self._current_reply = None
+            times.add(job.kind, clock() - started)
             try:
                 token.run_sync_soon(_reply, job.reply, result)
             except trio.RunFinishedError:
                 return
 
-    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+    async def _call(self, fn: Callable[[Any], Any], kind: str = "other") -> Any:
         if not self.alive:
             raise WorkerDied("the GPU worker is not running")
         reply_send, reply_recv = trio.open_memory_channel[outcome.Outcome](1)
-        job = _Job(fn, reply_send)
+        job = _Job(fn, reply_send, kind)
         with reply_recv:
             self._jobs.put(job)
             try:
@@ -204,19 +250,19 @@ class GpuWorker:
     # -- the Worker interface (actors/worker_api.py) -------------------------------------------
 
     async def open_row(self, spec: RowSpec) -> RowOpened:
-        return await self._call(lambda engine: engine.open_row(spec))
+        return await self._call(lambda engine: engine.open_row(spec), "open_row")
 
     async def prefill(self, row_id: int) -> PrefillProgress:
-        return await self._call(lambda engine: engine.prefill(row_id))
+        return await self._call(lambda engine: engine.prefill(row_id), "prefill")
 
     async def join(self, row_id: int) -> TokenOut:
-        return await self._call(lambda engine: engine.join(row_id))
+        return await self._call(lambda engine: engine.join(row_id), "join")
 
     async def step(self) -> list[TokenOut]:
-        return await self._call(lambda engine: engine.step())
+        return await self._call(lambda engine: engine.step(), "step")
 
     async def close_row(self, row_id: int, *, reusable: bool) -> None:
-        return await self._call(lambda engine: engine.close_row(row_id, reusable=reusable))
+        return await self._call(lambda engine: engine.close_row(row_id, reusable=reusable), "close_row")
 
     async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""

@@ -85,6 +85,8 @@ class ServeConfig:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    # Decode batch sizes 1..batch are met once before serving: "auto" on a GPU, "on", "off".
+    warm_up: str = "auto"
 
 
 @attrs.define
@@ -160,6 +162,7 @@ class ServerHandles:
                 else {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
             ),
             **({"ssd_cache": self.ssd.stats()} if self.ssd is not None else {}),
+            **({"worker": times.snapshot()} if (times := getattr(self.worker, "times", None)) is not None else {}),
         }
 
 

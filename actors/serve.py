@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log lines")
     p.add_argument("--idle-timeout", type=_positive_float, default=5.0, metavar="S",
                    help="seconds an idle keep-alive connection stays open (default 5)")
+    p.add_argument("--warm-up", choices=("auto", "on", "off"), default="auto",
+                   help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)")
     return p.parse_args(argv)
 
 
@@ -143,6 +145,7 @@ async def _main(args: argparse.Namespace) -> int:
             max_body_mb=args.max_body_mb,
             log_prompts=args.log_prompts,
             idle_timeout=args.idle_timeout,
+            warm_up=args.warm_up,
         )
         flushed = None
         async with trio.open_nursery() as nursery:
@@ -210,6 +213,8 @@ def _load_plan(config):  # type: ignore[no-untyped-def]
         ssd_cache_dir=config.ssd_cache_dir,
         ssd_cache_max_bytes=int(config.ssd_cache_max_gb * 2**30),
         ssd_verify=config.ssd_verify,
+        warm_up_batch=config.batch,
+        warm_up=config.warm_up,
     )
     return model_dir, worker, make_tokenizer
 

@@ -12,6 +12,7 @@ OUT=${OUT:-/tmp/out}
 RES=${RES:-/tmp/res}
 rm -rf "$RES" && mkdir -p "$RES" "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PATH="$HOME/site/bin:$PATH"  # py-spy, when installed with --target $HOME/site
 LOG="$RES/log.txt"
 pack() { tar czf "$OUT/results.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"; cp "$LOG" "$OUT/log.txt"; }
 step() { local limit=$1; shift; echo "== $(date +%T) [$limit s] $*" | tee -a "$LOG"; timeout "$limit" "$@" >>"$LOG" 2>&1; echo "== rc=$? $(date +%T)" | tee -a "$LOG"; pack; }
@@ -26,17 +27,32 @@ Q06=${Q06:-qwen3-0.6b}; L8=${L8:-llama3-8b}; STEPS=${STEPS:-128}; MT=${MT:-128}
 DE="python3 benchmarks/decode_engine.py --steps $STEPS"
 SB="python3 benchmarks/serve_bench.py"
 
-if [ "${SUITE:-full}" = "mini" ]; then  # the short check: engine decode (opt-ins A/B) + a short serve run
-  OPT="env MLX_TRIO_GEMV=1 MLX_TRIO_FUSE=1"  # ours = both opt-ins; ours_plain = the default engine
+# py-spy (if installed) on our server at c=32: per-thread profile with GIL-free waits left out.
+spy_c32() {
+  command -v py-spy >/dev/null || { echo "no py-spy" >>"$LOG"; return; }
+  echo "== $(date +%T) py-spy c=32 on $1" | tee -a "$LOG"
+  timeout 120 $SB --model $M/$1 --dtype bfloat16 --max-tokens 256 --concurrency 32 --repeats 4 --only ours \
+    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-$1-spy.json" >>"$LOG" 2>&1 &
+  local bench=$! pid=""
+  for _ in $(seq 60); do pid=$(pgrep -f "actors.serve" | head -1); [ -n "$pid" ] && break; sleep 0.5; done
+  sleep 8  # past start-up and the first repeat's compiles
+  [ -n "$pid" ] && timeout 30 py-spy record -p "$pid" -d 8 -r 250 --threads -f raw -o "$RES/spy-$1-c32.raw" --nonblocking >>"$LOG" 2>&1
+  wait $bench
+  python3 benchmarks/pyspy_summary.py "$RES/spy-$1-c32.raw" 40 >"$RES/spy-$1-c32.txt" 2>>"$LOG"
+  pack
+}
+
+if [ "${SUITE:-full}" = "mini" ]; then  # the short check: warm-up costs, engine decode A/B, a serve run
   step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 90 $OPT $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
+  step 60 python3 benchmarks/warmup_cost.py --model $M/q06-bf16 --max-batch 32 --out "$RES/wu-q06-bf16.json"
+  # ours = + the CUDA GEMV kernel (opt-in); ours_nogemv = the default engine (fused projections)
+  step 90 env MLX_TRIO_GEMV=1 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
   step 40 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
-  step 90 $OPT $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"
-  step 80 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 1 \
+  step 90 env MLX_TRIO_GEMV=1 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"
+  rm -rf $M/l8-bf16
+  step 150 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
     --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
-  step 45 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 1 --only ours \
-    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --profile-out "$RES/profile-q06-c32.txt" \
-    --out "$RES/sb-q06-bf16-prof.json"
+  spy_c32 q06-bf16
   pack
   exit 0
 fi

@@ -35,11 +35,16 @@ from actors.worker_api import PrefillProgress, RowOpened, RowSpec, TokenOut, Top
 from cache.prompt_cache import PromptCache
 from model.kv_cache import BatchKVCache, KVCache, make_caches
 from model.layers import CompiledDecode, DecoderModel
+from model.params import SamplingParams
 from model.sampling import RowSampler, logprobs_of, observe_batch
 
 log = logging.getLogger(__name__)
 
 CLEAR_CACHE_EVERY = 256
+# After a prefill chunk at least this long, its transient buffers go back to the system. Short
+# chunks (the common chat turn) skip it: on CUDA, freeing and re-allocating costs more than the
+# forward itself.
+CLEAR_CACHE_PREFILL_TOKENS = 512
 # Below this, a boundary snapshot or a merged row's extraction (a copy) costs about what it saves.
 MIN_CACHE_TOKENS = 256
 
@@ -143,8 +148,9 @@ class Engine:
             chunk = mx.array(row.prompt[row.processed : end])[None]
             self.model(chunk, row.caches)
             mx.eval([c.state for c in row.caches])
+            if end - row.processed >= CLEAR_CACHE_PREFILL_TOKENS:
+                mx.clear_cache()  # a long chunk's activations; a short one's are reused at once
             row.processed = end
-            mx.clear_cache()
         if row.snapshot_at is not None and row.processed == row.snapshot_at:
             row.snapshot_at = None
             snapshot = [c.clone() for c in row.caches]
@@ -198,6 +204,31 @@ class Engine:
             self._leave_batch(row)
         row.caches = None
         self._ready = [t for t in self._ready if t.row_id != row_id]
+
+    def warm_up(self, max_batch: int, *, prompt_len: int = 8) -> None:
+        """Meet every decode batch size from 1 to `max_batch` once, on throwaway rows, so the
+        one-off costs of a new shape (compiling the decode stages, kernel JIT, GEMM plans) are
+        paid before serving instead of as a stall in live streams. Needs an idle engine."""
+        if self._rows:
+            raise RuntimeError("warm_up needs an idle engine")
+        eos, self.eos = self.eos, frozenset()  # a throwaway row must not finish early
+        ids = [-1 - b for b in range(max(1, max_batch))]
+        try:
+            for rid in ids:
+                prompt = tuple(1 + (rid * 7 + i) % 13 for i in range(prompt_len))
+                self.open_row(RowSpec(rid, prompt, SamplingParams(), 1 << 30))
+                while self.prefill(rid).remaining:
+                    pass
+                self.join(rid)
+                self.step()
+                self.step()
+        finally:
+            for rid in ids:
+                self.close_row(rid)
+            self.eos = eos
+            self._steps = 0
+            mx.synchronize()
+            mx.clear_cache()
 
     @property
     def active_rows(self) -> int:

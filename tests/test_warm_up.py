@@ -1,0 +1,56 @@
+"""Warm-up meets every decode batch size on throwaway rows and leaves no trace: the engine is
+idle afterwards and real rows decode exactly as on an engine that never warmed up."""
+
+from __future__ import annotations
+
+import trio
+
+from actors.gpu_worker import GpuWorker
+from actors.worker_api import RowSpec
+from model.engine import Engine, generate_tokens
+from model.loader import load_model
+from model.params import SamplingParams
+
+SPECS = [RowSpec(i, (5 + i, 17, 42, 99, 3, 250 - i, 11, 7), SamplingParams(), 10) for i in range(1, 4)]
+
+
+def test_warm_up_leaves_the_engine_idle_and_outputs_unchanged(qwen3_dir):
+    loaded = load_model(qwen3_dir)
+    cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1]), SPECS)
+    warmed = Engine(load_model(qwen3_dir).model, eos_token_ids=[0, 1])
+    steps_seen = []
+    real_step = warmed.step
+    warmed.step = lambda: steps_seen.append(warmed.batch_size) or real_step()  # type: ignore[method-assign]
+    warmed.warm_up(4)
+    warmed.step = real_step  # type: ignore[method-assign]
+    assert warmed.active_rows == 0 and warmed.batch_size == 0
+    assert sorted(set(steps_seen)) == [1, 2, 3, 4]  # every batch size was stepped
+    assert warmed.eos == frozenset({0, 1})  # restored after the throwaway rows
+    assert generate_tokens(warmed, SPECS) == cold
+
+
+async def test_worker_warms_up_when_asked_and_counts_its_time(qwen3_dir):
+    worker = GpuWorker(qwen3_dir, eos_token_ids=[], warm_up_batch=3, warm_up="on")
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            assert worker.times.warm_up_s > 0
+            assert await worker.run_exclusive(lambda engine: engine.active_rows) == 0
+            await worker.open_row(SPECS[0])
+            while (await worker.prefill(1)).remaining:
+                pass
+            await worker.join(1)
+            await worker.step()
+            await worker.close_row(1, reusable=False)
+            stats = worker.times.snapshot()
+            assert stats["jobs"]["step"] == 1 and stats["jobs"]["join"] == 1 and stats["busy_s"]["step"] > 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_auto_warm_up_skips_the_cpu(qwen3_dir):
+    worker = GpuWorker(qwen3_dir, eos_token_ids=[], warm_up_batch=3, warm_up="auto")
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            assert worker.times.warm_up_s == 0
+            nursery.cancel_scope.cancel()
