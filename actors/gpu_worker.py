@@ -44,12 +44,13 @@ class _Job:
 @attrs.define
 class WorkerTimes:
     """Where the MLX thread's time goes (seconds; written on that thread, read by /stats).
-    `idle_s` is time spent waiting for the next job: under load it is the scheduler's turn-around,
-    i.e. device time the event loop did not hand work to."""
+    `idle_s` is time spent waiting for the next job; `idle_decoding_s` the part of it while rows
+    were decoding: the scheduler's turn-around, time the event loop did not hand work to."""
 
     jobs: dict[str, int] = attrs.Factory(dict)
     busy_s: dict[str, float] = attrs.Factory(dict)
     idle_s: float = 0.0
+    idle_decoding_s: float = 0.0  # the part of idle_s while rows were decoding
     warm_up_s: float = 0.0
 
     def add(self, kind: str, seconds: float) -> None:
@@ -59,6 +60,7 @@ class WorkerTimes:
     def snapshot(self) -> dict[str, Any]:
         return {
             "idle_s": round(self.idle_s, 4),
+            "idle_decoding_s": round(self.idle_decoding_s, 4),
             "warm_up_s": round(self.warm_up_s, 4),
             "jobs": dict(self.jobs),
             "busy_s": {k: round(v, 4) for k, v in self.busy_s.items()},
@@ -216,6 +218,8 @@ class GpuWorker:
             job = self._jobs.get()
             started = clock()
             times.idle_s += started - waited
+            if engine.batch_size:
+                times.idle_decoding_s += started - waited
             if job is None:
                 break
             if job.abandoned:

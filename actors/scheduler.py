@@ -59,6 +59,7 @@ class Scheduler:
         self.table = RowTable(capacity)
         self.counters = SchedulerCounters()
         self._kick = trio.Event()
+        self._calls = 0  # worker calls made (each one a checkpoint)
 
     # -- views for admission and /stats
 
@@ -110,6 +111,7 @@ class Scheduler:
     async def _drive(self) -> None:
         table = self.table
         while True:
+            calls = self._calls
             self._prune_disconnected()
             await self._close_leavers()
             if table.idle:
@@ -133,11 +135,16 @@ class Scheduler:
                 await self._close_leavers()
             if table.running and not burst:
                 await self._step()
-            # A zero-cost worker would otherwise never let the control task run.
-            await trio.lowlevel.checkpoint()
+            # No checkpoint here: after a step the loop goes straight on to submit the next one,
+            # so the worker computes it while the request actors handle this step's tokens (a
+            # yield here would leave the device idle for the whole of that per-token work). Every
+            # worker call is itself a checkpoint; a loop turn that made none yields here.
+            if calls == self._calls:
+                await trio.lowlevel.checkpoint()
 
     async def _open(self, row: Row) -> None:
         try:
+            self._calls += 1
             opened = await self._worker.open_row(row.spec)
         except Exception as exc:
             self._fail([row], exc, "open_row")
@@ -148,6 +155,7 @@ class Scheduler:
 
     async def _prefill(self, row: Row) -> None:
         try:
+            self._calls += 1
             progress = await self._worker.prefill(row.row_id)
         except Exception as exc:
             self._fail([row], exc, "prefill")
@@ -157,6 +165,7 @@ class Scheduler:
 
     async def _join(self, row: Row) -> None:
         try:
+            self._calls += 1
             token = await self._worker.join(row.row_id)
         except Exception as exc:
             self._fail([row], exc, "join")
@@ -167,6 +176,7 @@ class Scheduler:
     async def _step(self) -> None:
         rows = dict(self.table.running)
         try:
+            self._calls += 1
             tokens = await self._worker.step()
         except Exception as exc:
             # A forward/sampling error leaves the batch state unknown: drop every running row.
@@ -227,6 +237,7 @@ class Scheduler:
             try:
                 # Only rows that ended cleanly go back to the prompt cache: an abort frees its
                 # KV at once (no extraction copy on the way out) and a failed row is poisoned.
+                self._calls += 1
                 await self._worker.close_row(row.row_id, reusable=row.leaving in ("finish", "stop"))
             except Exception:
                 log.exception("worker.close_row(%d) failed", row.row_id)

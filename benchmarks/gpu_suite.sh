@@ -56,14 +56,18 @@ if [ "${SUITE:-full}" = "mini" ]; then  # the short check: warm-up costs, engine
   pack
   exit 0
 fi
+# the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+step 60 python3 benchmarks/warmup_cost.py --model $M/q06-bf16 --max-batch 32 --out "$RES/wu-q06-bf16.json"
 step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
 step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
 step 120 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"
-step 150 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+rm -rf $M/l8-bf16
+step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
   --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
   --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
-step 45 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 1 --only ours \
-  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --profile-out "$RES/profile-q06-c32.txt" \
-  --out "$RES/sb-q06-bf16-prof.json"
+# A/B: a 1 ms GIL switch interval in our server (the worker thread and the event loop share the GIL)
+step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 2 --only ours \
+  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-switch-interval 0.001 \
+  --out "$RES/sb-q06-bf16-switch1ms.json"
 pack
