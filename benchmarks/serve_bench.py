@@ -332,10 +332,12 @@ def restart(kind: str, model: Path, args) -> dict:
     launch = "mlx_lm+blas" if kind == "mlx_lm" and args.mlx_lm_blas else kind
     prompt = [{"role": "user", "content": "restart " + text_of(args.restart_words, 7)}]
 
-    async def one(server: Server) -> tuple[float, int]:
+    async def one(server: Server) -> tuple[float, int, int]:
         async with httpx.AsyncClient(timeout=None) as client:
             r = await stream_chat(client, server, prompt, 4)
-        return r["ttft"], (r["usage"] or {}).get("prompt_tokens", 0)
+        usage = r["usage"] or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return r["ttft"], usage.get("prompt_tokens", 0), cached
 
     with tempfile.TemporaryDirectory() as ssd:
         extra = (["--ssd-cache", ssd] if kind == "ours" else []) + \
@@ -343,7 +345,7 @@ def restart(kind: str, model: Path, args) -> dict:
         out = {}
         for phase in ("cold", "warm"):
             with Server(launch, model, free_port(), extra) as server:
-                out[f"{phase}_ttft"], out["prompt_tokens"] = asyncio.run(one(server))
+                out[f"{phase}_ttft"], out["prompt_tokens"], out[f"{phase}_cached_tokens"] = asyncio.run(one(server))
                 out[f"{phase}_exit_s"] = server.stop()
     out["speedup"] = out["cold_ttft"] / out["warm_ttft"] if out["warm_ttft"] else float("nan")
     return out

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -47,6 +48,8 @@ import numpy as np
 from cache.prompt_cache import common_prefix_length
 
 log = logging.getLogger(__name__)
+
+_RESTORE_THREADS = min(8, os.cpu_count() or 1)
 
 FORMAT = "mlx-trio-kv"
 FORMAT_VERSION = 1
@@ -516,15 +519,25 @@ class SsdStore:
                 np.asarray(header["tokens"], dtype=np.int64), entry.ids
             ):
                 raise SsdCorrupt("file changed under its index entry")
-            arrays: dict[str, np.ndarray] = {}
-            for name, t in header["tensors"].items():
+            fd = f.fileno()
+
+            def load(item: tuple[str, dict[str, Any]]) -> tuple[str, np.ndarray]:
+                name, t = item
                 buf = np.empty(t["nbytes"], dtype=np.uint8)
-                f.seek(parsed.data_start + t["offset"])
-                if f.readinto(memoryview(buf)) != t["nbytes"]:
+                if t["nbytes"] and os.preadv(fd, [memoryview(buf)], parsed.data_start + t["offset"]) != t["nbytes"]:
                     raise SsdCorrupt(f"tensor {name} truncated")
                 if self.verify and _sha(buf) != t["hash"]:
                     raise SsdCorrupt(f"tensor {name} hash mismatch")
-                arrays[name] = buf.view(STORAGE_DTYPES[t["dtype"]]).reshape(t["shape"])
+                return name, buf.view(STORAGE_DTYPES[t["dtype"]]).reshape(t["shape"])
+
+            # Reads and sha256s release the GIL: a restore of a large KV (4k tokens of an 0.6B
+            # model is 470 MB) runs them on several cores instead of one.
+            items = list(header["tensors"].items())
+            if len(items) > 1 and _RESTORE_THREADS > 1:
+                with concurrent.futures.ThreadPoolExecutor(min(_RESTORE_THREADS, len(items))) as pool:
+                    arrays = dict(pool.map(load, items))
+            else:
+                arrays = dict(map(load, items))
         try:
             os.utime(entry.path)  # LRU by mtime
             entry.mtime = time.time()

@@ -41,10 +41,6 @@ from model.sampling import RowSampler, logprobs_of, observe_batch
 log = logging.getLogger(__name__)
 
 CLEAR_CACHE_EVERY = 256
-# After a prefill chunk at least this long, its transient buffers go back to the system. Short
-# chunks (the common chat turn) skip it: on CUDA, freeing and re-allocating costs more than the
-# forward itself.
-CLEAR_CACHE_PREFILL_TOKENS = 512
 # Below this, a boundary snapshot or a merged row's extraction (a copy) costs about what it saves.
 MIN_CACHE_TOKENS = 256
 
@@ -148,9 +144,8 @@ class Engine:
             chunk = mx.array(row.prompt[row.processed : end])[None]
             self.model(chunk, row.caches)
             mx.eval([c.state for c in row.caches])
-            if end - row.processed >= CLEAR_CACHE_PREFILL_TOKENS:
-                mx.clear_cache()  # a long chunk's activations; a short one's are reused at once
             row.processed = end
+            mx.clear_cache()
         if row.snapshot_at is not None and row.processed == row.snapshot_at:
             row.snapshot_at = None
             snapshot = [c.clone() for c in row.caches]

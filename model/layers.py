@@ -366,61 +366,11 @@ class Attention(nn.Module):
         return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> mx.array:
-        if queries.shape[2] > 1 and _prefill_attention_by_matmul(queries, keys):
-            return attention_by_matmul(queries, keys, values, self.scale, mask)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
 
     def output(self, attended: mx.array) -> mx.array:
         B, _, L, _ = attended.shape
         return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-# Prefill attention on CUDA. MLX runs scaled_dot_product_attention with L > 1 as a cuDNN graph
-# built and cached per exact (q, k, v) shape and strides: the first prefill at each new prompt
-# length paid ~40 ms for it on an H200 (7 ms when the length repeated; benchmarks/warmup_cost.py),
-# and chat prompts rarely repeat a length. Below this many score elements (B * heads * qL * kL)
-# the same attention runs as two matmuls and a softmax instead (fp32 scores, like the fused
-# kernel), with no per-shape set-up; larger ones — long chunks, whose shapes do repeat — keep
-# MLX's kernel. MLX_TRIO_PREFILL_MATMUL=0 turns it off.
-PREFILL_MATMUL_MAX_SCORES = 1 << 27
-_prefill_matmul_state: dict[str, bool] = {}
-
-
-def _prefill_attention_by_matmul(queries: mx.array, keys: mx.array) -> bool:
-    if "on" not in _prefill_matmul_state:
-        try:
-            on = (
-                os.environ.get("MLX_TRIO_PREFILL_MATMUL", "1") != "0"
-                and mx.default_device().type == mx.gpu
-                and hasattr(mx, "cuda")
-                and mx.cuda.is_available()
-            )
-        except Exception:  # noqa: BLE001
-            on = False
-        _prefill_matmul_state["on"] = on
-    B, H, L, _ = queries.shape
-    return _prefill_matmul_state["on"] and B * H * L * keys.shape[2] <= PREFILL_MATMUL_MAX_SCORES
-
-
-def attention_by_matmul(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-    """softmax(q k^T * scale + mask) v with fp32 scores; `mask` is None, "causal" (aligned to
-    the end of the keys, as in the fused kernel) or a boolean / additive array."""
-    B, H, L, D = queries.shape
-    kv_heads, S = keys.shape[1], keys.shape[2]
-    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, H // kv_heads, L, D)
-    k = keys.astype(mx.float32)[:, :, None]
-    scores = q @ k.swapaxes(-1, -2)  # [B, kv_heads, repeats, L, S]
-    if isinstance(mask, str):
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
-    if mask is not None:
-        if mask.ndim == 4:  # [B or 1, heads or 1, L, S]: split heads like q
-            mask = mask.reshape(mask.shape[0], -1, 1 if mask.shape[1] == 1 else H // kv_heads, L, S)
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(mx.finfo(mx.float32).min, mx.float32))  # as MLX: no NaN rows
-        else:
-            scores = scores + mask.astype(mx.float32)
-    probs = mx.softmax(scores, axis=-1).astype(values.dtype)
-    return (probs @ values[:, :, None]).reshape(B, H, L, D)
 
 
 class MLP(nn.Module):
