@@ -65,8 +65,4 @@ rm -rf $M/l8-bf16
 step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
   --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
   --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
-# A/B: a 1 ms GIL switch interval in our server (the worker thread and the event loop share the GIL)
-step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 32 --repeats 2 --only ours \
-  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-switch-interval 0.001 \
-  --out "$RES/sb-q06-bf16-switch1ms.json"
 pack
