@@ -3,7 +3,8 @@
 For each batch size B reached by joining rows one at a time (as a server's ramp-up does): the
 time of the join (an L=1 forward + merge) and of the first decode steps at the new size against
 the steady per-step time. Then prefill: the first forward at each new prompt length against a
-repeat at the same length. These separate compile/JIT stalls from real work.
+repeat at the same length. These separate compile/JIT stalls from real work. Last, a burst of
+new-length prompts prefilled one by one against one `Engine.prefill_group` call.
 
     python benchmarks/warmup_cost.py --model DIR --max-batch 32 [--warm-buckets]
 """
@@ -44,6 +45,7 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=80)
     p.add_argument("--warm", action="store_true", help="call Engine.warm_up first (its cost is reported)")
+    p.add_argument("--burst", type=int, default=16, help="rows in the burst-prefill comparison")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     loaded = load_model(args.model)
@@ -81,6 +83,23 @@ def main() -> None:
             engine.close_row(rid)
             lengths.append({"rep": rep, "L": n, "ms": round(1e3 * dt, 2)})
     result["prefill_lengths"] = lengths
+    # A burst of N arrivals with new prompt lengths: one prefill per row vs one group prefill
+    # (Engine.prefill_group). Each variant gets lengths neither has seen, so first-time costs count.
+    burst = {}
+    for name, base in (("sequential", 300), ("group", 400), ("sequential_again", 300), ("group_again", 400)):
+        ids = [20_000 + 1000 * len(burst) + i for i in range(args.burst)]
+        for i, rid in enumerate(ids):
+            n = base + 3 * i
+            engine.open_row(RowSpec(rid, tuple((5 * n + 7 * j) % (vocab - 10) + 5 for j in range(n)), SamplingParams(), 4))
+        if name.startswith("group"):
+            _, dt = timed(lambda: engine.prefill_group(ids))
+        else:
+            _, dt = timed(lambda: [engine.prefill(rid) for rid in ids])
+        for rid in ids:
+            engine.close_row(rid)
+        burst[name + "_ms"] = round(1e3 * dt, 2)
+    result["burst"] = {"rows": args.burst, **burst}
+    print(json.dumps(result["burst"]), flush=True)
     for rep in range(2):
         ms = [x["ms"] for x in lengths if x["rep"] == rep]
         print(f"prefill rep {rep}: median {statistics.median(ms):.2f} ms, max {max(ms):.2f} ms", flush=True)

@@ -153,6 +153,37 @@ class Engine:
             self._put(row.prompt[: row.processed], snapshot, row.namespace)
         return PrefillProgress(row_id, done=row.processed, remaining=len(row.prompt) - 1 - row.processed)
 
+    def groupable(self, row_id: int) -> bool:
+        """Whether `prefill_group` can take this row: freshly opened (no cached prefix, no
+        boundary snapshot) with a whole prompt[:-1] of one chunk at most."""
+        row = self._rows[row_id]
+        todo = len(row.prompt) - 1 - row.processed
+        return row.processed == 0 and row.snapshot_at is None and 0 < todo <= self.prefill_chunk
+
+    def prefill_group(self, row_ids: Sequence[int]) -> list[PrefillProgress]:
+        """Prefill several groupable rows in one left-padded forward, then give each row its own
+        solo caches (padding stripped), exactly the state `prefill` leaves: the rows join as
+        usual. A burst of short arrivals pays one forward — and on CUDA one attention graph,
+        which MLX builds per new shape — instead of one per row. Numerically this is a batched
+        prefill (mlx-lm's BatchGenerator does the same), not the solo graph."""
+        rows = [self._rows[r] for r in row_ids]
+        if not all(self.groupable(r) for r in row_ids):
+            raise ValueError("prefill_group takes freshly opened rows of one chunk at most")
+        if len(rows) == 1:
+            return [self.prefill(rows[0].row_id)]
+        lengths = [len(r.prompt) - 1 for r in rows]
+        width = max(lengths)
+        tokens = mx.array([[0] * (width - n) + r.prompt[:n] for r, n in zip(rows, lengths)])
+        caches = [BatchKVCache([width - n for n in lengths]) for _ in range(self.num_layers)]
+        self.model(tokens, caches)
+        mx.eval([c.state for c in caches])
+        for i, row in enumerate(rows):
+            row.caches = [c.extract(i) for c in caches]
+            row.processed = lengths[i]
+        mx.eval([c.state for row in rows for c in row.caches])
+        mx.clear_cache()
+        return [PrefillProgress(r.row_id, done=r.processed, remaining=0) for r in rows]
+
     def join(self, row_id: int) -> TokenOut:
         row = self._rows[row_id]
         if row.processed != len(row.prompt) - 1:

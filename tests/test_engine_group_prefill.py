@@ -1,0 +1,52 @@
+"""Group prefill: several freshly opened rows prefilled in one left-padded forward decode
+exactly as when each is prefilled alone, and only rows it can take are accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.worker_api import RowSpec
+from model.engine import Engine, generate_tokens
+from model.loader import load_model
+from model.params import SamplingParams
+
+
+def specs(n: int, max_tokens: int = 12) -> list[RowSpec]:
+    # distinct lengths (so padding differs per row) and distinct contents
+    return [RowSpec(i, tuple((7 * i + 3 * j) % 200 + 4 for j in range(9 + 5 * i)), SamplingParams(), max_tokens)
+            for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_group_prefill_decodes_like_solo_prefill(tiny_model_factory, family):
+    loaded = load_model(tiny_model_factory(family))
+    rows = specs(5)
+    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[]), rows)
+    engine = Engine(loaded.model, eos_token_ids=[])
+    for spec in rows:
+        engine.open_row(spec)
+    assert all(engine.groupable(s.row_id) for s in rows)
+    progress = engine.prefill_group([s.row_id for s in rows])
+    assert [p.remaining for p in progress] == [0] * len(rows)
+    assert [p.done for p in progress] == [len(s.prompt) - 1 for s in rows]
+    out = {s.row_id: [engine.join(s.row_id).token] for s in rows}
+    live = {s.row_id for s in rows}
+    while live:
+        for t in engine.step():
+            out[t.row_id].append(t.token)
+            if t.finish:
+                engine.close_row(t.row_id)
+                live.discard(t.row_id)
+    assert out == expected
+
+
+def test_group_prefill_refuses_rows_it_cannot_take(qwen3_dir):
+    engine = Engine(load_model(qwen3_dir).model, eos_token_ids=[], prefill_chunk=16)
+    short, long_ = specs(1)[0], RowSpec(9, tuple(range(5, 40)), SamplingParams(), 4)
+    engine.open_row(short)
+    engine.open_row(long_)
+    assert engine.groupable(short.row_id) and not engine.groupable(long_.row_id)  # over one chunk
+    with pytest.raises(ValueError):
+        engine.prefill_group([short.row_id, long_.row_id])
+    engine.prefill_group([short.row_id])
+    assert not engine.groupable(short.row_id)  # already prefilled
