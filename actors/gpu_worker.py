@@ -1,6 +1,7 @@
 """GPU-worker actor: the only owner of MLX objects.
 
-Inbound: job calls from the scheduler (`open_row`, `prefill`, `join`, `step`, `close_row`, and
+Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `join`, `step`,
+`close_row`, and
 `run_exclusive` for cache maintenance), each an awaited method that puts a `_Job` on the worker's
 job queue. Outbound: each job's result (or exception) on that job's reply channel.
 
@@ -258,6 +259,10 @@ class GpuWorker:
 
     async def prefill(self, row_id: int) -> PrefillProgress:
         return await self._call(lambda engine: engine.prefill(row_id), "prefill")
+
+    async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]:
+        ids = list(row_ids)
+        return await self._call(lambda engine: engine.prefill_group(ids), "prefill_group")
 
     async def join(self, row_id: int) -> TokenOut:
         return await self._call(lambda engine: engine.join(row_id), "join")

@@ -152,12 +152,17 @@ class RowTable:
       everything behind it waits, so batch rows that arrived later never overtake it.
     FIFO makes both starvation properties structural: a serial row waits only for rows that
     arrived before it, and batch rows behind a serial row wait for that one row only.
+
+    Group prefill (`admit_group`): the batched rows at the head of the queue may be admitted
+    together — opened and prefilled in one forward — and wait in `staged`, in arrival order, to
+    become the joiner one by one. Nothing else is admitted until they have all joined.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.queue: deque[Row] = deque()
         self.joiner: Row | None = None
+        self.staged: list[Row] = []  # admitted together (group prefill), waiting to join
         self.running: dict[int, Row] = {}
         self._seq = 0
 
@@ -187,13 +192,15 @@ class RowTable:
         for row in leavers:
             if row is self.joiner:
                 self.joiner = None
+            if row in self.staged:
+                self.staged.remove(row)
             self.running.pop(row.row_id, None)
         return leavers
 
     # -- the admission decision
 
     def admissible_head(self) -> Row | None:
-        if self.joiner is not None or not self.queue:
+        if self.joiner is not None or self.staged or not self.queue:
             return None
         head = self.queue[0]
         if any(r.lane == "serial" for r in self.running.values()):
@@ -210,6 +217,40 @@ class RowTable:
         self.joiner = row
         return row
 
+    def admit_group(self, max_tokens: int) -> list[Row]:
+        """Admit the run of batched rows at the queue head that fits: capacity, and a padded
+        prefill of at most `max_tokens` (the widest prompt times the rows). Two rows at least,
+        else nothing (a lone row takes the ordinary path)."""
+        if self.joiner is not None or self.staged or any(r.lane == "serial" for r in self.running.values()):
+            return []
+        group: list[Row] = []
+        width = 0
+        for row in self.queue:
+            n = len(row.spec.prompt) - 1
+            wider = max(width, n)
+            if (
+                row.lane != "batched"
+                or len(self.running) + len(group) >= self.capacity
+                or not 0 < n <= max_tokens
+                or wider * (len(group) + 1) > max_tokens
+            ):
+                break
+            group.append(row)
+            width = wider
+        if len(group) < 2:
+            return []
+        for row in group:
+            self.queue.popleft()
+            row.phase = "joining"
+        self.staged = group
+        return list(group)
+
+    def next_staged(self) -> Row | None:
+        """The first staged row becomes the joiner (when none is joining)."""
+        if self.joiner is None and self.staged:
+            self.joiner = self.staged.pop(0)
+        return self.joiner
+
     def joined(self, row: Row) -> None:
         assert row is self.joiner
         self.joiner = None
@@ -221,18 +262,21 @@ class RowTable:
     def active(self, row_id: int) -> Row | None:
         if self.joiner is not None and self.joiner.row_id == row_id:
             return self.joiner
+        for row in self.staged:
+            if row.row_id == row_id:
+                return row
         return self.running.get(row_id)
 
     def _active_rows(self) -> list[Row]:
         rows = list(self.running.values())
         if self.joiner is not None:
             rows.append(self.joiner)
-        return rows
+        return rows + self.staged
 
     @property
     def idle(self) -> bool:
         """Nothing to do until something arrives or leaves."""
-        return not self.running and self.joiner is None and self.admissible_head() is None
+        return not self.running and self.joiner is None and not self.staged and self.admissible_head() is None
 
     @property
     def draining(self) -> bool:

@@ -87,6 +87,8 @@ class ServeConfig:
     min_p: float | None = None
     # Decode batch sizes 1..batch are met once before serving: "auto" on a GPU, "on", "off".
     warm_up: str = "auto"
+    # Simultaneous short arrivals prefilled in one forward: "auto" on a GPU, "on", "off".
+    group_prefill: str = "auto"
 
 
 @attrs.define
@@ -220,7 +222,13 @@ async def start_actors(
     mode = batch_mode(config.batch, batchable=info.batchable)
 
     inbox_send, inbox_recv = trio.open_memory_channel[Control](float("inf"))
-    scheduler = Scheduler(worker, capacity=config.batch, inbox=inbox_recv)
+    grouped = mode == "batch" and (
+        config.group_prefill == "on" or (config.group_prefill == "auto" and info.device == "gpu")
+    )
+    scheduler = Scheduler(
+        worker, capacity=config.batch, inbox=inbox_recv,
+        group_prefill_tokens=int(getattr(worker, "prefill_chunk", 2048)) if grouped else 0,
+    )
     await nursery.start(scheduler.run)
 
     submits_send, submits_recv = trio.open_memory_channel[Submit](float("inf"))

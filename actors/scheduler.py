@@ -3,8 +3,8 @@
 Inbound:  `inbox` — `Enqueue` from admission, `Abort` / `StopRow` from request actors
           (one unbounded channel, senders use `send_nowait` so an abort never blocks).
 Outbound: each row's own unbounded event channel (`RowOpened`, `TokenOut`, `RowFailed`; closed
-          when the row ends), and worker calls — open_row / prefill / join / step / close_row —
-          strictly one at a time.
+          when the row ends), and worker calls — open_row / prefill / prefill_group / join /
+          step / close_row — strictly one at a time.
 
 Two tasks share the row table, which is safe because trio only switches at awaits and every
 table mutation is synchronous: the control task applies inbound messages the moment they arrive
@@ -41,6 +41,7 @@ class SchedulerCounters:
     failed_rows: int = 0
     steps: int = 0
     prefill_chunks: int = 0
+    group_prefills: int = 0  # prefill_group forwards (each also counts as a prefill chunk)
     tokens: int = 0
 
 
@@ -52,8 +53,12 @@ class Scheduler:
         capacity: int,
         inbox: trio.MemoryReceiveChannel[Control],
         stall_backlog: int = DEFAULT_STALL_BACKLOG,
+        group_prefill_tokens: int = 0,
     ) -> None:
         self._worker = worker
+        # Group prefill: simultaneous short arrivals are prefilled together, up to this many
+        # (padded) tokens per forward; 0 = off (every row prefills alone).
+        self.group_prefill_tokens = group_prefill_tokens
         self.stall_backlog = stall_backlog
         self._inbox = inbox
         self.table = RowTable(capacity)
@@ -87,13 +92,20 @@ class Scheduler:
                 await self._drive()
         finally:
             # Cancelled (shutdown): end every stream so no request waits on a dead scheduler.
-            for row in [*self.table.queue, *self.table.running.values(), self.table.joiner]:
+            for row in [*self.table.queue, *self.table.staged, *self.table.running.values(), self.table.joiner]:
                 if row is not None:
                     row.out.close()
 
     async def _receive_control(self) -> None:
         async for message in self._inbox:
             self.apply(message)
+            # Everything already waiting is applied before the driver runs, so arrivals that
+            # came together are seen together (one group prefill, one batch).
+            while True:
+                try:
+                    self.apply(self._inbox.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
 
     def apply(self, message: Control) -> None:
         if isinstance(message, Enqueue):
@@ -118,6 +130,10 @@ class Scheduler:
                 self._kick = trio.Event()
                 await self._kick.wait()
                 continue
+            if self.group_prefill_tokens and (group := table.admit_group(self.group_prefill_tokens)):
+                await self._open_group(group)
+                await self._close_leavers()
+            table.next_staged()
             if table.admissible_head() is not None:
                 await self._open(table.admit())
                 await self._close_leavers()
@@ -131,7 +147,7 @@ class Scheduler:
                 else:
                     await self._join(joiner)
                     # Simultaneous arrivals form one batch: admit the next before stepping.
-                    burst = table.admissible_head() is not None
+                    burst = bool(table.staged) or table.admissible_head() is not None
                 await self._close_leavers()
             if table.running and not burst:
                 await self._step()
@@ -152,6 +168,27 @@ class Scheduler:
         row.opened = True
         row.to_prefill = opened.to_prefill
         self._deliver(row, opened)
+
+    async def _open_group(self, rows: list[Row]) -> None:
+        """Open the rows, then one prefill_group call for those still wanted; any the worker
+        could not take (a cached prefix, say) keep their `to_prefill` and prefill alone later."""
+        for row in rows:
+            if row.leaving is None:
+                await self._open(row)
+        wanted = [r for r in rows if r.opened and r.leaving is None and r.to_prefill > 0]
+        if len(wanted) < 2:
+            return
+        try:
+            self._calls += 1
+            progress = await self._worker.prefill_group([r.row_id for r in wanted])
+        except Exception as exc:
+            self._fail(wanted, exc, "prefill_group")
+            return
+        self.counters.prefill_chunks += 1
+        self.counters.group_prefills += 1
+        by_id = {r.row_id: r for r in wanted}
+        for p in progress:
+            by_id[p.row_id].to_prefill = p.remaining
 
     async def _prefill(self, row: Row) -> None:
         try:
@@ -216,7 +253,7 @@ class Scheduler:
         guard against a client that stopped reading: hypercorn shields socket writes, so such a
         stream never errors; its row would decode to max_tokens holding KV. A backlog past
         `stall_backlog` undelivered events means nobody is reading: the row is aborted."""
-        for row in [*self.table.queue, *self.table.running.values(), self.table.joiner]:
+        for row in [*self.table.queue, *self.table.staged, *self.table.running.values(), self.table.joiner]:
             if row is None:
                 continue
             stats = row.out.statistics()

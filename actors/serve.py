@@ -70,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--warm-up", choices=("auto", "on", "off"), default="auto",
                    help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)")
+    p.add_argument("--group-prefill", choices=("auto", "on", "off"), default="auto",
+                   help="prefill simultaneous short arrivals in one forward (auto: on a GPU only)")
     return p.parse_args(argv)
 
 
@@ -146,6 +148,7 @@ async def _main(args: argparse.Namespace) -> int:
             log_prompts=args.log_prompts,
             idle_timeout=args.idle_timeout,
             warm_up=args.warm_up,
+            group_prefill=args.group_prefill,
         )
         flushed = None
         async with trio.open_nursery() as nursery:

@@ -161,16 +161,23 @@ class Engine:
         return row.processed == 0 and row.snapshot_at is None and 0 < todo <= self.prefill_chunk
 
     def prefill_group(self, row_ids: Sequence[int]) -> list[PrefillProgress]:
-        """Prefill several groupable rows in one left-padded forward, then give each row its own
-        solo caches (padding stripped), exactly the state `prefill` leaves: the rows join as
-        usual. A burst of short arrivals pays one forward — and on CUDA one attention graph,
+        """Prefill the groupable ones of these rows in one left-padded forward, then give each its
+        own solo caches (padding stripped), exactly the state `prefill` leaves: the rows join as
+        usual. Rows it cannot take are left as they are (the scheduler prefills them alone); the
+        result is every row's progress, in order. A burst of short arrivals pays one forward — and on CUDA one attention graph,
         which MLX builds per new shape — instead of one per row. Numerically this is a batched
         prefill (mlx-lm's BatchGenerator does the same), not the solo graph."""
-        rows = [self._rows[r] for r in row_ids]
-        if not all(self.groupable(r) for r in row_ids):
-            raise ValueError("prefill_group takes freshly opened rows of one chunk at most")
+        rows = [self._rows[r] for r in row_ids if self.groupable(r)]
         if len(rows) == 1:
-            return [self.prefill(rows[0].row_id)]
+            self.prefill(rows[0].row_id)
+        elif rows:
+            self._prefill_together(rows)
+        return [
+            PrefillProgress(r, done=self._rows[r].processed, remaining=len(self._rows[r].prompt) - 1 - self._rows[r].processed)
+            for r in row_ids
+        ]
+
+    def _prefill_together(self, rows: list[_Row]) -> None:
         lengths = [len(r.prompt) - 1 for r in rows]
         width = max(lengths)
         tokens = mx.array([[0] * (width - n) + r.prompt[:n] for r, n in zip(rows, lengths)])
@@ -182,7 +189,6 @@ class Engine:
             row.processed = lengths[i]
         mx.eval([c.state for row in rows for c in row.caches])
         mx.clear_cache()
-        return [PrefillProgress(r.row_id, done=r.processed, remaining=0) for r in rows]
 
     def join(self, row_id: int) -> TokenOut:
         row = self._rows[row_id]

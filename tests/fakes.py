@@ -99,6 +99,20 @@ class FakeWorker:
             row.done = min(total, row.done + self.chunk)
             return PrefillProgress(row_id, done=row.done, remaining=total - row.done)
 
+    async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]:
+        """One call for many rows: each row whose whole prompt fits one chunk is prefilled."""
+        async with self._call("prefill_group", tuple(row_ids), self.prefill_cost):
+            out = []
+            for row_id in row_ids:
+                row = self._row(row_id, "prefill_group")
+                total = len(row.spec.prompt) - 1
+                if row.joined:
+                    self.violations.append(f"prefill_group({row_id}) of a joined row")
+                if row.done == 0 and 0 < total <= self.chunk:
+                    row.done = total
+                out.append(PrefillProgress(row_id, done=row.done, remaining=total - row.done))
+            return out
+
     async def join(self, row_id: int) -> TokenOut:
         async with self._call("join", row_id, self.join_cost):
             row = self._row(row_id, "join")
@@ -268,9 +282,9 @@ class SchedulerHarness:
 
 
 @asynccontextmanager
-async def scheduler_harness(worker: FakeWorker, *, capacity: int = 8):
+async def scheduler_harness(worker: FakeWorker, *, capacity: int = 8, group_prefill_tokens: int = 0):
     inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
-    scheduler = Scheduler(worker, capacity=capacity, inbox=inbox_recv)
+    scheduler = Scheduler(worker, capacity=capacity, inbox=inbox_recv, group_prefill_tokens=group_prefill_tokens)
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         yield SchedulerHarness(scheduler, inbox_send, nursery)

@@ -73,6 +73,9 @@ class RecordingWorker:
     async def prefill(self, row_id: int) -> PrefillProgress:
         return await self._record("prefill", row_id, lambda: self.inner.prefill(row_id))
 
+    async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]:
+        return await self._record("prefill_group", None, lambda: self.inner.prefill_group(row_ids))
+
     async def join(self, row_id: int) -> TokenOut:
         return await self._record("join", row_id, lambda: self.inner.join(row_id))
 

@@ -59,10 +59,11 @@ async def solo_runs(server: RealServer, bodies: list[dict]) -> list[Streamed]:
 # -- a. 8 concurrent greedy requests each equal their solo output ---------------------------------
 
 
-async def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(model_dir):
+@pytest.mark.parametrize("group_prefill", ["off", "on"])
+async def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(model_dir, group_prefill):
     bodies = [{"prompt": prompt_text(i), "max_tokens": 24, "temperature": 0} for i in range(8)]
     with trio.fail_after(LIMIT_S):
-        async with real_server(model_dir, batch=8) as server:
+        async with real_server(model_dir, batch=8, group_prefill=group_prefill) as server:
             solo = await solo_runs(server, bodies)
             assert max(server.worker.step_widths()) == 1
             solo_steps = len(server.worker.step_widths())
@@ -75,7 +76,9 @@ async def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(model_d
                 for i in range(8):
                     nursery.start_soon(one, i)
             widths = server.worker.step_widths()[solo_steps:]
-            stats = await server.stats()
+            # Rows close one worker call at a time after their last token went out.
+            while (stats := await server.stats())["batch"]["finished_rows"] < 16:
+                await trio.sleep(0.01)
 
     # The concurrent run really was one B=8 batch, not eight B=1 runs in a row.
     assert max(widths) == 8, widths
@@ -87,6 +90,12 @@ async def test_eight_concurrent_greedy_requests_equal_their_solo_outputs(model_d
         assert len(ids) == 2 and len(ids[0]) == 24 and ids[0] == ids[1], f"request {i}: {ids}"
     assert len({r.text for r in solo}) == 8  # distinct prompts, distinct answers: the check has teeth
     assert stats["batch"]["active_rows"] == 0 and stats["batch"]["finished_rows"] == 16
+    groups = [c.result for c in server.worker.calls if c.name == "prefill_group"]
+    if group_prefill == "on":  # the arrivals that met in the queue were prefilled together
+        assert groups and stats["batch"]["group_prefills"] == len(groups), stats["batch"]
+        assert sum(len(g) for g in groups) >= 2
+    else:
+        assert not groups and stats["batch"]["group_prefills"] == 0
 
 
 # -- b. aborting half mid-stream leaves the other half exact and the server healthy --------------
