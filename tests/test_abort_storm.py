@@ -290,6 +290,10 @@ async def watch_rows(server: RealServer, plans: list[Plan]) -> None:
             plan = plan_of(row)
             if plan is not None and plan.mode == "queued" and plan.ids in waiting:
                 cut(plan)
+        for row in list(table.staged):  # group prefill: prefilled, waiting to join
+            plan = plan_of(row)
+            if plan is not None and plan.ids in waiting and row.opened:
+                cut(plan)
         joiner = table.joiner
         plan = plan_of(joiner) if joiner is not None else None
         if plan is not None and plan.ids in waiting:
@@ -338,12 +342,20 @@ def cache_buffer_bytes(engine: Any) -> int:
                if c.keys is not None)
 
 
-async def storm(model_dir, *, n: int, seed: int, prompt_cache_bytes: int, shared: bool) -> dict[str, Any]:
+async def storm(
+    model_dir, *, n: int, seed: int, prompt_cache_bytes: int, shared: bool, chunk: int = CHUNK,
+    group_prefill: str = "off", together: int = 1,
+) -> dict[str, Any]:
     with trio.fail_after(LIMIT_S):
-        async with real_server(model_dir, batch=8, prefill_chunk=CHUNK, prompt_cache_bytes=prompt_cache_bytes) as server:
+        async with real_server(
+            model_dir, batch=8, prefill_chunk=chunk, prompt_cache_bytes=prompt_cache_bytes, group_prefill=group_prefill,
+        ) as server:
             async with trio.open_nursery() as http:
                 port = await serve_over_http(http, server)
                 plans = make_plans(server, n, seed=seed, shared=shared)
+                if together > 1:  # arrivals in bursts of `together`, 0.15 s apart
+                    for plan in plans:
+                        plan.delay = (plan.index // together) * 0.15
                 sampling = await solo_references(server, plans)
                 # The engine holds nothing yet (the references ran B=1 with compiled decode and
                 # put nothing to the cache): MLX's active memory is the weights' baseline.
@@ -478,3 +490,17 @@ async def test_abort_storm_with_prompt_cache_stays_within_its_cap(model_dir):
     assert out["memory_cleared"] <= out["baseline"] + SLACK_BYTES, (out["memory_cleared"], out["baseline"])
     print(f"storm (cache on): {n} requests in {out['storm_s']:.1f} s; {summary}; cache {pc}, buffers held "
           f"{held} B; MLX active memory {out['baseline']} -> {out['memory']} -> {out['memory_cleared']} B (cleared)")
+
+
+async def test_abort_storm_with_group_prefill(model_dir):
+    """Whole prompts fit one chunk, so arrivals that meet in the queue are prefilled together and
+    wait staged: cuts land on staged rows too, and the engine still ends empty and exact."""
+    n = 64
+    out = await storm(
+        model_dir, n=n, seed=11, prompt_cache_bytes=0, shared=False, chunk=256, group_prefill="on", together=8,
+    )
+    summary = check_storm(out, n)
+    assert out["stats"]["batch"]["group_prefills"] > 0, out["stats"]["batch"]
+    assert out["memory"] <= out["baseline"] + SLACK_BYTES, (out["memory"], out["baseline"])
+    print(f"storm (group prefill): {n} requests in {out['storm_s']:.1f} s; {summary}; "
+          f"{out['stats']['batch']['group_prefills']} group prefills")
