@@ -1,7 +1,7 @@
 """GPU-worker actor: the only owner of MLX objects.
 
-Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `join`, `step`,
-`close_row`, and
+Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `join`,
+`join_group`, `step`, `close_row`, and
 `run_exclusive` for cache maintenance), each an awaited method that puts a `_Job` on the worker's
 job queue. Outbound: each job's result (or exception) on that job's reply channel.
 
@@ -266,6 +266,10 @@ class GpuWorker:
 
     async def join(self, row_id: int) -> TokenOut:
         return await self._call(lambda engine: engine.join(row_id), "join")
+
+    async def join_group(self, row_ids: list[int]) -> list[TokenOut | None]:
+        ids = list(row_ids)
+        return await self._call(lambda engine: engine.join_group(ids), "join_group")
 
     async def step(self) -> list[TokenOut]:
         return await self._call(lambda engine: engine.step(), "step")

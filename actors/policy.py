@@ -251,6 +251,15 @@ class RowTable:
             self.joiner = self.staged.pop(0)
         return self.joiner
 
+    def staged_ready(self) -> list[Row]:
+        """Staged rows with nothing left to prefill: they can join together."""
+        return [r for r in self.staged if r.to_prefill == 0 and r.opened and r.leaving is None]
+
+    def joined_staged(self, row: Row) -> None:
+        self.staged.remove(row)
+        row.phase = "running"
+        self.running[row.row_id] = row
+
     def joined(self, row: Row) -> None:
         assert row is self.joiner
         self.joiner = None

@@ -4,7 +4,7 @@ Inbound:  `inbox` — `Enqueue` from admission, `Abort` / `StopRow` from request
           (one unbounded channel, senders use `send_nowait` so an abort never blocks).
 Outbound: each row's own unbounded event channel (`RowOpened`, `TokenOut`, `RowFailed`; closed
           when the row ends), and worker calls — open_row / prefill / prefill_group / join /
-          step / close_row — strictly one at a time.
+          join_group / step / close_row — strictly one at a time.
 
 Two tasks share the row table, which is safe because trio only switches at awaits and every
 table mutation is synchronous: the control task applies inbound messages the moment they arrive
@@ -133,6 +133,9 @@ class Scheduler:
             if self.group_prefill_tokens and (group := table.admit_group(self.group_prefill_tokens)):
                 await self._open_group(group)
                 await self._close_leavers()
+            if table.joiner is None and (ready := table.staged_ready()):
+                await self._join_group(ready)
+                await self._close_leavers()
             table.next_staged()
             if table.admissible_head() is not None:
                 await self._open(table.admit())
@@ -189,6 +192,19 @@ class Scheduler:
         by_id = {r.row_id: r for r in wanted}
         for p in progress:
             by_id[p.row_id].to_prefill = p.remaining
+
+    async def _join_group(self, rows: list[Row]) -> None:
+        """Staged rows join in one call; their first tokens come with the next step."""
+        try:
+            self._calls += 1
+            firsts = await self._worker.join_group([r.row_id for r in rows])
+        except Exception as exc:
+            self._fail(rows, exc, "join_group")
+            return
+        for row, first in zip(rows, firsts):
+            self.table.joined_staged(row)
+            if first is not None:
+                self._on_token(row, first)
 
     async def _prefill(self, row: Row) -> None:
         try:

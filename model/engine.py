@@ -206,6 +206,32 @@ class Engine:
             self._admit_to_batch(row)
         return out
 
+    def join_group(self, row_ids: Sequence[int]) -> list[TokenOut | None]:
+        """Prefilled rows enter the batch together with their last prompt token still to feed:
+        the next decode forward computes every row's token 0 along with the running rows' next
+        tokens, so N joins cost no forward of their own (`join` runs one L=1 forward per row).
+        Token 0 then comes out of `step`; the result here is None for such a row. A
+        grammar-constrained row joins the ordinary way (its matcher must see token 0 before
+        the next mask) and its token 0 is returned here, as `join` would."""
+        outs: list[TokenOut | None] = []
+        deferred: list[_Row] = []
+        for row_id in row_ids:
+            row = self._rows[row_id]
+            if row.processed != len(row.prompt) - 1:
+                raise RuntimeError(f"row {row_id} joined before its prefill finished")
+            if row.sampler.constrained:
+                outs.append(self.join(row_id))
+                continue
+            # The dispatch feeds last_token and, for penalty processors, appends it to history.
+            row.last_token = row.prompt[-1]
+            if row.sampler.history_size:
+                row.history = mx.array(row.prompt[:-1][-row.sampler.history_size :])
+            deferred.append(row)
+            outs.append(None)
+        if deferred:
+            self._admit_many(deferred)
+        return outs
+
     def step(self) -> list[TokenOut]:
         if self._ready:
             ready, self._ready = self._ready, []
@@ -329,6 +355,29 @@ class Engine:
         row.caches = None
         row.in_batch = True
         self._batch.append(row)
+
+    def _admit_many(self, rows: list[_Row]) -> None:
+        """`_admit_to_batch` for several rows at once: one merge of their caches, one extend."""
+        if len(rows) == 1 or not self._batch:
+            first, rest = rows[0], rows[1:]
+            self._admit_to_batch(first)
+            if not rest:
+                return
+            rows = rest
+        if self._inflight is not None:
+            self._ready.extend(self._read(self._inflight))
+            self._inflight = None
+        if isinstance(self._caches[0], KVCache):  # one running row: its solo caches join the merge
+            self._caches = [
+                BatchKVCache.merge([solo, *(r.caches[layer] for r in rows)]) for layer, solo in enumerate(self._caches)
+            ]
+        else:
+            for layer, batch_cache in enumerate(self._caches):
+                batch_cache.extend(BatchKVCache.merge([r.caches[layer] for r in rows]))
+        for row in rows:
+            row.caches = None
+            row.in_batch = True
+            self._batch.append(row)
 
     def _leave_batch(self, row: _Row) -> None:
         index = self._batch.index(row)

@@ -121,6 +121,16 @@ class FakeWorker:
             row.joined = True
             return self._next_token(row)
 
+    async def join_group(self, row_ids: list[int]) -> list[TokenOut | None]:
+        """The rows join together; each one's token 0 comes with the next step."""
+        async with self._call("join_group", tuple(row_ids), self.join_cost):
+            for row_id in row_ids:
+                row = self._row(row_id, "join_group")
+                if row.done != len(row.spec.prompt) - 1 or row.joined:
+                    self.violations.append(f"join_group({row_id}) before its prefill completed")
+                row.joined = True
+            return [None] * len(row_ids)
+
     async def step(self) -> list[TokenOut]:
         batch = tuple(rid for rid, r in self.rows.items() if r.joined)
         async with self._call("step", batch, self.step_cost):

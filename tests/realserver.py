@@ -79,6 +79,9 @@ class RecordingWorker:
     async def join(self, row_id: int) -> TokenOut:
         return await self._record("join", row_id, lambda: self.inner.join(row_id))
 
+    async def join_group(self, row_ids: list[int]) -> list[TokenOut | None]:
+        return await self._record("join_group", None, lambda: self.inner.join_group(row_ids))
+
     async def step(self) -> list[TokenOut]:
         return await self._record("step", None, self.inner.step)
 
@@ -96,6 +99,10 @@ class RecordingWorker:
         for call in self.calls:
             if call.name == "join" and call.result is not None:
                 out.setdefault(call.row_id, []).append(call.result.token)
+            elif call.name == "join_group" and call.result is not None:
+                for token in call.result:
+                    if token is not None:
+                        out.setdefault(token.row_id, []).append(token.token)
             elif call.name == "step" and call.result is not None:
                 for token in call.result:
                     out.setdefault(token.row_id, []).append(token.token)

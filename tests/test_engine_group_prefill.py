@@ -52,3 +52,49 @@ def test_group_prefill_refuses_rows_it_cannot_take(qwen3_dir):
     while engine.prefill(long_.row_id).remaining:  # the one left out prefills alone as usual
         pass
     assert engine.join(long_.row_id).row_id == long_.row_id
+
+
+def run_grouped(engine: Engine, rows: list[RowSpec], *, running: RowSpec | None = None) -> dict[int, list[int]]:
+    """Optionally one row already decoding; then `rows` group-prefilled and joined in one call."""
+    out: dict[int, list[int]] = {}
+    live: set[int] = set()
+    if running is not None:
+        engine.open_row(running)
+        while engine.prefill(running.row_id).remaining:
+            pass
+        out[running.row_id] = [engine.join(running.row_id).token]
+        live.add(running.row_id)
+        for t in engine.step():
+            out[t.row_id].append(t.token)
+    for spec in rows:
+        engine.open_row(spec)
+    engine.prefill_group([s.row_id for s in rows])
+    for spec, first in zip(rows, engine.join_group([s.row_id for s in rows])):
+        out[spec.row_id] = [] if first is None else [first.token]
+        live.add(spec.row_id)
+    while live:
+        for t in engine.step():
+            out[t.row_id].append(t.token)
+            if t.finish:
+                engine.close_row(t.row_id)
+                live.discard(t.row_id)
+    return out
+
+
+@pytest.mark.parametrize("already_running", [False, True])
+def test_join_group_gives_each_row_its_solo_tokens(qwen3_dir, already_running):
+    loaded = load_model(qwen3_dir)
+    rows = specs(4)
+    # a sampled row with a seed and a repetition penalty: token 0 must see the same history
+    rows.append(RowSpec(9, tuple(range(20, 41)), SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.3), 10))
+    running = RowSpec(50, tuple(range(60, 75)), SamplingParams(), 30) if already_running else None
+    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[]), rows + ([running] if running else []))
+    got = run_grouped(Engine(loaded.model, eos_token_ids=[]), rows, running=running)
+    assert got == expected
+
+
+def test_join_group_ends_a_one_token_row_after_its_first_step(qwen3_dir):
+    loaded = load_model(qwen3_dir)
+    rows = [RowSpec(1, tuple(range(5, 15)), SamplingParams(), 1), RowSpec(2, tuple(range(7, 19)), SamplingParams(), 5)]
+    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[]), rows)
+    assert run_grouped(Engine(loaded.model, eos_token_ids=[]), rows) == expected

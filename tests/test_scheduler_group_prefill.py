@@ -26,12 +26,13 @@ async def test_a_burst_is_prefilled_in_one_call_and_joins_in_order(autojump_cloc
     async with scheduler_harness(worker, group_prefill_tokens=16) as h:
         rows = [h.submit(i, prompt(4, salt=i), max_tokens=3) for i in (1, 2, 3)]
         await trio.sleep(20)
-    assert calls(worker)[:8] == [
+    assert calls(worker)[:6] == [
         ("open_row", 1), ("open_row", 2), ("open_row", 3), ("prefill_group", (1, 2, 3)),
-        ("join", 1), ("join", 2), ("join", 3), ("step", (1, 2, 3)),
+        ("join_group", (1, 2, 3)), ("step", (1, 2, 3)),
     ]
     for i, row in zip((1, 2, 3), rows):
         assert row.tokens == worker.expected(prompt(4, salt=i), 3)
+        assert row.token_times[0] == 3  # token 0 comes with the first step after the joint join
     assert h.scheduler.counters.group_prefills == 1
     assert not worker.violations
 
@@ -52,14 +53,16 @@ async def test_capacity_and_token_budget_bound_a_group(autojump_clock):
     assert not worker.violations
 
 
-async def test_an_aborted_staged_row_never_joins(autojump_clock):
-    worker = FakeWorker(chunk=4, join_cost=2.0)
+async def test_a_row_aborted_while_staged_never_joins(autojump_clock):
+    worker = FakeWorker(chunk=4, prefill_cost=2.0)
     async with scheduler_harness(worker, group_prefill_tokens=16) as h:
         rows = {i: h.submit(i, prompt(4, salt=i), max_tokens=3) for i in (1, 2, 3)}
-        await trio.sleep(1.5)  # the group is prefilled; row 1 is joining, 2 and 3 are staged
+        await trio.sleep(1.0)  # mid group prefill: all three are staged
         h.inbox.send_nowait(Abort(3))
         await trio.sleep(30)
-    assert ("join", 3) not in calls(worker)
+    assert ("join_group", (1, 2)) in calls(worker)
+    assert not any(name.startswith("join") and 3 in (arg if isinstance(arg, tuple) else (arg,))
+                   for name, arg in calls(worker))
     assert 3 in worker.closed and worker.closed[3][1] is False  # closed, not reusable
     assert rows[3].tokens == []
     for i in (1, 2):
@@ -89,3 +92,18 @@ async def test_off_by_default(autojump_clock):
             h.submit(i, prompt(4, salt=i), max_tokens=2)
         await trio.sleep(20)
     assert "prefill_group" not in [name for name, _ in calls(worker)]
+
+
+async def test_a_row_aborted_while_joining_is_closed_before_any_step(autojump_clock):
+    worker = FakeWorker(chunk=4, join_cost=2.0)
+    async with scheduler_harness(worker, group_prefill_tokens=16) as h:
+        rows = {i: h.submit(i, prompt(4, salt=i), max_tokens=3) for i in (1, 2, 3)}
+        await trio.sleep(1.5)  # inside join_group (1 s to 3 s)
+        h.inbox.send_nowait(Abort(2))
+        await trio.sleep(30)
+    assert worker.closed[2] == (3.0, False)  # at the join's boundary, before the first step
+    assert all(2 not in ids for _, ids in worker.batches())
+    assert rows[2].tokens == []
+    for i in (1, 3):
+        assert rows[i].tokens == worker.expected(prompt(4, salt=i), 3)
+    assert not worker.violations
