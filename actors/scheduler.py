@@ -75,7 +75,7 @@ class Scheduler:
 
     @property
     def active_rows(self) -> int:
-        return len(self.table.running) + (self.table.joiner is not None)
+        return len(self.table.running) + (self.table.joiner is not None) + len(self.table.staged)
 
     @property
     def busy(self) -> bool:
