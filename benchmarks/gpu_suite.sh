@@ -65,4 +65,8 @@ rm -rf $M/l8-bf16
 step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
   --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
   --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
+# A/B: our server with group prefill off (the default on a GPU is on)
+step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 --only ours \
+  --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--group-prefill off" \
+  --out "$RES/sb-q06-bf16-nogroup.json"
 pack
