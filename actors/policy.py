@@ -120,6 +120,10 @@ def clamp_max_tokens(prompt_tokens: int, requested: int, max_safe_context: int) 
     return min(requested, available)
 
 
+# A row opened for group prefill ignores a cached prefix shorter than this: re-computing a short
+# prefix (a chat template's opening tokens, say) costs less than prefilling the row alone.
+GROUP_MIN_CACHED_TOKENS = 256
+
 # --- the scheduler's row table (spec §4) -----------------------------------------------------
 
 Phase = Literal["queued", "joining", "running"]

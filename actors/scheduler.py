@@ -22,7 +22,7 @@ import attrs
 import trio
 
 from actors.messages import Abort, Control, Enqueue, RowFailed, RowEvent, StopRow
-from actors.policy import LeaveReason, Row, RowTable
+from actors.policy import GROUP_MIN_CACHED_TOKENS, LeaveReason, Row, RowTable
 from actors.worker_api import TokenOut, Worker
 
 log = logging.getLogger(__name__)
@@ -161,10 +161,11 @@ class Scheduler:
             if calls == self._calls:
                 await trio.lowlevel.checkpoint()
 
-    async def _open(self, row: Row) -> None:
+    async def _open(self, row: Row, *, min_cached_tokens: int = 1) -> None:
+        spec = row.spec if min_cached_tokens <= 1 else attrs.evolve(row.spec, min_cached_tokens=min_cached_tokens)
         try:
             self._calls += 1
-            opened = await self._worker.open_row(row.spec)
+            opened = await self._worker.open_row(spec)
         except Exception as exc:
             self._fail([row], exc, "open_row")
             return
@@ -177,7 +178,7 @@ class Scheduler:
         could not take (a cached prefix, say) keep their `to_prefill` and prefill alone later."""
         for row in rows:
             if row.leaving is None:
-                await self._open(row)
+                await self._open(row, min_cached_tokens=GROUP_MIN_CACHED_TOKENS)
         wanted = [r for r in rows if r.opened and r.leaving is None and r.to_prefill > 0]
         if len(wanted) < 2:
             return

@@ -28,6 +28,9 @@ class RowSpec:
     # Template-stable prefix length (cache/boundary.py): the engine snapshots the KV there so the
     # next turn of the conversation hits. None = no snapshot.
     snapshot_at: int | None = None
+    # A cached prefix shorter than this is not restored: the scheduler asks for it when it opens
+    # rows to prefill together, where a short hit would only keep the row out of the group.
+    min_cached_tokens: int = 1
 
 
 @attrs.frozen

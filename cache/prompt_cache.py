@@ -115,13 +115,15 @@ class PromptCache:
 
     # -- take --------------------------------------------------------------------------------
 
-    def take(self, prompt: Sequence[int], namespace: str = "") -> tuple[list[KVCache] | None, int]:
+    def take(
+        self, prompt: Sequence[int], namespace: str = "", min_tokens: int = 1
+    ) -> tuple[list[KVCache] | None, int]:
         """Clones covering the longest usable prefix of `prompt`, and its length; (None, 0) on a
         miss. At most len(prompt) - 1 tokens are restored: the last one must be forwarded to get
-        logits."""
+        logits. A prefix shorter than `min_tokens` counts as a miss."""
         cap = len(prompt) - 1
         found = self._best(np.asarray(prompt, dtype=np.int64), namespace, cap) if self.enabled and cap > 0 else None
-        if found is None:
+        if found is None or found[1] < min_tokens:
             self.misses += 1
             return None, 0
         entry, usable = found

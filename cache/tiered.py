@@ -92,17 +92,23 @@ class TieredPromptCache(PromptCache):
 
     # -- take ----------------------------------------------------------------------------------
 
-    def take(self, prompt: Sequence[int], namespace: str = "") -> tuple[list[KVCache] | None, int]:
+    def take(
+        self, prompt: Sequence[int], namespace: str = "", min_tokens: int = 1
+    ) -> tuple[list[KVCache] | None, int]:
         cap = len(prompt) - 1
         if self.ssd is not None and self.enabled and cap >= self.min_restore_tokens and len(self.ssd):
             ids = np.asarray(prompt, dtype=np.int64)
             ram = self._best(ids, namespace, cap)
             found = self.ssd.find(ids, namespace, cap)
-            if found is not None and found[1] > (ram[1] if ram else 0) and found[1] >= self.min_restore_tokens:
+            if (
+                found is not None
+                and found[1] > (ram[1] if ram else 0)
+                and found[1] >= max(self.min_restore_tokens, min_tokens)
+            ):
                 caches = self._restore(*found)
                 if caches is not None:
                     return caches, found[1]
-        caches, usable = super().take(prompt, namespace)
+        caches, usable = super().take(prompt, namespace, min_tokens)
         if caches is not None and self._entries:
             self._last_used[next(reversed(self._entries))] = self.clock()  # the hit is now the MRU
         return caches, usable

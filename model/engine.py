@@ -127,7 +127,7 @@ class Engine:
             caches=None,
             namespace=spec.namespace,
         )
-        row.caches, row.processed = self._take(row.prompt, spec.namespace)
+        row.caches, row.processed = self._take(row.prompt, spec.namespace, spec.min_cached_tokens)
         if spec.snapshot_at is not None and self.prompt_cache is not None:
             at = min(spec.snapshot_at, len(row.prompt) - 1)
             if at >= MIN_CACHE_TOKENS and at > row.processed:
@@ -298,9 +298,9 @@ class Engine:
 
     # -- prompt cache ----------------------------------------------------------------------------
 
-    def _take(self, prompt: list[int], namespace: str) -> tuple[list[KVCache], int]:
+    def _take(self, prompt: list[int], namespace: str, min_tokens: int = 1) -> tuple[list[KVCache], int]:
         if self.prompt_cache is not None:
-            caches, cached = self.prompt_cache.take(prompt, namespace)
+            caches, cached = self.prompt_cache.take(prompt, namespace, min_tokens)
             if (
                 caches is not None
                 and len(caches) == self.num_layers

@@ -251,3 +251,12 @@ def test_bytes_count_the_buffer_held_not_just_the_tokens_covered():
     assert pc.nbytes == (256 + 512) * BYTES_PER_TOKEN
     tight = PromptCache(300 * BYTES_PER_TOKEN)
     assert not tight.put(list(range(300)), grown(list(range(300))))  # 512 slots do not fit
+
+
+def test_a_prefix_shorter_than_min_tokens_is_a_miss():
+    pc = PromptCache(1 << 20)
+    assert pc.put([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5]))
+    caches, n = pc.take([1, 2, 3, 9, 9], min_tokens=4)  # 3 tokens in common: too short
+    assert caches is None and n == 0 and pc.misses == 1 and pc.hits == 0
+    caches, n = pc.take([1, 2, 3, 9, 9], min_tokens=3)
+    assert n == 3 and pc.hits == 1
