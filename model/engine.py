@@ -16,7 +16,7 @@ step n's still-unread tokens) with `async_eval` before reading step n's tokens, 
 idles the device. A row that has finished may have one extra step computed; it is never emitted.
 
 Prompt cache (optional): `open_row` restores the longest cached prefix, so prefill forwards only
-the rest; prefill splits its chunks at `RowSpec.snapshot_at` and puts a clone covering exactly that
+the rest; the chunk that reaches `RowSpec.snapshot_at` puts clones trimmed back to exactly that
 prefix; `close_row(reusable=True)` puts the row's KV keyed by exactly the tokens it covers
 (prompt + every generated token fed into a forward). The coverage is read from the cache offset,
 never assumed: when it cannot be matched to known tokens, nothing is put.
@@ -138,19 +138,22 @@ class Engine:
     def prefill(self, row_id: int) -> PrefillProgress:
         row = self._rows[row_id]
         end = min(row.processed + self.prefill_chunk, len(row.prompt) - 1)
-        if row.snapshot_at is not None and row.processed < row.snapshot_at < end:
-            end = row.snapshot_at
         if end > row.processed:
             chunk = mx.array(row.prompt[row.processed : end])[None]
             self.model(chunk, row.caches)
             mx.eval([c.state for c in row.caches])
             row.processed = end
             mx.clear_cache()
-        if row.snapshot_at is not None and row.processed == row.snapshot_at:
-            row.snapshot_at = None
+        if row.snapshot_at is not None and row.processed >= row.snapshot_at:
+            # The chunk ran past the boundary: attention is causal, so the KV of the tokens before
+            # it is what a forward stopping there computes. Clones trimmed back to the boundary
+            # are the snapshot — one forward instead of two (on CUDA each new prefill shape also
+            # costs MLX an attention graph).
+            at, row.snapshot_at = row.snapshot_at, None
             snapshot = [c.clone() for c in row.caches]
-            mx.eval([c.state for c in snapshot])
-            self._put(row.prompt[: row.processed], snapshot, row.namespace)
+            for c in snapshot:
+                c.trim(row.processed - at)
+            self._put(row.prompt[:at], snapshot, row.namespace)
         return PrefillProgress(row_id, done=row.processed, remaining=len(row.prompt) - 1 - row.processed)
 
     def groupable(self, row_id: int) -> bool:

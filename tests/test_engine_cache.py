@@ -154,11 +154,11 @@ def test_disabled_cache_never_hits(model, cold):
 # -- boundary snapshots ---------------------------------------------------------------------------
 
 
-def test_snapshot_splits_prefill_there_and_stores_that_prefix(model, cold):
+def test_snapshot_stores_exactly_that_prefix_without_splitting_prefill(model, cold):
     hot = hot_engine(model)
     opened, dones = open_and_prefill(hot, spec(0, P, snapshot_at=300))
     hot.close_row(0, reusable=False)  # only the snapshot survives
-    assert 300 in dones and 300 % CHUNK != 0
+    assert 300 not in dones and 300 % CHUNK != 0  # no extra forward ends at the boundary
     assert hot.prompt_cache.stats()["entries"] == 1
     assert hot.prompt_cache.find_exact(P[:300]) is not None
     nxt = P[:300] + rand_tokens(60, 4)
