@@ -273,6 +273,7 @@ class Engine:
         if self._rows:
             raise RuntimeError("warm_up needs an idle engine")
         eos, self.eos = self.eos, frozenset()  # a throwaway row must not finish early
+        cache, self.prompt_cache = self.prompt_cache, None  # nor count in the cache's stats
         ids = [-1 - b for b in range(max(1, max_batch))]
         try:
             for rid in ids:
@@ -286,7 +287,7 @@ class Engine:
         finally:
             for rid in ids:
                 self.close_row(rid)
-            self.eos = eos
+            self.eos, self.prompt_cache = eos, cache
             self._steps = 0
             mx.synchronize()
             mx.clear_cache()

@@ -26,6 +26,7 @@ def test_warm_up_leaves_the_engine_idle_and_outputs_unchanged(qwen3_dir):
     assert warmed.active_rows == 0 and warmed.batch_size == 0
     assert sorted(set(steps_seen)) == [1, 2, 3, 4]  # every batch size was stepped
     assert warmed.eos == frozenset({0, 1})  # restored after the throwaway rows
+    assert warmed.prompt_cache is None  # (this engine has none; test_warm_up_skips_the_prompt_cache)
     assert generate_tokens(warmed, SPECS) == cold
 
 
@@ -54,3 +55,13 @@ async def test_auto_warm_up_skips_the_cpu(qwen3_dir):
             await nursery.start(worker.run)
             assert worker.times.warm_up_s == 0
             nursery.cancel_scope.cancel()
+
+
+def test_warm_up_skips_the_prompt_cache(qwen3_dir):
+    from cache.prompt_cache import PromptCache
+
+    cache = PromptCache(1 << 20)
+    engine = Engine(load_model(qwen3_dir).model, eos_token_ids=[], prompt_cache=cache)
+    engine.warm_up(3)
+    assert engine.prompt_cache is cache
+    assert (cache.hits, cache.misses, cache.stats()["entries"]) == (0, 0, 0)
