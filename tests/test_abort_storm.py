@@ -408,7 +408,7 @@ def expected_text(server: RealServer, tokens: list[int], finish_reason: str | No
     return detokenizer.text
 
 
-def check_storm(out: dict[str, Any], n: int) -> dict[str, int]:
+def check_storm(out: dict[str, Any], n: int, phases_cut: tuple[str, ...] = ("queued", "prefill", "decode")) -> dict[str, int]:
     server: RealServer = out["server"]
     plans: list[Plan] = out["plans"]
     by_row = server.worker.tokens_by_row()
@@ -446,7 +446,9 @@ def check_storm(out: dict[str, Any], n: int) -> dict[str, int]:
     batch = stats["batch"]
     assert batch["active_rows"] == 0 and batch["pending_rows"] == 0, batch
     assert batch["failed_rows"] == 0 and batch["stopped_rows"] == 0, batch
-    assert batch["finished_rows"] == finished + 1, (batch, finished)  # + the warm-up request
+    # + the warm-up request; a cut that lands after the row's last token was already delivered is
+    # a finished row to the server and a cut stream to the client (a race the storm can lose).
+    assert 0 <= batch["finished_rows"] - (finished + 1) <= 5, (batch, finished)
     # Every cut request that had reached the scheduler is an aborted row.
     assert batch["aborted_rows"] == batch["submitted_rows"] - batch["finished_rows"], batch
     assert aborted - 5 <= batch["aborted_rows"] <= aborted, (batch, aborted)
@@ -455,7 +457,7 @@ def check_storm(out: dict[str, Any], n: int) -> dict[str, int]:
     assert out["engine_rows"] == (0, 0)  # the engine holds no rows, the batch is empty
 
     phases = {re.search(r'phase="(\w+)"', k).group(1): v for k, v in out["aborts"].items() if "phase=" in k}
-    assert all(phases.get(p, 0) >= 3 for p in ("queued", "prefill", "decode")), phases
+    assert all(phases.get(p, 0) >= 3 for p in phases_cut), phases
     first, again = out["again"]
     assert again.finish_reason is not None
     assert again.text == expected_text(server, first.reference, again.finish_reason)
@@ -499,7 +501,9 @@ async def test_abort_storm_with_group_prefill(model_dir):
     out = await storm(
         model_dir, n=n, seed=11, prompt_cache_bytes=0, shared=False, chunk=256, group_prefill="on", together=8,
     )
-    summary = check_storm(out, n)
+    # A staged row is cut only if the watcher polls inside its short window (0-8 per run; the
+    # MockClock tests pin staged aborts down), so only queued and decode cuts are required here.
+    summary = check_storm(out, n, phases_cut=("queued", "decode"))
     assert out["stats"]["batch"]["group_prefills"] > 0, out["stats"]["batch"]
     assert out["memory"] <= out["baseline"] + SLACK_BYTES, (out["memory"], out["baseline"])
     print(f"storm (group prefill): {n} requests in {out['storm_s']:.1f} s; {summary}; "
