@@ -98,3 +98,12 @@ def test_join_group_ends_a_one_token_row_after_its_first_step(qwen3_dir):
     rows = [RowSpec(1, tuple(range(5, 15)), SamplingParams(), 1), RowSpec(2, tuple(range(7, 19)), SamplingParams(), 5)]
     expected = generate_tokens(Engine(loaded.model, eos_token_ids=[]), rows)
     assert run_grouped(Engine(loaded.model, eos_token_ids=[]), rows) == expected
+
+
+@pytest.mark.parametrize("already_running", [False, True])
+def test_join_group_of_one_row(qwen3_dir, already_running):
+    loaded = load_model(qwen3_dir)
+    rows = specs(1)
+    running = RowSpec(50, tuple(range(60, 75)), SamplingParams(), 20) if already_running else None
+    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[]), rows + ([running] if running else []))
+    assert run_grouped(Engine(loaded.model, eos_token_ids=[]), rows, running=running) == expected
