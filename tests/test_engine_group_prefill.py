@@ -30,14 +30,17 @@ def test_group_prefill_decodes_like_solo_prefill(tiny_model_factory, family):
     assert [p.remaining for p in progress] == [0] * len(rows)
     assert [p.done for p in progress] == [len(s.prompt) - 1 for s in rows]
     out = {s.row_id: [engine.join(s.row_id).token] for s in rows}
-    live = {s.row_id for s in rows}
+    assert decode_to_the_end(engine, out, {s.row_id for s in rows}) == expected
+
+
+def decode_to_the_end(engine: Engine, out: dict[int, list[int]], live: set[int]) -> dict[int, list[int]]:
     while live:
         for t in engine.step():
             out[t.row_id].append(t.token)
             if t.finish:
                 engine.close_row(t.row_id)
                 live.discard(t.row_id)
-    assert out == expected
+    return out
 
 
 def test_group_prefill_refuses_rows_it_cannot_take(qwen3_dir):
@@ -72,13 +75,7 @@ def run_grouped(engine: Engine, rows: list[RowSpec], *, running: RowSpec | None 
     for spec, first in zip(rows, engine.join_group([s.row_id for s in rows])):
         out[spec.row_id] = [] if first is None else [first.token]
         live.add(spec.row_id)
-    while live:
-        for t in engine.step():
-            out[t.row_id].append(t.token)
-            if t.finish:
-                engine.close_row(t.row_id)
-                live.discard(t.row_id)
-    return out
+    return decode_to_the_end(engine, out, live)
 
 
 @pytest.mark.parametrize("already_running", [False, True])
