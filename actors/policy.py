@@ -158,8 +158,9 @@ class RowTable:
     arrived before it, and batch rows behind a serial row wait for that one row only.
 
     Group prefill (`admit_group`): the batched rows at the head of the queue may be admitted
-    together — opened and prefilled in one forward — and wait in `staged`, in arrival order, to
-    become the joiner one by one. Nothing else is admitted until they have all joined.
+    together — opened and prefilled in one forward — and wait in `staged` until they join the
+    batch together (`staged_ready`); one the group could not prefill becomes the joiner
+    (`next_staged`). Nothing else is admitted until they have all joined.
     """
 
     def __init__(self, capacity: int) -> None:

@@ -154,6 +154,10 @@ class Engine:
             for c in snapshot:
                 c.trim(row.processed - at)
             self._put(row.prompt[:at], snapshot, row.namespace)
+        return self._progress(row_id)
+
+    def _progress(self, row_id: int) -> PrefillProgress:
+        row = self._rows[row_id]
         return PrefillProgress(row_id, done=row.processed, remaining=len(row.prompt) - 1 - row.processed)
 
     def groupable(self, row_id: int) -> bool:
@@ -165,20 +169,16 @@ class Engine:
 
     def prefill_group(self, row_ids: Sequence[int]) -> list[PrefillProgress]:
         """Prefill the groupable ones of these rows in one left-padded forward, then give each its
-        own solo caches (padding stripped), exactly the state `prefill` leaves: the rows join as
-        usual. Rows it cannot take are left as they are (the scheduler prefills them alone); the
-        result is every row's progress, in order. A burst of short arrivals pays one forward — and on CUDA one attention graph,
-        which MLX builds per new shape — instead of one per row. Numerically this is a batched
-        prefill (mlx-lm's BatchGenerator does the same), not the solo graph."""
+        own solo caches (padding stripped), exactly the state `prefill` leaves. Rows it cannot take are left as they are (the scheduler prefills them alone); the
+        result is every row's progress, in order. A burst of short arrivals pays one forward —
+        and on CUDA one attention graph, which MLX builds per new shape — instead of one per row.
+        Numerically this is a batched prefill (mlx-lm's BatchGenerator does the same)."""
         rows = [self._rows[r] for r in row_ids if self.groupable(r)]
         if len(rows) == 1:
             self.prefill(rows[0].row_id)
         elif rows:
             self._prefill_together(rows)
-        return [
-            PrefillProgress(r, done=self._rows[r].processed, remaining=len(self._rows[r].prompt) - 1 - self._rows[r].processed)
-            for r in row_ids
-        ]
+        return [self._progress(r) for r in row_ids]
 
     def _prefill_together(self, rows: list[_Row]) -> None:
         lengths = [len(r.prompt) - 1 for r in rows]
@@ -206,7 +206,7 @@ class Engine:
         mx.eval(token, *([lp] if lp is not None else []), *(top or ()))
         out = self._record(row, int(token.item()), lp, top)
         if not row.finished:
-            self._admit_to_batch(row)
+            self._admit_to_batch([row])
         return out
 
     def join_group(self, row_ids: Sequence[int]) -> list[TokenOut | None]:
@@ -232,7 +232,7 @@ class Engine:
             deferred.append(row)
             outs.append(None)
         if deferred:
-            self._admit_many(deferred)
+            self._admit_to_batch(deferred)
         return outs
 
     def step(self) -> list[TokenOut]:
@@ -344,41 +344,23 @@ class Engine:
 
     # -- batch membership --------------------------------------------------------------------
 
-    def _admit_to_batch(self, row: _Row) -> None:
+    def _admit_to_batch(self, rows: list[_Row]) -> None:
+        """Rows whose caches cover their prompt so far enter the batch: one merge, one extend."""
         if self._inflight is not None:
             # Settle the row set first: read the in-flight step and hold its tokens for `step`.
             self._ready.extend(self._read(self._inflight))
             self._inflight = None
+        joining = rows
         if not self._batch:
-            self._caches = row.caches  # adopt: one row runs the serial graph
-        elif len(self._batch) == 1 and isinstance(self._caches[0], KVCache):
-            self._caches = [BatchKVCache.merge([a, b]) for a, b in zip(self._caches, row.caches)]
-        else:
-            for batch_cache, solo in zip(self._caches, row.caches):
-                batch_cache.extend(BatchKVCache.merge([solo]))
-        row.caches = None
-        row.in_batch = True
-        self._batch.append(row)
-
-    def _admit_many(self, rows: list[_Row]) -> None:
-        """`_admit_to_batch` for several rows at once: one merge of their caches, one extend."""
-        if len(rows) == 1 or not self._batch:
-            first, rest = rows[0], rows[1:]
-            self._admit_to_batch(first)
-            if not rest:
-                return
-            rows = rest
-        if self._inflight is not None:
-            self._ready.extend(self._read(self._inflight))
-            self._inflight = None
-        if isinstance(self._caches[0], KVCache):  # one running row: its solo caches join the merge
+            self._caches, rows = rows[0].caches, rows[1:]  # adopt: one row runs the serial graph
+        if rows and isinstance(self._caches[0], KVCache):  # one row so far: its solo caches join the merge
             self._caches = [
                 BatchKVCache.merge([solo, *(r.caches[layer] for r in rows)]) for layer, solo in enumerate(self._caches)
             ]
-        else:
+        elif rows:
             for layer, batch_cache in enumerate(self._caches):
                 batch_cache.extend(BatchKVCache.merge([r.caches[layer] for r in rows]))
-        for row in rows:
+        for row in joining:
             row.caches = None
             row.in_batch = True
             self._batch.append(row)
