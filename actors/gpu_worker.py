@@ -87,12 +87,14 @@ class GpuWorker:
         ssd_verify: bool = True,
         warm_up_batch: int = 0,
         warm_up: str = "auto",
+        prefill_bucket: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         # Decode batch sizes 1..warm_up_batch are met once before serving ("auto": on a GPU only,
         # where a new shape's first step stalls live streams; "on" / "off" force it).
         self.warm_up_batch = warm_up_batch
         self.warm_up = warm_up
+        self.prefill_bucket = prefill_bucket  # None: the engine's default (64 on a GPU, else 0)
         self.times = WorkerTimes()
         self.name = name
         self.prefill_chunk = prefill_chunk
@@ -190,6 +192,7 @@ class GpuWorker:
             prefill_chunk=self.prefill_chunk,
             prompt_cache=self.prompt_cache,
             grammar_compiler=grammars,
+            prefill_bucket=self.prefill_bucket,
         )
         device = mx.default_device()
         if self.warm_up_batch > 0 and (self.warm_up == "on" or (self.warm_up == "auto" and device.type == mx.gpu)):

@@ -72,7 +72,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)")
     p.add_argument("--group-prefill", choices=("auto", "on", "off"), default="auto",
                    help="prefill simultaneous short arrivals in one forward (auto: on a GPU only)")
+    p.add_argument("--prefill-bucket", type=_bucket, default=None, metavar="auto|N",
+                   help="right-pad prefill forwards to a multiple of N tokens so attention shapes repeat "
+                        "(auto: 64 on a GPU, 0 = exact widths elsewhere)")
     return p.parse_args(argv)
+
+
+def _bucket(text: str) -> int | None:
+    if text == "auto":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be auto, 0 or a positive number of tokens")
+    return value
 
 
 def _at_least_one(text: str) -> int:
@@ -149,6 +161,7 @@ async def _main(args: argparse.Namespace) -> int:
             idle_timeout=args.idle_timeout,
             warm_up=args.warm_up,
             group_prefill=args.group_prefill,
+            prefill_bucket=args.prefill_bucket,
         )
         flushed = None
         async with trio.open_nursery() as nursery:
@@ -218,6 +231,7 @@ def _load_plan(config):  # type: ignore[no-untyped-def]
         ssd_verify=config.ssd_verify,
         warm_up_batch=config.batch,
         warm_up=config.warm_up,
+        prefill_bucket=config.prefill_bucket,
     )
     return model_dir, worker, make_tokenizer
 

@@ -41,6 +41,13 @@ from model.sampling import RowSampler, logprobs_of, observe_batch
 log = logging.getLogger(__name__)
 
 CLEAR_CACHE_EVERY = 256
+# Prefill widths round up to a multiple of this on a GPU (`prefill_bucket`): MLX's CUDA attention
+# builds a cuDNN graph for every new (q, k) shape — about 66 ms on an H200 against 0.4 ms to run
+# it — so arbitrary prompt lengths each paid that; rounded widths repeat and reuse the graph.
+PREFILL_BUCKET = 64
+# A group's row count rounds up to a power of two (duplicate rows) while the padded forward
+# stays under this many tokens: the count is part of the attention graph's shape too.
+GROUP_PAD_TOKENS = 8192
 # Below this, a boundary snapshot or a merged row's extraction (a copy) costs about what it saves.
 MIN_CACHE_TOKENS = 256
 
@@ -91,12 +98,21 @@ class Engine:
         prompt_cache: PromptCache | None = None,
         grammar_compiler: Any = None,  # model.grammar.GrammarCompiler: enforces SamplingParams.constraint
         compile_decode: bool | None = None,
+        prefill_bucket: int | None = None,
     ) -> None:
         self.model = model
         self.grammars = grammar_compiler
         self.eos = frozenset(eos_token_ids)
         self.protected = frozenset(protected_ids) | self.eos
         self.prefill_chunk = prefill_chunk
+        # Right-pad prefill forwards to a multiple of this (0 = exact widths). The padding sits
+        # after the real tokens, so causal attention keeps it out of their keys and values, and
+        # it is trimmed off the caches: the same KV, bit for bit (benchmarks/shape_cost.py).
+        # None = MLX_TRIO_PREFILL_BUCKET, else PREFILL_BUCKET on a GPU and 0 elsewhere.
+        if prefill_bucket is None:
+            default = PREFILL_BUCKET if mx.default_device().type == mx.gpu else 0
+            prefill_bucket = int(os.environ.get("MLX_TRIO_PREFILL_BUCKET", default))
+        self.prefill_bucket = max(0, prefill_bucket)
         self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
         self._rows: dict[int, _Row] = {}
@@ -139,8 +155,11 @@ class Engine:
         row = self._rows[row_id]
         end = min(row.processed + self.prefill_chunk, len(row.prompt) - 1)
         if end > row.processed:
-            chunk = mx.array(row.prompt[row.processed : end])[None]
-            self.model(chunk, row.caches)
+            chunk = row.prompt[row.processed : end]
+            pad = self._padding(len(chunk)) if all(c.is_trimmable() for c in row.caches) else 0
+            self.model(mx.array(chunk + chunk[-1:] * pad)[None], row.caches)
+            for c in row.caches:
+                c.trim(pad)
             mx.eval([c.state for c in row.caches])
             row.processed = end
             mx.clear_cache()
@@ -168,30 +187,51 @@ class Engine:
         return row.processed == 0 and row.snapshot_at is None and 0 < todo <= self.prefill_chunk
 
     def prefill_group(self, row_ids: Sequence[int]) -> list[PrefillProgress]:
-        """Prefill the groupable ones of these rows in one left-padded forward, then give each its
-        own solo caches (padding stripped), exactly the state `prefill` leaves. Rows it cannot take are left as they are (the scheduler prefills them alone); the
-        result is every row's progress, in order. A burst of short arrivals pays one forward —
-        and on CUDA one attention graph, which MLX builds per new shape — instead of one per row.
-        Numerically this is a batched prefill (mlx-lm's BatchGenerator does the same)."""
-        rows = [self._rows[r] for r in row_ids if self.groupable(r)]
-        if len(rows) == 1:
-            self.prefill(rows[0].row_id)
-        elif rows:
-            self._prefill_together(rows)
+        """Prefill the groupable ones of these rows in one right-padded forward, then give each
+        its own solo caches (padding stripped), exactly the state `prefill` leaves. Rows it cannot
+        take are left as they are (the scheduler prefills them alone); the result is every row's
+        progress, in order. A burst of short arrivals pays one forward — and on CUDA one
+        attention graph, which MLX builds per new shape — instead of one per row. Numerically
+        this is a batched prefill, as mlx-lm's BatchGenerator runs."""
+        # With buckets, one forward per bucket: rows padded past their own bucket did not always
+        # decode like solo on CUDA (measured: two rows padded by 200+ tokens diverged after a few
+        # tokens), while padding within a bucket matches exact-width prefill bit for bit.
+        clusters: dict[int, list[_Row]] = {}
+        for row_id in row_ids:
+            if self.groupable(row_id):
+                row = self._rows[row_id]
+                todo = len(row.prompt) - 1
+                clusters.setdefault(todo + self._padding(todo) if self.prefill_bucket else 0, []).append(row)
+        for rows in clusters.values():
+            if len(rows) == 1:
+                self.prefill(rows[0].row_id)
+            else:
+                self._prefill_together(rows)
         return [self._progress(r) for r in row_ids]
 
     def _prefill_together(self, rows: list[_Row]) -> None:
+        # Right-padded, so every row starts at position 0 and plain causal attention keeps each
+        # row's padding out of its real tokens: no mask array (on CUDA an array mask makes cuDNN
+        # build a graph that costs over a second per new shape, a causal one ~66 ms).
         lengths = [len(r.prompt) - 1 for r in rows]
-        width = max(lengths)
-        tokens = mx.array([[0] * (width - n) + r.prompt[:n] for r, n in zip(rows, lengths)])
-        caches = [BatchKVCache([width - n for n in lengths]) for _ in range(self.num_layers)]
-        self.model(tokens, caches)
-        mx.eval([c.state for c in caches])
-        for i, row in enumerate(rows):
-            row.caches = [c.extract(i) for c in caches]
-            row.processed = lengths[i]
+        width = max(lengths) + self._padding(max(lengths))
+        tokens = [r.prompt[:n] + r.prompt[n - 1 : n] * (width - n) for r, n in zip(rows, lengths)]
+        count = len(rows)
+        if self.prefill_bucket:
+            padded_count = 1 << (count - 1).bit_length()
+            if padded_count * width <= GROUP_PAD_TOKENS:
+                tokens += tokens[:1] * (padded_count - count)  # duplicates, dropped below
+        caches = make_caches(self.num_layers)
+        self.model(mx.array(tokens), caches)
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            row.caches = [c.row(i, n) for c in caches]
+            row.processed = n
         mx.eval([c.state for row in rows for c in row.caches])
         mx.clear_cache()
+
+    def _padding(self, width: int) -> int:
+        """Tokens to add after a forward of `width` to reach the next bucket (0 when exact)."""
+        return -width % self.prefill_bucket if self.prefill_bucket else 0
 
     def join(self, row_id: int) -> TokenOut:
         row = self._rows[row_id]

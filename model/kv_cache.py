@@ -63,6 +63,15 @@ class KVCache:
             return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         return self.keys, self.values
 
+    def row(self, i: int, length: int) -> "KVCache":
+        """Row i's first `length` positions as a one-row cache of its own (a copy)."""
+        cache = KVCache()
+        if self.keys is not None:
+            cache.keys = mx.contiguous(self.keys[i : i + 1, :, :length])
+            cache.values = mx.contiguous(self.values[i : i + 1, :, :length])
+            cache.offset = length
+        return cache
+
     def make_mask(self, N: int) -> Any:
         # None / "causal" let the fused kernel build the mask (mlx-lm's choice, same numerics).
         return None if N == 1 else "causal"

@@ -1,0 +1,155 @@
+"""Where a new prefill shape's first-time cost goes on CUDA, and whether padded prefill is exact.
+
+MLX's CUDA attention builds a cuDNN graph per new (q, k, mask) shape. This measures, first call
+against a repeat: (sdpa) the attention op alone — causal, causal with an offset, and with a
+left-padding array mask at B=8; (gemm) a projection at new M; (prefill) a whole model prefill at
+new lengths. Then (exact) whether the engine's bucketed prefill (right-padded, trimmed back) and
+its group prefill give the same greedy tokens as exact-width solo prefill.
+
+    python benchmarks/shape_cost.py --model DIR [--sections sdpa,gemm,prefill,exact] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from model.kv_cache import make_caches  # noqa: E402
+from model.loader import load_model  # noqa: E402
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    mx.eval(fn())
+    mx.synchronize()
+    return round(1e3 * (time.perf_counter() - t), 3)
+
+
+def first_and_again(fn, shapes) -> list[dict]:
+    out = []
+    for s in shapes:
+        out.append({"shape": s, "first_ms": timed(lambda: fn(s))})
+    for i, s in enumerate(shapes):
+        out[i]["again_ms"] = timed(lambda: fn(s))
+    return out
+
+
+def sdpa_section(H=16, Hk=8, D=128) -> dict:
+    dt = mx.bfloat16
+    r = {}
+
+    def causal(s):
+        B, q, k = s
+        Q = mx.random.normal((B, H, q, D)).astype(dt)
+        K = mx.random.normal((B, Hk, k, D)).astype(dt)
+        return mx.fast.scaled_dot_product_attention(Q, K, K, scale=D**-0.5, mask="causal")
+
+    def arr_mask(s):
+        B, q, k = s
+        Q = mx.random.normal((B, H, q, D)).astype(dt)
+        K = mx.random.normal((B, Hk, k, D)).astype(dt)
+        pads = mx.arange(B) * 3
+        rinds = mx.arange(k)
+        m = (rinds[:, None] >= rinds[None]) & (mx.expand_dims(pads, (1, 2, 3)) <= rinds)
+        return mx.fast.scaled_dot_product_attention(Q, K, K, scale=D**-0.5, mask=m)
+
+    mx.eval(causal((1, 8, 8)))
+    r["causal_b1"] = first_and_again(causal, [(1, n, n) for n in range(70, 80)])
+    r["causal_b1_pow2"] = first_and_again(causal, [(1, n, n) for n in (64, 128, 256, 512)])
+    r["causal_offset"] = first_and_again(causal, [(1, 64, 1000 + 37 * i) for i in range(6)])
+    r["causal_b8"] = first_and_again(causal, [(8, n, n) for n in (96, 97, 128)])
+    r["causal_b32"] = first_and_again(causal, [(32, n, n) for n in (96, 128)])
+    r["mask_b8"] = first_and_again(arr_mask, [(8, n, n) for n in (96, 97, 128)])
+    r["mask_b32"] = first_and_again(arr_mask, [(32, n, n) for n in (96, 128)])
+    return r
+
+
+def gemm_section() -> dict:
+    W = mx.random.normal((3072, 1024)).astype(mx.bfloat16)
+
+    def mm(m):
+        return mx.random.normal((m, 1024)).astype(mx.bfloat16) @ W.T
+
+    mx.eval(mm(8))
+    return {"gemm": first_and_again(mm, list(range(70, 80)) + [640, 641])}
+
+
+def prefill_section(model, vocab: int) -> dict:
+    def run(n):
+        caches = make_caches(len(model.layers))
+        toks = mx.array([[(7 * n + 13 * i) % (vocab - 10) + 5 for i in range(n)]])
+        model(toks, caches)
+        return [c.state for c in caches]
+
+    mx.eval(run(16))
+    return {"prefill": first_and_again(run, list(range(70, 80)) + [256, 257, 512, 513])}
+
+
+def exact_section(model, vocab: int, gen: int = 24) -> dict:
+    """Engine-level: greedy tokens of exact-width solo prefill (the reference, as mlx-lm runs it)
+    against bucketed solo prefill and against one group prefill of all rows (bucketed)."""
+    from actors.worker_api import RowSpec
+    from model.engine import Engine, generate_tokens
+    from model.params import SamplingParams
+
+    lengths = (37, 70, 77, 100, 129, 200, 64, 5)
+    specs = [RowSpec(i, tuple((11 * n + 17 * j) % (vocab - 10) + 5 for j in range(n)), SamplingParams(), gen)
+             for i, n in enumerate(lengths)]
+    reference = generate_tokens(Engine(model, eos_token_ids=[], prefill_bucket=0), specs)
+    bucketed = generate_tokens(Engine(model, eos_token_ids=[], prefill_bucket=64), specs)
+    engine = Engine(model, eos_token_ids=[], prefill_bucket=64)
+    for spec in specs:
+        engine.open_row(spec)
+    engine.prefill_group([s.row_id for s in specs])
+    grouped = {s.row_id: [engine.join(s.row_id).token] for s in specs}
+    live = {s.row_id for s in specs}
+    while live:
+        for t in engine.step():
+            grouped[t.row_id].append(t.token)
+            if t.finish:
+                engine.close_row(t.row_id)
+                live.discard(t.row_id)
+    return {
+        "lengths": lengths,
+        "bucketed_equal": [bucketed[s.row_id] == reference[s.row_id] for s in specs],
+        "grouped_equal": [grouped[s.row_id] == reference[s.row_id] for s in specs],
+        "grouped_first_mismatch": [next((k for k, (a, b) in enumerate(zip(grouped[s.row_id], reference[s.row_id])) if a != b), None) for s in specs],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", type=Path)
+    p.add_argument("--sections", default="sdpa,gemm,prefill,exact")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    sections = args.sections.split(",")
+    result: dict = {"device": str(mx.default_device())}
+    model = vocab = None
+    if args.model:
+        loaded = load_model(args.model)
+        model, vocab = loaded.model, int(loaded.config.raw.get("vocab_size") or 1000)
+    for name in sections:
+        t = time.perf_counter()
+        if name == "sdpa":
+            result[name] = sdpa_section()
+        elif name == "gemm":
+            result[name] = gemm_section()
+        elif name == "prefill":
+            result[name] = prefill_section(model, vocab)
+        elif name == "exact":
+            result[name] = exact_section(model, vocab)
+        print(name, f"{time.perf_counter() - t:.1f}s", json.dumps(result[name]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
