@@ -199,7 +199,8 @@ class GpuWorker:
             started = time.perf_counter()
             engine.warm_up(self.warm_up_batch)
             self.times.warm_up_s = time.perf_counter() - started
-            log.info("decode warmed up for batch sizes 1..%d in %.1f s", self.warm_up_batch, self.times.warm_up_s)
+            log.info("warmed up decode batch sizes 1..%d and %d prefill shapes in %.1f s", self.warm_up_batch,
+                     len(engine.prefill_shapes(self.warm_up_batch)), self.times.warm_up_s)
         self.info = ModelInfo(
             name=loaded.name,
             context_length=loaded.config.max_position_embeddings,

@@ -58,6 +58,8 @@ if [ "${SUITE:-full}" = "mini" ]; then  # the short check: warm-up costs, engine
 fi
 # the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+# first-time cost of new attention shapes, and bucketed / grouped prefill against exact widths
+step 90 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --out "$RES/shape-q06-bf16.json"
 step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
 step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
 step 120 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"
@@ -69,4 +71,8 @@ step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency
 step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 --only ours \
   --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--group-prefill off" \
   --out "$RES/sb-q06-bf16-nogroup.json"
+# A/B: exact prefill widths (the default on a GPU rounds them up to a multiple of 64)
+step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 --only ours \
+  --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--prefill-bucket 0" \
+  --out "$RES/sb-q06-bf16-nobucket.json"
 pack

@@ -309,7 +309,8 @@ class Engine:
     def warm_up(self, max_batch: int, *, prompt_len: int = 8) -> None:
         """Meet every decode batch size from 1 to `max_batch` once, on throwaway rows, so the
         one-off costs of a new shape (compiling the decode stages, kernel JIT, GEMM plans) are
-        paid before serving instead of as a stall in live streams. Needs an idle engine."""
+        paid before serving instead of as a stall in live streams. With prefill buckets, also
+        the common prefill shapes (`prefill_shapes`). Needs an idle engine."""
         if self._rows:
             raise RuntimeError("warm_up needs an idle engine")
         eos, self.eos = self.eos, frozenset()  # a throwaway row must not finish early
@@ -324,6 +325,15 @@ class Engine:
                 self.join(rid)
                 self.step()
                 self.step()
+            for rid in ids:
+                self.close_row(rid)
+            for count, width in self.prefill_shapes(max_batch):
+                rows = ids[:count]
+                for rid in rows:  # prompt[:-1] is exactly `width` long: no padding
+                    self.open_row(RowSpec(rid, tuple(1 + (rid * 5 + i) % 11 for i in range(width + 1)), SamplingParams(), 1))
+                self.prefill_group(rows) if count > 1 else self.prefill(rows[0])
+                for rid in rows:
+                    self.close_row(rid)
         finally:
             for rid in ids:
                 self.close_row(rid)
@@ -331,6 +341,17 @@ class Engine:
             self._steps = 0
             mx.synchronize()
             mx.clear_cache()
+
+    def prefill_shapes(self, max_batch: int) -> list[tuple[int, int]]:
+        """(rows, width) of the fresh-prompt prefill forwards worth meeting before serving: one
+        row at 1, 2, 4 ... 32 buckets (up to a chunk), and groups of 2, 4 ... `max_batch` rows at
+        one and two buckets. Empty without buckets (exact widths never repeat reliably)."""
+        b = self.prefill_bucket
+        if not b:
+            return []
+        solo = [(1, b << k) for k in range(6) if b << k <= self.prefill_chunk]
+        counts = [1 << k for k in range(1, 6) if 1 << k <= max_batch]
+        return solo + [(n, w) for n in counts for w in (b, 2 * b) if n * w <= GROUP_PAD_TOKENS]
 
     @property
     def active_rows(self) -> int:
