@@ -89,8 +89,8 @@ class ServeConfig:
     warm_up: str = "auto"
     # Simultaneous short arrivals prefilled in one forward: "auto" on a GPU, "on", "off".
     group_prefill: str = "auto"
-    # Prefill forwards right-padded to a multiple of this many tokens; None = auto (64 on a GPU).
-    prefill_bucket: int | None = None
+    # A request's prefill right-padded to a multiple of this many tokens (0 = exact widths).
+    prefill_bucket: int = 0
 
 
 @attrs.define

@@ -72,18 +72,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)")
     p.add_argument("--group-prefill", choices=("auto", "on", "off"), default="auto",
                    help="prefill simultaneous short arrivals in one forward (auto: on a GPU only)")
-    p.add_argument("--prefill-bucket", type=_bucket, default=None, metavar="auto|N",
-                   help="right-pad prefill forwards to a multiple of N tokens so attention shapes repeat "
-                        "(auto: 64 on a GPU, 0 = exact widths elsewhere)")
+    p.add_argument("--prefill-bucket", type=_non_negative_int, default=0, metavar="N",
+                   help="right-pad a request's prefill to a multiple of N tokens so CUDA attention graphs "
+                        "are reused (first prompt of a new length ~60 ms faster on an H200); greedy "
+                        "tokens may then differ from mlx-lm's in the last bits (default 0 = exact widths)")
     return p.parse_args(argv)
 
 
-def _bucket(text: str) -> int | None:
-    if text == "auto":
-        return None
+def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
-        raise argparse.ArgumentTypeError("must be auto, 0 or a positive number of tokens")
+        raise argparse.ArgumentTypeError("must be 0 or more")
     return value
 
 

@@ -71,8 +71,8 @@ step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency
 step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 --only ours \
   --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--group-prefill off" \
   --out "$RES/sb-q06-bf16-nogroup.json"
-# A/B: exact prefill widths (the default on a GPU rounds them up to a multiple of 64)
+# A/B: solo prefill right-padded to a multiple of 64 (opt-in; the default keeps exact widths)
 step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 --only ours \
-  --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--prefill-bucket 0" \
-  --out "$RES/sb-q06-bf16-nobucket.json"
+  --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--prefill-bucket 64" \
+  --out "$RES/sb-q06-bf16-bucket64.json"
 pack

@@ -124,6 +124,38 @@ def exact_section(model, vocab: int, gen: int = 24) -> dict:
     }
 
 
+def rowdiff_section(model, vocab: int) -> dict:
+    """Per row of a padded multi-row forward: the first layer whose keys differ from the row's
+    solo exact-width prefill, and the max difference there (None: bit-identical throughout)."""
+    L = len(model.layers)
+    out = {}
+
+    def first_diff(solo, group, i, n):
+        for layer, (a, b) in enumerate(zip(solo, group)):
+            d = float(mx.max(mx.abs(a.keys[0, :, :n].astype(mx.float32) - b.keys[i, :, :n].astype(mx.float32))).item())
+            if d > 0:
+                return layer, d
+        return None
+
+    for name, ns, pad, dup in (("repeat_dup", (36, 63, 4), "repeat", True), ("repeat_nodup", (36, 63, 4), "repeat", False),
+                               ("zero_pad", (36, 63, 4), "zero", False), ("pair", (36, 4), "repeat", False),
+                               ("same_len", (36, 36), "repeat", False), ("wide", (36, 100, 200), "repeat", False)):
+        prompts = [[(11 * n + 17 * j) % (vocab - 10) + 5 for j in range(n)] for n in ns]
+        width = -(-max(ns) // 64) * 64
+        rows = [p + ([p[-1]] if pad == "repeat" else [0]) * (width - len(p)) for p in prompts]
+        if dup:
+            rows += rows[:1]
+        group = make_caches(L)
+        model(mx.array(rows), group)
+        res = []
+        for i, p in enumerate(prompts):
+            solo = make_caches(L)
+            model(mx.array([p]), solo)
+            res.append(first_diff(solo, group, i, len(p)))
+        out[name] = {"ns": ns, "width": width, "first_diff": res}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", type=Path)
@@ -144,6 +176,8 @@ def main() -> None:
             result[name] = gemm_section()
         elif name == "prefill":
             result[name] = prefill_section(model, vocab)
+        elif name == "rowdiff":
+            result[name] = rowdiff_section(model, vocab)
         elif name == "exact":
             result[name] = exact_section(model, vocab)
         print(name, f"{time.perf_counter() - t:.1f}s", json.dumps(result[name]), flush=True)

@@ -41,9 +41,9 @@ from model.sampling import RowSampler, logprobs_of, observe_batch
 log = logging.getLogger(__name__)
 
 CLEAR_CACHE_EVERY = 256
-# Prefill widths round up to a multiple of this on a GPU (`prefill_bucket`): MLX's CUDA attention
-# builds a cuDNN graph for every new (q, k) shape — about 66 ms on an H200 against 0.4 ms to run
-# it — so arbitrary prompt lengths each paid that; rounded widths repeat and reuse the graph.
+# Group prefill widths round up to a multiple of this on a GPU (`group_bucket`): MLX's CUDA
+# attention builds a cuDNN graph for every new (rows, q, k) shape — about 66 ms on an H200
+# against 0.4 ms to run it — so arbitrary widths each paid that; rounded ones repeat.
 PREFILL_BUCKET = 64
 # A group's row count rounds up to a power of two (duplicate rows) while the padded forward
 # stays under this many tokens: the count is part of the attention graph's shape too.
@@ -99,20 +99,28 @@ class Engine:
         grammar_compiler: Any = None,  # model.grammar.GrammarCompiler: enforces SamplingParams.constraint
         compile_decode: bool | None = None,
         prefill_bucket: int | None = None,
+        group_bucket: int | None = None,
     ) -> None:
         self.model = model
         self.grammars = grammar_compiler
         self.eos = frozenset(eos_token_ids)
         self.protected = frozenset(protected_ids) | self.eos
         self.prefill_chunk = prefill_chunk
-        # Right-pad prefill forwards to a multiple of this (0 = exact widths). The padding sits
-        # after the real tokens, so causal attention keeps it out of their keys and values, and
-        # it is trimmed off the caches: the same KV, bit for bit (benchmarks/shape_cost.py).
-        # None = MLX_TRIO_PREFILL_BUCKET, else PREFILL_BUCKET on a GPU and 0 elsewhere.
+        # Right-pad a row's own prefill forwards to a multiple of this (0 = exact widths, the
+        # default). The padding sits after the real tokens, so causal attention keeps it out of
+        # their keys and values, and it is trimmed off the caches. Opt-in: the KV is the same
+        # math, but on CUDA cuBLAS picks GEMM kernels by shape, and on the 8B shape a padded
+        # prefill's greedy tokens left mlx-lm's at token 0 (benchmarks/shape_cost.py).
         if prefill_bucket is None:
-            default = PREFILL_BUCKET if mx.default_device().type == mx.gpu else 0
-            prefill_bucket = int(os.environ.get("MLX_TRIO_PREFILL_BUCKET", default))
+            prefill_bucket = int(os.environ.get("MLX_TRIO_PREFILL_BUCKET", 0))
         self.prefill_bucket = max(0, prefill_bucket)
+        # The same for a group prefill's shared width (already a batched, padded forward, as
+        # mlx-lm's BatchGenerator runs): None = MLX_TRIO_GROUP_BUCKET, else PREFILL_BUCKET on a
+        # GPU and 0 elsewhere.
+        if group_bucket is None:
+            default = PREFILL_BUCKET if mx.default_device().type == mx.gpu else 0
+            group_bucket = int(os.environ.get("MLX_TRIO_GROUP_BUCKET", default))
+        self.group_bucket = max(0, group_bucket)
         self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
         self._rows: dict[int, _Row] = {}
@@ -156,7 +164,7 @@ class Engine:
         end = min(row.processed + self.prefill_chunk, len(row.prompt) - 1)
         if end > row.processed:
             chunk = row.prompt[row.processed : end]
-            pad = self._padding(len(chunk)) if all(c.is_trimmable() for c in row.caches) else 0
+            pad = _padding(len(chunk), self.prefill_bucket) if all(c.is_trimmable() for c in row.caches) else 0
             self.model(mx.array(chunk + chunk[-1:] * pad)[None], row.caches)
             for c in row.caches:
                 c.trim(pad)
@@ -193,15 +201,13 @@ class Engine:
         progress, in order. A burst of short arrivals pays one forward — and on CUDA one
         attention graph, which MLX builds per new shape — instead of one per row. Numerically
         this is a batched prefill, as mlx-lm's BatchGenerator runs."""
-        # With buckets, one forward per bucket: rows padded past their own bucket did not always
-        # decode like solo on CUDA (measured: two rows padded by 200+ tokens diverged after a few
-        # tokens), while padding within a bucket matches exact-width prefill bit for bit.
+        # With buckets, one forward per bucket: less padding, and (rows, width) shapes that recur.
         clusters: dict[int, list[_Row]] = {}
         for row_id in row_ids:
             if self.groupable(row_id):
                 row = self._rows[row_id]
                 todo = len(row.prompt) - 1
-                clusters.setdefault(todo + self._padding(todo) if self.prefill_bucket else 0, []).append(row)
+                clusters.setdefault(todo + _padding(todo, self.group_bucket) if self.group_bucket else 0, []).append(row)
         for rows in clusters.values():
             if len(rows) == 1:
                 self.prefill(rows[0].row_id)
@@ -214,10 +220,10 @@ class Engine:
         # row's padding out of its real tokens: no mask array (on CUDA an array mask makes cuDNN
         # build a graph that costs over a second per new shape, a causal one ~66 ms).
         lengths = [len(r.prompt) - 1 for r in rows]
-        width = max(lengths) + self._padding(max(lengths))
+        width = max(lengths) + _padding(max(lengths), self.group_bucket)
         tokens = [r.prompt[:n] + r.prompt[n - 1 : n] * (width - n) for r, n in zip(rows, lengths)]
         count = len(rows)
-        if self.prefill_bucket:
+        if self.group_bucket:
             padded_count = 1 << (count - 1).bit_length()
             if padded_count * width <= GROUP_PAD_TOKENS:
                 tokens += tokens[:1] * (padded_count - count)  # duplicates, dropped below
@@ -228,10 +234,6 @@ class Engine:
             row.processed = n
         mx.eval([c.state for row in rows for c in row.caches])
         mx.clear_cache()
-
-    def _padding(self, width: int) -> int:
-        """Tokens to add after a forward of `width` to reach the next bucket (0 when exact)."""
-        return -width % self.prefill_bucket if self.prefill_bucket else 0
 
     def join(self, row_id: int) -> TokenOut:
         row = self._rows[row_id]
@@ -343,15 +345,14 @@ class Engine:
             mx.clear_cache()
 
     def prefill_shapes(self, max_batch: int) -> list[tuple[int, int]]:
-        """(rows, width) of the fresh-prompt prefill forwards worth meeting before serving: one
-        row at 1, 2, 4 ... 32 buckets (up to a chunk), and groups of 2, 4 ... `max_batch` rows at
-        one and two buckets. Empty without buckets (exact widths never repeat reliably)."""
-        b = self.prefill_bucket
-        if not b:
-            return []
-        solo = [(1, b << k) for k in range(6) if b << k <= self.prefill_chunk]
-        counts = [1 << k for k in range(1, 6) if 1 << k <= max_batch]
-        return solo + [(n, w) for n in counts for w in (b, 2 * b) if n * w <= GROUP_PAD_TOKENS]
+        """(rows, width) of the fresh-prompt prefill forwards worth meeting before serving: with
+        `prefill_bucket`, one row at 1, 2, 4 ... 32 buckets (up to a chunk); with `group_bucket`,
+        groups of 2, 4 ... `max_batch` rows at one and two buckets. Exact widths never repeat
+        reliably, so without buckets there is nothing to meet."""
+        b, g = self.prefill_bucket, self.group_bucket
+        solo = [(1, b << k) for k in range(6) if b << k <= self.prefill_chunk] if b else []
+        counts = [1 << k for k in range(1, 6) if 1 << k <= max_batch] if g else []
+        return solo + [(n, w) for n in counts for w in (g, 2 * g) if n * w <= GROUP_PAD_TOKENS]
 
     @property
     def active_rows(self) -> int:
@@ -561,3 +562,8 @@ def generate_tokens(engine: Engine, specs: Sequence[RowSpec], *, reusable: bool 
                 engine.close_row(t.row_id, reusable=reusable)
                 live.discard(t.row_id)
     return out
+
+
+def _padding(width: int, bucket: int) -> int:
+    """Tokens to add after a forward of `width` to reach the next multiple of `bucket` (0 = exact)."""
+    return -width % bucket if bucket else 0

@@ -19,12 +19,12 @@ def specs(n: int, max_tokens: int = 12) -> list[RowSpec]:
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_group_prefill_decodes_like_solo_prefill(tiny_model_factory, family):
-    # exact widths: one forward for all rows, each padded up to the longest (buckets:
+    # no buckets: one forward for all rows, each padded up to the longest (buckets:
     # test_engine_prefill_bucket.py)
     loaded = load_model(tiny_model_factory(family))
     rows = specs(5)
     expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], prefill_bucket=0), rows)
-    engine = Engine(loaded.model, eos_token_ids=[], prefill_bucket=0)
+    engine = Engine(loaded.model, eos_token_ids=[], group_bucket=0)
     for spec in rows:
         engine.open_row(spec)
     assert all(engine.groupable(s.row_id) for s in rows)

@@ -1,6 +1,7 @@
-"""Bucketed prefill: forwards right-padded to a multiple of `prefill_bucket` (the CUDA default,
-so attention graphs repeat) decode exactly like exact-width prefill — solo, chunked, after a
-prompt-cache hit and across a boundary snapshot."""
+"""Bucketed prefill: forwards right-padded to a multiple of `prefill_bucket` (opt-in) or, for
+group prefill, `group_bucket` (the CUDA default), so attention graphs repeat, decode exactly like
+exact-width prefill — solo, chunked, after a prompt-cache hit, across a boundary snapshot and in
+groups (on CPU; on CUDA only up to cuBLAS's shape-dependent kernel choice)."""
 
 from __future__ import annotations
 
@@ -73,14 +74,14 @@ def test_bucketed_group_prefill_runs_one_forward_per_bucket_and_decodes_like_exa
             for i in range(1, 6)]
     expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], prefill_bucket=0), rows)
     recorder = WidthRecorder(loaded.model)
-    engine = Engine(recorder, eos_token_ids=[], prefill_bucket=16, compile_decode=False)
+    engine = Engine(recorder, eos_token_ids=[], group_bucket=16, compile_decode=False)
     for spec in rows:
         engine.open_row(spec)
     progress = engine.prefill_group([s.row_id for s in rows])
     assert [p.remaining for p in progress] == [0] * 5
     # the three rows of bucket 32 in one forward, their count rounded up to 4 (one duplicate);
-    # the lone rows of buckets 16 and 48 prefill alone
-    assert sorted(recorder.widths) == [(1, 16), (1, 48), (4, 32)]
+    # the lone rows of buckets 16 and 48 prefill alone, at their exact widths (prefill_bucket 0)
+    assert sorted(recorder.widths) == [(1, 13), (1, 33), (4, 32)]
     out = {s.row_id: [engine.join(s.row_id).token] for s in rows}
     live = {s.row_id for s in rows}
     while live:

@@ -73,7 +73,8 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
     loaded = load_model(qwen3_dir)
     cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1], prefill_bucket=8), SPECS)
     recorder = WidthRecorder(load_model(qwen3_dir).model)
-    warmed = Engine(recorder, eos_token_ids=[0, 1], prefill_bucket=8, prefill_chunk=64, compile_decode=False)
+    warmed = Engine(recorder, eos_token_ids=[0, 1], prefill_bucket=8, group_bucket=8, prefill_chunk=64,
+                    compile_decode=False)
     shapes = warmed.prefill_shapes(4)
     # one row at 8..64 (the chunk), groups of 2 and 4 rows at 8 and 16
     assert shapes == [(1, 8), (1, 16), (1, 32), (1, 64), (2, 8), (2, 16), (4, 8), (4, 16)]
@@ -81,4 +82,5 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
     assert set(shapes) <= set(recorder.widths)
     assert warmed.active_rows == 0 and warmed.batch_size == 0
     assert generate_tokens(warmed, SPECS) == cold
-    assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0).prefill_shapes(4) == []
+    assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=0).prefill_shapes(4) == []
+    assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=8).prefill_shapes(2) == [(2, 8), (2, 16)]
