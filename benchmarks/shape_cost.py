@@ -156,6 +156,40 @@ def rowdiff_section(model, vocab: int) -> dict:
     return out
 
 
+def hit_section(model, vocab: int, gen: int = 24) -> dict:
+    """After a prompt-cache hit: greedy tokens of the suffix prefilled with fused attention and
+    unfused (matmuls) against a cold run, and each one's first-time cost at new offsets."""
+    from actors.worker_api import RowSpec
+    from cache.prompt_cache import PromptCache
+    from model.engine import Engine, generate_tokens
+    from model.params import SamplingParams
+
+    system = [(13 * j) % (vocab - 10) + 5 for j in range(1000)]
+    seed = RowSpec(0, tuple(system + [7, 8]), SamplingParams(), 2)
+    out: dict = {}
+    for name, unfused in (("fused", False), ("unfused", True)):
+        cold = Engine(model, eos_token_ids=[], unfused_hit_prefill=False)
+        hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 32), unfused_hit_prefill=unfused)
+        generate_tokens(hot, [seed], reusable=True)
+        rows = []
+        for i, n in enumerate((23, 37, 50, 81, 120)):
+            extra = [(29 * n + 3 * j + (5 if unfused else 0)) % (vocab - 10) + 5 for j in range(n)]
+            spec = RowSpec(10 + i, tuple(system + extra), SamplingParams(), gen)
+            expected = generate_tokens(cold, [spec])[spec.row_id]
+            opened = hot.open_row(spec)
+            t = time.perf_counter()
+            while hot.prefill(spec.row_id).remaining:
+                pass
+            mx.synchronize()
+            prefill_ms = round(1e3 * (time.perf_counter() - t), 2)
+            hot.close_row(spec.row_id)
+            got = generate_tokens(hot, [spec])[spec.row_id]
+            rows.append({"suffix": n, "cached": opened.cached_tokens, "first_prefill_ms": prefill_ms,
+                         "equal_to_cold": got == expected})
+        out[name] = rows
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", type=Path)
@@ -176,6 +210,8 @@ def main() -> None:
             result[name] = gemm_section()
         elif name == "prefill":
             result[name] = prefill_section(model, vocab)
+        elif name == "hit":
+            result[name] = hit_section(model, vocab)
         elif name == "rowdiff":
             result[name] = rowdiff_section(model, vocab)
         elif name == "exact":

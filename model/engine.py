@@ -48,6 +48,9 @@ PREFILL_BUCKET = 64
 # A group's row count rounds up to a power of two (duplicate rows) while the padded forward
 # stays under this many tokens: the count is part of the attention graph's shape too.
 GROUP_PAD_TOKENS = 8192
+# A prefill after a prompt-cache hit runs its attention unfused (see `unfused_hit_prefill`) while
+# the scores matrix — heads x suffix x (prefix + suffix) floats — stays under this.
+UNFUSED_SCORES_BYTES = 256 << 20
 # Below this, a boundary snapshot or a merged row's extraction (a copy) costs about what it saves.
 MIN_CACHE_TOKENS = 256
 
@@ -60,6 +63,7 @@ class _Row:
     max_tokens: int
     caches: list[KVCache] | None
     processed: int = 0  # prompt tokens whose KV is in the caches
+    restored: int = 0  # of those, the ones restored from the prompt cache at open
     sampled: int = 0  # tokens whose sampling has been dispatched (drives the RNG step)
     generated: int = 0  # tokens read back and reported
     last_token: int = -1
@@ -100,6 +104,7 @@ class Engine:
         compile_decode: bool | None = None,
         prefill_bucket: int | None = None,
         group_bucket: int | None = None,
+        unfused_hit_prefill: bool | None = None,
     ) -> None:
         self.model = model
         self.grammars = grammar_compiler
@@ -121,6 +126,17 @@ class Engine:
             default = PREFILL_BUCKET if mx.default_device().type == mx.gpu else 0
             group_bucket = int(os.environ.get("MLX_TRIO_GROUP_BUCKET", default))
         self.group_bucket = max(0, group_bucket)
+        # A prefill after a prompt-cache hit (a chat's next turn, a shared system prompt) has a
+        # new attention k length almost every time, and on CUDA each new shape costs a cuDNN graph
+        # (~66 ms on an H200, more than the whole forward). Its attention then runs as matmuls
+        # (model.layers.UNFUSED_CAUSAL), MLX's fallback formula, which builds nothing. A cold
+        # prompt never takes this path, so its tokens stay mlx-lm's. None = on under CUDA only
+        # (MLX_TRIO_UNFUSED_HIT=0/1 overrides); Metal and CPU have no per-shape cost.
+        if unfused_hit_prefill is None:
+            cuda = mx.default_device().type == mx.gpu and not mx.metal.is_available()
+            unfused_hit_prefill = os.environ.get("MLX_TRIO_UNFUSED_HIT", "1" if cuda else "0") != "0"
+        self.unfused_hit_prefill = unfused_hit_prefill
+        self._heads = int(getattr(model.args, "num_attention_heads", 0) or 0)
         self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
         self._rows: dict[int, _Row] = {}
@@ -152,6 +168,7 @@ class Engine:
             namespace=spec.namespace,
         )
         row.caches, row.processed = self._take(row.prompt, spec.namespace, spec.min_cached_tokens)
+        row.restored = row.processed
         if spec.snapshot_at is not None and self.prompt_cache is not None:
             at = min(spec.snapshot_at, len(row.prompt) - 1)
             if at >= MIN_CACHE_TOKENS and at > row.processed:
@@ -165,7 +182,10 @@ class Engine:
         if end > row.processed:
             chunk = row.prompt[row.processed : end]
             pad = _padding(len(chunk), self.prefill_bucket) if all(c.is_trimmable() for c in row.caches) else 0
-            self.model(mx.array(chunk + chunk[-1:] * pad)[None], row.caches)
+            width = len(chunk) + pad
+            unfused = (self.unfused_hit_prefill and row.restored > 0
+                       and 4 * self._heads * width * (row.processed + width) <= UNFUSED_SCORES_BYTES)
+            self.model(mx.array(chunk + chunk[-1:] * pad)[None], row.caches, unfused_attention=unfused)
             for c in row.caches:
                 c.trim(pad)
             mx.eval([c.state for c in row.caches])

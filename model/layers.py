@@ -321,6 +321,30 @@ def make_rope(dims: int, args: DecoderArgs) -> nn.Module:
     raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
+# The mask value that asks for causal attention as plain matmuls + softmax — MLX's own fallback
+# formula, op for op, so bit-identical to the fused call wherever MLX itself falls back (CPU).
+# For a prefill after a prompt-cache hit on CUDA: there the fused kernel builds a cuDNN graph
+# per new (q, k) shape, ~66 ms on an H200, and a suffix after a hit has a new k length almost
+# every time (its scores matrix is small: a short suffix against the cached prefix).
+UNFUSED_CAUSAL = "unfused-causal"
+
+
+def unfused_causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    B, n_heads, L, D = q.shape
+    n_kv = k.shape[1]
+    q = mx.array(scale, q.dtype) * q
+    if n_heads != n_kv:
+        q = q.reshape(B, n_kv, n_heads // n_kv, L, D)
+        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+    scores = q @ k.swapaxes(-1, -2)
+    kL = k.shape[-2]
+    offset = max(kL - L, 0)
+    mask = mx.expand_dims(mx.arange(offset, offset + L), 1) >= mx.expand_dims(mx.arange(kL), 0)
+    scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    out = mx.softmax(scores, axis=-1, precise=True) @ v
+    return out.reshape(B, n_heads, L, -1) if n_heads != n_kv else out
+
+
 class Attention(nn.Module):
     def __init__(self, args: DecoderArgs):
         super().__init__()
@@ -366,6 +390,8 @@ class Attention(nn.Module):
         return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> mx.array:
+        if isinstance(mask, str) and mask == UNFUSED_CAUSAL:
+            return unfused_causal_attention(queries, keys, values, self.scale)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
 
     def output(self, attended: mx.array) -> mx.array:
@@ -498,9 +524,9 @@ class DecoderBody(nn.Module):
         self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+    def __call__(self, tokens: mx.array, caches: list[Any], unfused_attention: bool = False) -> mx.array:
         h = self.embed_tokens(tokens)
-        mask = caches[0].make_mask(h.shape[1])
+        mask = UNFUSED_CAUSAL if unfused_attention and h.shape[1] > 1 else caches[0].make_mask(h.shape[1])
         for layer, cache in zip(self.layers, caches):
             h = layer(h, mask, cache)
         return self.norm(h)
@@ -520,8 +546,9 @@ class DecoderModel(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array:
-        return self.model(tokens, caches)
+    def __call__(self, tokens: mx.array, caches: list[Any], *, unfused_attention: bool = False) -> mx.array:
+        """`unfused_attention`: causal attention as matmuls (UNFUSED_CAUSAL), for a prefill."""
+        return self.model(tokens, caches, unfused_attention)
 
     def logits(self, hidden: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:

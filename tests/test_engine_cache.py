@@ -1,7 +1,7 @@
 """The engine with a prompt cache: a hit never changes greedy output, only the work done.
 
 Every hit result is compared with a cold run of the same prompt on a cache-less engine sharing
-the model. Prompts are >= 300 tokens with prefill_chunk=64, so restored prefixes, chunk splits
+the model, with the attention after a hit fused and unfused. Prompts are >= 300 tokens with prefill_chunk=64, so restored prefixes, chunk splits
 and snapshots land mid-chunk.
 """
 
@@ -30,6 +30,13 @@ def rand_tokens(n, seed):
 
 
 P = rand_tokens(400, 1)
+
+
+@pytest.fixture(autouse=True, params=["0", "1"], ids=["fused", "unfused-hit"])
+def hit_attention(request, monkeypatch):
+    # every test twice: a prefill after a hit with the fused attention kernel, and as matmuls
+    # (the CUDA default, test_engine_unfused_hit.py)
+    monkeypatch.setenv("MLX_TRIO_UNFUSED_HIT", request.param)
 
 
 @pytest.fixture(scope="module")

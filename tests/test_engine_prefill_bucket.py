@@ -21,9 +21,9 @@ class WidthRecorder:
         self._model = model
         self.widths: list[tuple[int, int]] = []
 
-    def __call__(self, tokens, caches):
+    def __call__(self, tokens, caches, **kwargs):
         self.widths.append(tuple(tokens.shape))
-        return self._model(tokens, caches)
+        return self._model(tokens, caches, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
