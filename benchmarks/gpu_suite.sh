@@ -59,7 +59,7 @@ fi
 # the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
 # first-time cost of new attention shapes, and bucketed / grouped prefill against exact widths
-step 90 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --out "$RES/shape-q06-bf16.json"
+step 150 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --out "$RES/shape-q06-bf16.json"
 step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
 step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
 step 120 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"

@@ -6,7 +6,7 @@ left-padding array mask at B=8; (gemm) a projection at new M; (prefill) a whole 
 new lengths. Then (exact) whether the engine's bucketed prefill (right-padded, trimmed back) and
 its group prefill give the same greedy tokens as exact-width solo prefill.
 
-    python benchmarks/shape_cost.py --model DIR [--sections sdpa,gemm,prefill,exact] [--out F]
+    python benchmarks/shape_cost.py --model DIR [--sections sdpa,gemm,prefill,exact,rowdiff,hit,longdecode] [--out F]
 """
 
 from __future__ import annotations
@@ -190,10 +190,38 @@ def hit_section(model, vocab: int, gen: int = 24) -> dict:
     return out
 
 
+def longdecode_section(model, vocab: int, steps: int = 700) -> dict:
+    """One row decoding past several 256-token KV growth steps: per-step times, and the steps
+    that took over 4x the median with the context length they ran at. On CUDA, MLX's decode
+    attention for k >= 256 is a cuDNN graph keyed by the KV buffer's capacity, which grows in
+    256-token steps — a new graph each time, if the suspicion holds."""
+    import statistics
+
+    from actors.worker_api import RowSpec
+    from model.engine import Engine
+    from model.params import SamplingParams
+
+    engine = Engine(model, eos_token_ids=[])
+    prompt = tuple((7 * j) % (vocab - 10) + 5 for j in range(200))
+    engine.open_row(RowSpec(1, prompt, SamplingParams(), steps + 10))
+    while engine.prefill(1).remaining:
+        pass
+    engine.join(1)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    engine.close_row(1)
+    median = statistics.median(times)
+    slow = [{"context": len(prompt) + i, "ms": round(1e3 * dt, 2)} for i, dt in enumerate(times) if dt > 4 * median]
+    return {"median_ms": round(1e3 * median, 3), "slow_steps": slow}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", type=Path)
-    p.add_argument("--sections", default="sdpa,gemm,prefill,exact")
+    p.add_argument("--sections", default="sdpa,gemm,prefill,exact,rowdiff,hit,longdecode")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     sections = args.sections.split(",")
@@ -210,6 +238,8 @@ def main() -> None:
             result[name] = gemm_section()
         elif name == "prefill":
             result[name] = prefill_section(model, vocab)
+        elif name == "longdecode":
+            result[name] = longdecode_section(model, vocab)
         elif name == "hit":
             result[name] = hit_section(model, vocab)
         elif name == "rowdiff":
