@@ -84,3 +84,20 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
     assert generate_tokens(warmed, SPECS) == cold
     assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=0).prefill_shapes(4) == []
     assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=8).prefill_shapes(2) == [(2, 8), (2, 16)]
+
+
+async def test_prefill_bucket_flag_reaches_the_engine(qwen3_dir):
+    from actors.root import ServeConfig
+    from actors.serve import _load_plan, parse_args
+
+    args = parse_args(["--prefill-bucket", "16"])
+    assert args.prefill_bucket == 16 and parse_args([]).prefill_bucket == 0
+    _, planned, _ = _load_plan(ServeConfig(model=str(qwen3_dir), prefill_bucket=args.prefill_bucket))
+    assert planned.prefill_bucket == 16
+    worker = GpuWorker(qwen3_dir, eos_token_ids=[], prefill_bucket=planned.prefill_bucket)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            buckets = await worker.run_exclusive(lambda engine: (engine.prefill_bucket, engine.group_bucket))
+            assert buckets == (16, 0)  # the group bucket is a GPU default; this is the CPU
+            nursery.cancel_scope.cancel()
