@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from actors.worker_api import PrefillProgress, RowOpened, RowSpec, TokenOut, TopLogprob
 from cache.prompt_cache import PromptCache
-from model.kv_cache import BatchKVCache, KVCache, make_caches
+from model.kv_cache import STEP, BatchKVCache, KVCache, make_caches
 from model.layers import CompiledDecode, DecoderModel
 from model.params import SamplingParams
 from model.sampling import RowSampler, logprobs_of, observe_batch
@@ -143,6 +143,11 @@ class Engine:
             unfused_hit_prefill = os.environ.get("MLX_TRIO_UNFUSED_HIT", "1" if cuda else "0") != "0"
         self.unfused_hit_prefill = unfused_hit_prefill
         self._heads = int(getattr(model.args, "num_attention_heads", 0) or 0)
+        # Experimental (MLX_TRIO_WARM_DECODE_CAPACITY=N, default 0): warm-up also decodes one
+        # token against KV buffers of every capacity 256, 512 ... N. On CUDA, MLX's decode
+        # attention for k >= 256 is a cuDNN graph keyed by that capacity, so a long stream may
+        # stall once per 256 tokens of growth; unmeasured, hence off (docs/performance.md).
+        self.warm_decode_capacity = int(os.environ.get("MLX_TRIO_WARM_DECODE_CAPACITY", 0))
         self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
         self._rows: dict[int, _Row] = {}
@@ -355,6 +360,7 @@ class Engine:
                 self.step()
             for rid in ids:
                 self.close_row(rid)
+            self._warm_decode_capacities(ids[0])
             for count, width in self.prefill_shapes(max_batch):
                 rows = ids[:count]
                 for rid in rows:  # prompt[:-1] is exactly `width` long: no padding
@@ -371,6 +377,25 @@ class Engine:
             self.eos, self.prompt_cache = eos, cache
             self._steps = 0
             mx.synchronize()
+            mx.clear_cache()
+
+    def _warm_decode_capacities(self, rid: int) -> None:
+        """One decode forward against KV buffers of each capacity up to `warm_decode_capacity`."""
+        if self.warm_decode_capacity < STEP:
+            return
+        self.open_row(RowSpec(rid, (1, 2, 3), SamplingParams(), 1))
+        self.prefill(rid)  # real caches: their dtype and head shapes
+        template = self._rows[rid].caches
+        self.close_row(rid)
+        for capacity in range(STEP, self.warm_decode_capacity + 1, STEP):
+            caches = []
+            for t in template:
+                c = KVCache()
+                c.keys = mx.zeros((1, t.keys.shape[1], capacity, t.keys.shape[3]), t.keys.dtype)
+                c.values = mx.zeros((1, t.values.shape[1], capacity, t.values.shape[3]), t.values.dtype)
+                c.offset = capacity - 1
+                caches.append(c)
+            mx.eval(self.model(mx.array([[1]]), caches))
             mx.clear_cache()
 
     def prefill_shapes(self, max_batch: int) -> list[tuple[int, int]]:

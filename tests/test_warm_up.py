@@ -101,3 +101,26 @@ async def test_prefill_bucket_flag_reaches_the_engine(qwen3_dir):
             buckets = await worker.run_exclusive(lambda engine: (engine.prefill_bucket, engine.group_bucket))
             assert buckets == (16, 0)  # the group bucket is a GPU default; this is the CPU
             nursery.cancel_scope.cancel()
+
+
+def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir, monkeypatch):
+    monkeypatch.setenv("MLX_TRIO_WARM_DECODE_CAPACITY", "600")  # capacities 256 and 512
+    loaded = load_model(qwen3_dir)
+    cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1]), SPECS)
+    model = load_model(qwen3_dir).model
+    capacities = []
+
+    class CapacityRecorder:
+        def __call__(self, tokens, caches, **kwargs):
+            if tokens.shape[1] == 1 and caches[0].keys is not None:
+                capacities.append((caches[0].keys.shape[2], caches[0].offset))
+            return model(tokens, caches, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    warmed = Engine(CapacityRecorder(), eos_token_ids=[0, 1], compile_decode=False)
+    warmed.warm_up(2)
+    assert (256, 255) in capacities and (512, 511) in capacities
+    assert warmed.active_rows == 0 and warmed.batch_size == 0
+    assert generate_tokens(warmed, SPECS) == cold
