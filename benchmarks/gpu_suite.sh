@@ -42,16 +42,17 @@ spy_c32() {
   pack
 }
 
-if [ "${SUITE:-full}" = "mini" ]; then  # the short check: warm-up costs, engine decode A/B, a serve run
+if [ "${SUITE:-full}" = "mini" ]; then  # the open questions of 2026-12-04: decode graphs per KV capacity,
+  # the unfused hit prefill at c=8/c=32, and an A/B of the experimental decode-capacity warm-up
   step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 60 python3 benchmarks/warmup_cost.py --model $M/q06-bf16 --max-batch 32 --out "$RES/wu-q06-bf16.json"
-  # ours = + the CUDA GEMV kernel (opt-in); ours_nogemv = the default engine (fused projections)
-  step 90 env MLX_TRIO_GEMV=1 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
-  step 40 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
-  step 90 env MLX_TRIO_GEMV=1 $DE --model $M/l8-bf16 --batches 1,8 --repeats 2 --out "$RES/de-l8-bf16.json"
-  rm -rf $M/l8-bf16
+  step 90 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --sections longdecode,hit --out "$RES/shape-q06-bf16.json"
   step 150 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
+    --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
+  for cap in 0 8192; do
+    step 90 env MLX_TRIO_WARM_DECODE_CAPACITY=$cap $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT \
+      --concurrency 1 --repeats 1 --only ours --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort \
+      --exit-streams 0 --restart-words 1100 --out "$RES/sb-q06-bf16-warmcap$cap.json"
+  done
   spy_c32 q06-bf16
   pack
   exit 0
