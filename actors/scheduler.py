@@ -148,7 +148,12 @@ class Scheduler:
                 if joiner.to_prefill > 0:
                     await self._prefill(joiner)
                 else:
-                    await self._join(joiner)
+                    # Into a running batch with nobody queued behind it (a burst's rows join
+                    # one by one, each giving its token 0 at once), the join rides the next step.
+                    if table.running and not table.queue and not table.staged:
+                        await self._join_with_next_step(joiner)
+                    else:
+                        await self._join(joiner)
                     # Simultaneous arrivals form one batch: admit the next before stepping.
                     burst = bool(table.staged) or table.admissible_head() is not None
                 await self._close_leavers()
@@ -206,6 +211,20 @@ class Scheduler:
             self.table.joined_staged(row)
             if first is not None:
                 self._on_token(row, first)
+
+    async def _join_with_next_step(self, row: Row) -> None:
+        """Into a running batch, with a step coming next: the step computes the row's token 0
+        along with everyone's next token, so the join costs no forward of its own (a `join` is
+        an L=1 forward that every running stream waits for)."""
+        try:
+            self._calls += 1
+            (first,) = await self._worker.join_group([row.row_id])
+        except Exception as exc:
+            self._fail([row], exc, "join_group")
+            return
+        self.table.joined(row)
+        if first is not None:  # a grammar-constrained row joins the ordinary way
+            self._on_token(row, first)
 
     async def _prefill(self, row: Row) -> None:
         try:

@@ -80,7 +80,9 @@ class RecordingWorker:
         return await self._record("join", row_id, lambda: self.inner.join(row_id))
 
     async def join_group(self, row_ids: list[int]) -> list[TokenOut | None]:
-        return await self._record("join_group", None, lambda: self.inner.join_group(row_ids))
+        # one row (a joiner riding the next step) is recorded under its id, a group under None
+        row_id = row_ids[0] if len(row_ids) == 1 else None
+        return await self._record("join_group", row_id, lambda: self.inner.join_group(row_ids))
 
     async def step(self) -> list[TokenOut]:
         return await self._record("step", None, self.inner.step)

@@ -42,10 +42,14 @@ async def test_simultaneous_arrivals_form_one_batch(autojump_clock):
     async with scheduler_harness(worker) as h:
         rows = [h.submit(i, prompt(1, salt=i), max_tokens=3) for i in (1, 2, 3)]
         await trio.sleep(20)
-    # Three joins back to back (burst), then every step runs the three together.
-    assert [call for _, call, _ in worker.calls[:6]] == ["open_row", "join"] * 3
-    assert worker.batches()[0] == (3, (1, 2, 3))
-    assert all(ids == (1, 2, 3) for _, ids in worker.batches())
+    # Three joins back to back (burst), then every step runs the three together; the last
+    # joiner, with nobody left to admit, gets its token 0 from that first step (join_group).
+    assert [call for _, call, _ in worker.calls[:7]] == ["open_row", "join"] * 2 + ["open_row", "join_group", "step"]
+    assert worker.calls[5][2] == (3,)
+    # Rows 1 and 2 got token 0 from their joins, row 3 from the first step: it needs one more.
+    assert worker.batches() == [(3, (1, 2, 3)), (4, (1, 2, 3)), (5, (3,))]
+    # (the fake charges join_group a join's 1 s; the engine's runs no forward)
+    assert [row.token_times[0] for row in rows] == [1, 2, 4]
     for i, row in zip((1, 2, 3), rows):
         assert row.tokens == worker.expected(prompt(1, salt=i), 3)
     assert not worker.violations
