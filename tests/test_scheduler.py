@@ -74,6 +74,23 @@ async def test_joiner_prefill_interleaves_with_running_steps(autojump_clock):
     assert not worker.violations
 
 
+async def test_a_lone_joiner_rides_the_next_step_instead_of_a_join_forward(autojump_clock):
+    worker = FakeWorker()
+    async with scheduler_harness(worker) as h:
+        running = h.submit(1, prompt(1), max_tokens=10)
+        await trio.sleep(2.5)
+        joiner = h.submit(2, prompt(3, salt=7), max_tokens=4)  # 1 chunk, nobody queued behind it
+        await trio.sleep(30)
+    calls = [(c, arg) for _, c, arg in worker.calls if arg in (2, (2,)) or c == "join"]
+    assert ("join_group", (2,)) in calls and ("join", 2) not in calls
+    # its token 0 comes with the first step that includes it, and every token is its own
+    first_with_2 = next(t for t, ids in worker.batches() if 2 in ids)
+    assert joiner.token_times[0] == first_with_2 + worker.step_cost
+    assert joiner.tokens == worker.expected(prompt(3, salt=7), 4)
+    assert running.tokens == worker.expected(prompt(1), 10)
+    assert not worker.violations
+
+
 async def test_rows_leave_mid_flight_and_the_batch_shrinks(autojump_clock):
     worker = FakeWorker()
     async with scheduler_harness(worker) as h:
