@@ -185,7 +185,8 @@ def hit_section(model, vocab: int, gen: int = 24) -> dict:
             hot.close_row(spec.row_id)
             got = generate_tokens(hot, [spec])[spec.row_id]
             rows.append({"suffix": n, "cached": opened.cached_tokens, "first_prefill_ms": prefill_ms,
-                         "equal_to_cold": got == expected})
+                         "equal_to_cold": got == expected,
+                         "first_mismatch": next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), None)})
         out[name] = rows
     return out
 
