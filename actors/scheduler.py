@@ -149,9 +149,10 @@ class Scheduler:
                     await self._prefill(joiner)
                 else:
                     # Into a running batch with nobody queued behind it (a burst's rows join
-                    # one by one, each giving its token 0 at once), the join rides the next step.
+                    # one by one, each giving its token 0 at once), the join rides the next step:
+                    # no L=1 forward of its own for the running streams to wait for.
                     if table.running and not table.queue and not table.staged:
-                        await self._join_with_next_step(joiner)
+                        await self._join_group([joiner], staged=False)
                     else:
                         await self._join(joiner)
                     # Simultaneous arrivals form one batch: admit the next before stepping.
@@ -199,8 +200,10 @@ class Scheduler:
         for p in progress:
             by_id[p.row_id].to_prefill = p.remaining
 
-    async def _join_group(self, rows: list[Row]) -> None:
-        """Staged rows join in one call; their first tokens come with the next step."""
+    async def _join_group(self, rows: list[Row], *, staged: bool = True) -> None:
+        """Rows join in one call; their first tokens come with the next step (a grammar-
+        constrained row's comes back here). The staged rows of a group, or (`staged=False`)
+        the joiner alone."""
         try:
             self._calls += 1
             firsts = await self._worker.join_group([r.row_id for r in rows])
@@ -208,23 +211,12 @@ class Scheduler:
             self._fail(rows, exc, "join_group")
             return
         for row, first in zip(rows, firsts):
-            self.table.joined_staged(row)
+            if staged:
+                self.table.joined_staged(row)
+            else:
+                self.table.joined(row)
             if first is not None:
                 self._on_token(row, first)
-
-    async def _join_with_next_step(self, row: Row) -> None:
-        """Into a running batch, with a step coming next: the step computes the row's token 0
-        along with everyone's next token, so the join costs no forward of its own (a `join` is
-        an L=1 forward that every running stream waits for)."""
-        try:
-            self._calls += 1
-            (first,) = await self._worker.join_group([row.row_id])
-        except Exception as exc:
-            self._fail([row], exc, "join_group")
-            return
-        self.table.joined(row)
-        if first is not None:  # a grammar-constrained row joins the ordinary way
-            self._on_token(row, first)
 
     async def _prefill(self, row: Row) -> None:
         try:

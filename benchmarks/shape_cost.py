@@ -96,7 +96,7 @@ def exact_section(model, vocab: int, gen: int = 24) -> dict:
     """Engine-level: greedy tokens of exact-width solo prefill (the reference, as mlx-lm runs it)
     against bucketed solo prefill and against one group prefill of all rows (bucketed)."""
     from actors.worker_api import RowSpec
-    from model.engine import Engine, generate_tokens
+    from model.engine import Engine, decode_to_the_end, generate_tokens
     from model.params import SamplingParams
 
     lengths = (37, 70, 77, 100, 129, 200, 64, 5)
@@ -108,19 +108,13 @@ def exact_section(model, vocab: int, gen: int = 24) -> dict:
     for spec in specs:
         engine.open_row(spec)
     engine.prefill_group([s.row_id for s in specs])
-    grouped = {s.row_id: [engine.join(s.row_id).token] for s in specs}
-    live = {s.row_id for s in specs}
-    while live:
-        for t in engine.step():
-            grouped[t.row_id].append(t.token)
-            if t.finish:
-                engine.close_row(t.row_id)
-                live.discard(t.row_id)
+    grouped = decode_to_the_end(engine, {s.row_id: [engine.join(s.row_id).token] for s in specs},
+                                {s.row_id for s in specs})
     return {
         "lengths": lengths,
         "bucketed_equal": [bucketed[s.row_id] == reference[s.row_id] for s in specs],
         "grouped_equal": [grouped[s.row_id] == reference[s.row_id] for s in specs],
-        "grouped_first_mismatch": [next((k for k, (a, b) in enumerate(zip(grouped[s.row_id], reference[s.row_id])) if a != b), None) for s in specs],
+        "grouped_first_mismatch": [_first_mismatch(grouped[s.row_id], reference[s.row_id]) for s in specs],
     }
 
 
@@ -186,7 +180,7 @@ def hit_section(model, vocab: int, gen: int = 24) -> dict:
             got = generate_tokens(hot, [spec])[spec.row_id]
             rows.append({"suffix": n, "cached": opened.cached_tokens, "first_prefill_ms": prefill_ms,
                          "equal_to_cold": got == expected,
-                         "first_mismatch": next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), None)})
+                         "first_mismatch": _first_mismatch(got, expected)})
         out[name] = rows
     return out
 
@@ -217,6 +211,10 @@ def longdecode_section(model, vocab: int, steps: int = 700) -> dict:
     median = statistics.median(times)
     slow = [{"context": len(prompt) + i, "ms": round(1e3 * dt, 2)} for i, dt in enumerate(times) if dt > 4 * median]
     return {"median_ms": round(1e3 * median, 3), "slow_steps": slow}
+
+
+def _first_mismatch(got: list[int], expected: list[int]) -> int | None:
+    return next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), None)
 
 
 def main() -> None:

@@ -192,7 +192,8 @@ class Engine:
         end = min(row.processed + self.prefill_chunk, len(row.prompt) - 1)
         if end > row.processed:
             chunk = row.prompt[row.processed : end]
-            pad = _padding(len(chunk), self.prefill_bucket) if all(c.is_trimmable() for c in row.caches) else 0
+            trimmable = self.prefill_bucket and all(c.is_trimmable() for c in row.caches)
+            pad = _padding(len(chunk), self.prefill_bucket) if trimmable else 0
             width = len(chunk) + pad
             unfused = (self.unfused_hit_prefill and row.restored > 0
                        and 4 * self._heads * width * (row.processed + width) <= UNFUSED_SCORES_BYTES)
@@ -609,6 +610,14 @@ def generate_tokens(engine: Engine, specs: Sequence[RowSpec], *, reusable: bool 
             engine.close_row(spec.row_id, reusable=reusable)
         else:
             live.add(spec.row_id)
+    return decode_to_the_end(engine, out, live, reusable=reusable)
+
+
+def decode_to_the_end(
+    engine: Engine, out: dict[int, list[int]], live: set[int], *, reusable: bool = False
+) -> dict[int, list[int]]:
+    """Step until every `live` row has finished, appending each token to `out[row_id]` and
+    closing rows as they finish (test/bench helper); returns `out`."""
     while live:
         for t in engine.step():
             out[t.row_id].append(t.token)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from actors.worker_api import RowSpec
-from model.engine import Engine, generate_tokens
+from model.engine import Engine, decode_to_the_end, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
 
@@ -33,16 +33,6 @@ def test_group_prefill_decodes_like_solo_prefill(tiny_model_factory, family):
     assert [p.done for p in progress] == [len(s.prompt) - 1 for s in rows]
     out = {s.row_id: [engine.join(s.row_id).token] for s in rows}
     assert decode_to_the_end(engine, out, {s.row_id for s in rows}) == expected
-
-
-def decode_to_the_end(engine: Engine, out: dict[int, list[int]], live: set[int]) -> dict[int, list[int]]:
-    while live:
-        for t in engine.step():
-            out[t.row_id].append(t.token)
-            if t.finish:
-                engine.close_row(t.row_id)
-                live.discard(t.row_id)
-    return out
 
 
 def test_group_prefill_refuses_rows_it_cannot_take(qwen3_dir):

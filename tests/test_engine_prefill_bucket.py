@@ -9,7 +9,7 @@ import pytest
 
 from actors.worker_api import RowSpec
 from cache.prompt_cache import PromptCache
-from model.engine import Engine, generate_tokens
+from model.engine import Engine, decode_to_the_end, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
 
@@ -83,11 +83,4 @@ def test_bucketed_group_prefill_runs_one_forward_per_bucket_and_decodes_like_exa
     # the lone rows of buckets 16 and 48 prefill alone, at their exact widths (prefill_bucket 0)
     assert sorted(recorder.widths) == [(1, 13), (1, 33), (4, 32)]
     out = {s.row_id: [engine.join(s.row_id).token] for s in rows}
-    live = {s.row_id for s in rows}
-    while live:
-        for t in engine.step():
-            out[t.row_id].append(t.token)
-            if t.finish:
-                engine.close_row(t.row_id)
-                live.discard(t.row_id)
-    assert out == expected
+    assert decode_to_the_end(engine, out, {s.row_id for s in rows}) == expected
