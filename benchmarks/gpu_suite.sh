@@ -46,6 +46,7 @@ if [ "${SUITE:-full}" = "mini" ]; then  # the open questions of 2026-12-04: deco
   # the unfused hit prefill at c=8/c=32, and an A/B of the experimental decode-capacity warm-up
   step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
   step 90 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --sections longdecode,hit --out "$RES/shape-q06-bf16.json"
+  step 60 python3 benchmarks/restore_cost.py --out "$RES/restore-q06-4k.json"
   step 150 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
     --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
   for cap in 0 8192; do

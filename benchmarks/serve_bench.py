@@ -346,6 +346,9 @@ def restart(kind: str, model: Path, args) -> dict:
         for phase in ("cold", "warm"):
             with Server(launch, model, free_port(), extra) as server:
                 out[f"{phase}_ttft"], out["prompt_tokens"], out[f"{phase}_cached_tokens"] = asyncio.run(one(server))
+                if kind == "ours":  # where the warm TTFT went: the restore, and the MLX thread per job
+                    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+                    out[f"{phase}_stats"] = {"ssd_cache": stats.get("ssd_cache"), "worker": stats.get("worker")}
                 out[f"{phase}_exit_s"] = server.stop()
     out["speedup"] = out["cold_ttft"] / out["warm_ttft"] if out["warm_ttft"] else float("nan")
     return out

@@ -213,6 +213,57 @@ def longdecode_section(model, vocab: int, steps: int = 700) -> dict:
     return {"median_ms": round(1e3 * median, 3), "slow_steps": slow}
 
 
+def capacity_section(model, vocab: int, steps: int = 600) -> dict:
+    """What the ~0.8 s decode stalls at each 256-token KV growth are keyed by: one row past
+    several growths, the same again (a per-shape cache would make it free), then 8 rows (per
+    batch size?), then 8 again; plus the raw cost of allocating and first-writing a new-size
+    buffer. With MLX_TRIO_WARM_DECODE_CAPACITY set, the engine's warm-up runs first."""
+    import os
+    import statistics
+
+    from actors.worker_api import RowSpec
+    from model.engine import Engine
+    from model.params import SamplingParams
+
+    engine = Engine(model, eos_token_ids=[])
+    out: dict = {}
+    t = time.perf_counter()
+    engine.warm_up(8)
+    out["warm_up_s"] = round(time.perf_counter() - t, 2)
+    out["warm_decode_capacity"] = int(os.environ.get("MLX_TRIO_WARM_DECODE_CAPACITY", 0))
+
+    def run(rows: int, tag: int) -> dict:
+        ids = [1000 * tag + r for r in range(rows)]
+        for rid in ids:
+            prompt = tuple((7 * j + rid) % (vocab - 10) + 5 for j in range(200))
+            engine.open_row(RowSpec(rid, prompt, SamplingParams(), steps + 10))
+            while engine.prefill(rid).remaining:
+                pass
+            engine.join(rid)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        for rid in ids:
+            engine.close_row(rid)
+        median = statistics.median(times)
+        slow = [{"context": 200 + i, "ms": round(1e3 * dt, 1)} for i, dt in enumerate(times) if dt > 4 * median]
+        return {"rows": rows, "median_ms": round(1e3 * median, 2), "slow_steps": slow,
+                "slow_total_ms": round(sum(x["ms"] for x in slow), 1)}
+
+    out["b1"] = run(1, 1)
+    out["b1_again"] = run(1, 2)
+    out["b8"] = run(8, 3)
+    out["b8_again"] = run(8, 4)
+    alloc = []
+    for n in (1024, 1280, 1536, 1024, 1280):
+        a = timed(lambda: mx.zeros((1, 8, n, 128), mx.bfloat16))
+        alloc.append({"capacity": n, "zeros_ms": a})
+    out["alloc"] = alloc
+    return out
+
+
 def _first_mismatch(got: list[int], expected: list[int]) -> int | None:
     return next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), None)
 
@@ -237,6 +288,8 @@ def main() -> None:
             result[name] = gemm_section()
         elif name == "prefill":
             result[name] = prefill_section(model, vocab)
+        elif name == "capacity":
+            result[name] = capacity_section(model, vocab)
         elif name == "longdecode":
             result[name] = longdecode_section(model, vocab)
         elif name == "hit":

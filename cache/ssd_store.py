@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -508,9 +508,13 @@ class SsdStore:
 
     # -- restore (the MLX thread calls this, then builds caches) ---------------------------------
 
-    def read(self, entry: IndexEntry) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    def read(
+        self, entry: IndexEntry, into: Callable[[list[tuple[str, str, list[int]]]], dict[str, np.ndarray]] | None = None
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(header, {tensor name: storage-dtype array}) of a verified entry; raises on any doubt
-        (the caller quarantines via `discard`)."""
+        (the caller quarantines via `discard`). `into([(name, dtype tag, shape)])`, when given,
+        returns a writable flat uint8 buffer per tensor that the bytes are read into (and hashed
+        in) instead of fresh numpy memory — the caller's own (MLX) arrays."""
         with open(entry.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             parsed = self._parse(f, size)
@@ -520,10 +524,14 @@ class SsdStore:
             ):
                 raise SsdCorrupt("file changed under its index entry")
             fd = f.fileno()
+            items = list(header["tensors"].items())
+            dests = into([(name, t["dtype"], list(t["shape"])) for name, t in items]) if into else None
 
             def load(item: tuple[str, dict[str, Any]]) -> tuple[str, np.ndarray]:
                 name, t = item
-                buf = np.empty(t["nbytes"], dtype=np.uint8)
+                buf = np.empty(t["nbytes"], dtype=np.uint8) if dests is None else dests[name]
+                if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != t["nbytes"] or not buf.flags.writeable:
+                    raise SsdCorrupt(f"tensor {name}: no buffer of {t['nbytes']} bytes to read into")
                 if t["nbytes"] and os.preadv(fd, [memoryview(buf)], parsed.data_start + t["offset"]) != t["nbytes"]:
                     raise SsdCorrupt(f"tensor {name} truncated")
                 if self.verify and _sha(buf) != t["hash"]:
@@ -532,7 +540,6 @@ class SsdStore:
 
             # Reads and sha256s release the GIL: a restore of a large KV (4k tokens of an 0.6B
             # model is 470 MB) runs them on several cores instead of one.
-            items = list(header["tensors"].items())
             if len(items) > 1 and _RESTORE_THREADS > 1:
                 with concurrent.futures.ThreadPoolExecutor(min(_RESTORE_THREADS, len(items))) as pool:
                     arrays = dict(pool.map(load, items))

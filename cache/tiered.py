@@ -53,6 +53,58 @@ def _import(data: np.ndarray, tag: str) -> mx.array:
     return array.view(mx.bfloat16) if tag == "BF16" else array
 
 
+_STORAGE = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.uint16}  # bf16 lands as its raw bits
+
+
+class _DirectImport:
+    """Destination MLX arrays for a restore, handed to `SsdStore.read` as writable byte views
+    (the buffer protocol gives numpy a view of an evaluated array's memory, as `_export` uses
+    for the other direction), so the reader threads pread and hash straight into them.
+
+    On CUDA every MLX buffer is managed memory and `mx.array(numpy)` copies into it on one
+    thread with first-touch faults: 200-330 ms for the 470 MB of a 4k-token 0.6B-shape entry on
+    the H200 host, against 65 ms for device-zeroed arrays filled by eight threads
+    (benchmarks/restore_cost.py). Any doubt about the views → None, and the read falls back to
+    numpy buffers + `_import`."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, mx.array] = {}
+
+    def __call__(self, specs: list[tuple[str, str, list[int]]]) -> dict[str, np.ndarray] | None:
+        if not _views_alias():
+            return None
+        try:
+            arrays = {name: mx.zeros(shape, dtype=_STORAGE[tag]) for name, tag, shape in specs}
+            mx.eval(list(arrays.values()))
+            views = {name: np.asarray(a).reshape(-1).view(np.uint8) for name, a in arrays.items()}
+        except (KeyError, TypeError, ValueError):
+            return None
+        for name, tag, shape in specs:
+            v = views[name]
+            if not v.flags.writeable or v.flags.owndata or v.nbytes != arrays[name].nbytes:
+                return None
+        self.arrays = {name: a.view(mx.bfloat16) if tag == "BF16" else a for (name, tag, _), a in
+                       zip(specs, arrays.values())}
+        return views
+
+
+_ALIAS_CHECKED: list[bool] = []
+
+
+def _views_alias() -> bool:
+    """Once per process: does a write through np.asarray(array) reach the MLX array itself?"""
+    if not _ALIAS_CHECKED:
+        try:
+            probe = mx.zeros((4096,), dtype=mx.uint16)
+            mx.eval(probe)
+            view = np.asarray(probe)
+            view[4095] = 0xBEEF
+            _ALIAS_CHECKED.append(view.flags.writeable and not view.flags.owndata and int(probe[4095].item()) == 0xBEEF)
+        except Exception:  # noqa: BLE001 - no aliasing: the copying import serves
+            _ALIAS_CHECKED.append(False)
+    return _ALIAS_CHECKED[0]
+
+
 def spill_item(namespace: str, tokens: Sequence[int], caches: Sequence[KVCache]) -> SpillItem | None:
     """Materialize caches covering exactly `tokens` for the writer; None when they cannot be
     stored (an unsupported cache kind, or coverage that does not match the key)."""
@@ -116,14 +168,15 @@ class TieredPromptCache(PromptCache):
     def _restore(self, entry: IndexEntry, usable: int) -> list[KVCache] | None:
         started = time.perf_counter()
         try:
-            header, arrays = self.ssd.read(entry)
+            direct = _DirectImport()
+            header, arrays = self.ssd.read(entry, into=direct)
+            tags = header["tensors"]
+            imported = direct.arrays or {name: _import(a, tags[name]["dtype"]) for name, a in arrays.items()}
             caches = []
             for layer in header["layers"]:
                 cache = KVCache()
                 k_name, v_name = layer["tensors"]
-                tags = header["tensors"]
-                cache.keys = _import(arrays[k_name], tags[k_name]["dtype"])
-                cache.values = _import(arrays[v_name], tags[v_name]["dtype"])
+                cache.keys, cache.values = imported[k_name], imported[v_name]
                 if cache.keys.ndim != 4 or cache.keys.shape[2] != layer["offset"] or cache.values.shape[2] != layer["offset"]:
                     raise ValueError("tensor shapes do not match the layer offset")
                 cache.offset = layer["offset"]

@@ -59,6 +59,9 @@ GROUP_PAD_TOKENS = 8192
 UNFUSED_SCORES_BYTES = 256 << 20
 # Below this, a boundary snapshot or a merged row's extraction (a copy) costs about what it saves.
 MIN_CACHE_TOKENS = 256
+# KV capacities warm-up meets on CUDA (each costs one throwaway B=1 decode forward; ~2.5 s of
+# start-up for 256 ... 8192 on an H200): past it a long stream pays ~0.4 s per 256 tokens.
+WARM_DECODE_CAPACITY = 8192
 
 
 @attrs.define(eq=False)
@@ -138,16 +141,20 @@ class Engine:
         # (model.layers.UNFUSED_CAUSAL), MLX's fallback formula, which builds nothing. A cold
         # prompt never takes this path, so its tokens stay mlx-lm's. None = on under CUDA only
         # (MLX_TRIO_UNFUSED_HIT=0/1 overrides); Metal and CPU have no per-shape cost.
+        cuda = mx.default_device().type == mx.gpu and not mx.metal.is_available()
         if unfused_hit_prefill is None:
-            cuda = mx.default_device().type == mx.gpu and not mx.metal.is_available()
             unfused_hit_prefill = os.environ.get("MLX_TRIO_UNFUSED_HIT", "1" if cuda else "0") != "0"
         self.unfused_hit_prefill = unfused_hit_prefill
         self._heads = int(getattr(model.args, "num_attention_heads", 0) or 0)
-        # Experimental (MLX_TRIO_WARM_DECODE_CAPACITY=N, default 0): warm-up also decodes one
-        # token against KV buffers of every capacity 256, 512 ... N. On CUDA, MLX's decode
-        # attention for k >= 256 is a cuDNN graph keyed by that capacity, so a long stream may
-        # stall once per 256 tokens of growth; unmeasured, hence off (docs/performance.md).
-        self.warm_decode_capacity = int(os.environ.get("MLX_TRIO_WARM_DECODE_CAPACITY", 0))
+        # Warm-up also decodes one token against KV buffers of every capacity 256, 512 ... N.
+        # On CUDA the first decode step against a buffer of a new capacity costs ~0.4 s (H200,
+        # measured per capacity and not per batch size: benchmarks/shape_cost.py capacity), so
+        # without this a long stream stalls every 256 tokens and a cold 4k prompt's token 0
+        # waits 0.7 s. N = MLX_TRIO_WARM_DECODE_CAPACITY, default WARM_DECODE_CAPACITY on CUDA
+        # and 0 elsewhere (CPU has no such cost; Metal is unmeasured).
+        self.warm_decode_capacity = int(
+            os.environ.get("MLX_TRIO_WARM_DECODE_CAPACITY", WARM_DECODE_CAPACITY if cuda else 0)
+        )
         self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
         self._rows: dict[int, _Row] = {}

@@ -29,13 +29,17 @@ def causal_mask(
 
 
 def _grow(store: mx.array | None, used: int, incoming: mx.array) -> mx.array:
+    """A buffer holding `store`'s first `used` positions with room for `incoming`, its capacity
+    a multiple of STEP. A cold sequence grows exactly as mlx-lm's cache does; a trimmed, cloned
+    or restored one (used not a multiple) is rounded up to the same capacities too, because on
+    CUDA the first decode against a buffer of a new capacity costs ~0.4 s (H200) and warm-up
+    meets only multiples of STEP (Engine._warm_decode_capacities)."""
     B, H, n, D = incoming.shape
-    n_steps = (STEP + n - 1) // STEP
-    fresh = mx.zeros((B, H, n_steps * STEP, D), incoming.dtype)
     if store is None:
-        return fresh
+        return mx.zeros((B, H, -(-n // STEP) * STEP, D), incoming.dtype)
     if used % STEP != 0:
         store = store[..., :used, :]
+    fresh = mx.zeros((B, H, -(-(used + n) // STEP) * STEP - used, D), incoming.dtype)
     return mx.concatenate([store, fresh], axis=2)
 
 

@@ -260,3 +260,15 @@ def test_a_prefix_shorter_than_min_tokens_is_a_miss():
     assert caches is None and n == 0 and pc.misses == 1 and pc.hits == 0
     caches, n = pc.take([1, 2, 3, 9, 9], min_tokens=3)
     assert n == 3 and pc.hits == 1
+
+
+@pytest.mark.parametrize("held, incoming, capacity", [(300, 1, 512), (300, 300, 768), (512, 1, 768), (0, 5, 256)])
+def test_a_cache_grows_to_a_multiple_of_256_whatever_it_held(held, incoming, capacity):
+    """A restored or copied cache holds exactly its tokens (300 here); appending to it lands on
+    the same 256-multiple capacities a cold sequence uses, which are the ones warm-up met."""
+    (c,) = kv(list(range(1, held + 1)), layers=1) if held else [KVCache()]
+    new = list(range(1000, 1000 + incoming))
+    col = mx.broadcast_to(mx.array(new, dtype=mx.float32)[None, None, :, None], (1, 1, incoming, HEAD_DIM))
+    keys, _ = c.update_and_fetch(col, col)
+    assert c.keys.shape[2] == capacity
+    assert keys[0, 0, :, 0].tolist() == list(range(1, held + 1)) + new

@@ -312,3 +312,39 @@ def test_snapshot_views_never_change_under_later_cache_writes():
     mx.eval(clone.keys, cache.keys, cache.values)
     assert all(np.array_equal(b, t.data) for b, t in zip(before, item.tensors))
     assert spill_item("", tuple(range(9)), [cache]) is None  # coverage must equal the key
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_restored_kv_is_bit_identical_whether_read_into_mlx_memory_or_copied(
+    tiny_model_factory, tmp_path, monkeypatch, dtype, direct
+):
+    """The restore reads straight into MLX arrays when the buffer protocol aliases their memory
+    (the fast path), else into numpy buffers that are then copied: same bits either way."""
+    import mlx.core as mx
+
+    import cache.tiered as tiered
+
+    lm = load_model(tiny_model_factory("qwen3", dtype=dtype))
+    store = open_store(tmp_path, lm)
+    tokens, _ = store_prompt(lm, store)
+    truth = TieredPromptCache(1 << 30, None)  # the same run's KV, kept in RAM only
+    generate_tokens(Engine(lm.model, eos_token_ids=[], prompt_cache=truth),
+                    [RowSpec(1, PROMPT, SamplingParams(), 6)], reusable=True)
+    expected, n = truth.take(list(tokens) + [3])
+    assert n == len(tokens)
+    store.close()
+
+    if not direct:
+        monkeypatch.setattr(tiered, "_views_alias", lambda: False)
+    used = []
+    real_call = tiered._DirectImport.__call__
+    monkeypatch.setattr(tiered._DirectImport, "__call__", lambda self, specs: used.append(r := real_call(self, specs)) or r)
+    store = open_store(tmp_path, lm)
+    restored, n = TieredPromptCache(1 << 30, store).take(list(tokens) + [3])
+    assert n == len(tokens) and restored is not None
+    assert (used[0] is not None) == direct
+    for got, want in zip(restored, expected):
+        for a, b in ((got.keys, want.keys), (got.values, want.values)):
+            assert a.dtype == b.dtype
+            assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
