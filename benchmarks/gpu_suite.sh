@@ -58,6 +58,32 @@ if [ "${SUITE:-full}" = "mini" ]; then  # the open questions of 2026-12-04: deco
   pack
   exit 0
 fi
+if [ "${SUITE:-full}" = "s3" ]; then  # the evening of 2026-12-04: the serve table with capacity warm-up
+  # and the direct SSD import on by default, engine B=1..32, and a hit prefill's first-time cost by shape
+  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+  step 60 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --sections hitshape --out "$RES/shape-q06-bf16.json"
+  step 60 python3 benchmarks/restore_cost.py --out "$RES/restore-q06-4k.json"
+  step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
+  step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+    --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
+    --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
+  pack
+  exit 0
+fi
+if [ "${SUITE:-full}" = "s4" ]; then  # the last run of 2026-12-04: hit-prefill warm-up, clear-cache A/B
+  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+  step 60 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --sections hitshape --out "$RES/shape-q06-bf16.json"
+  step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+    --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
+    --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
+  for cc in 1 0; do
+    step 90 env MLX_TRIO_CLEAR_CACHE=$cc $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 \
+      --repeats 2 --only ours --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 \
+      --out "$RES/sb-q06-bf16-clearcache$cc.json"
+  done
+  pack
+  exit 0
+fi
 # the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
 # first-time cost of new attention shapes, and bucketed / grouped prefill against exact widths

@@ -213,6 +213,53 @@ def longdecode_section(model, vocab: int, steps: int = 700) -> dict:
     return {"median_ms": round(1e3 * median, 3), "slow_steps": slow}
 
 
+def hitshape_section(model, vocab: int) -> dict:
+    """What a prefill after a prompt-cache hit pays the first time, split by which shape is new:
+    the suffix length M (the GEMMs' rows), the attention's k length K, both, or neither (the
+    same prompts again). The engine's defaults (on CUDA: unfused attention after a hit)."""
+    from actors.worker_api import RowSpec
+    from cache.prompt_cache import PromptCache
+    from model.engine import Engine, generate_tokens
+    from model.params import SamplingParams
+
+    import os
+
+    base = [(13 * j) % (vocab - 10) + 5 for j in range(1400)]
+    hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 32))
+    warm = os.environ.get("HITSHAPE_WARM_UP", "1") != "0"
+    t = time.perf_counter()
+    if warm:  # as the server starts: HIT_WARM_WIDTHS among the shapes met
+        hot.warm_up(1)
+    warm_up_s = round(time.perf_counter() - t, 2)
+    generate_tokens(hot, [RowSpec(0, tuple(base + [7, 8]), SamplingParams(), 2)], reusable=True)
+    rid = [100]
+
+    def one(prefix: int, suffix: int, salt: int) -> dict:
+        rid[0] += 1
+        extra = [(31 * salt + 3 * j + 1) % (vocab - 10) + 5 for j in range(suffix)]
+        if extra[0] == base[prefix]:
+            extra[0] = (extra[0] + 1 - 5) % (vocab - 10) + 5
+        spec = RowSpec(rid[0], tuple(base[:prefix] + extra), SamplingParams(), 1)
+        opened = hot.open_row(spec)
+        t = time.perf_counter()
+        while hot.prefill(spec.row_id).remaining:
+            pass
+        mx.synchronize()
+        ms = round(1e3 * (time.perf_counter() - t), 2)
+        hot.close_row(spec.row_id)
+        return {"cached": opened.cached_tokens, "suffix": suffix, "ms": ms}
+
+    new_both = [(1000, n, n) for n in (23, 37, 50, 81)]
+    out = {
+        "warm_up": warm, "warm_up_s": warm_up_s,
+        "new_M_new_K": [one(*c) for c in new_both],
+        "same_M_new_K": [one(p, 40, p) for p in (1010, 1060, 1110, 1160)],
+        "new_M_same_K": [one(1100 - n, n, n + 1) for n in (24, 38, 52, 66)],
+        "again": [one(*c) for c in new_both],
+    }
+    return out
+
+
 def capacity_section(model, vocab: int, steps: int = 600) -> dict:
     """What the ~0.8 s decode stalls at each 256-token KV growth are keyed by: one row past
     several growths, the same again (a per-shape cache would make it free), then 8 rows (per
@@ -288,6 +335,8 @@ def main() -> None:
             result[name] = gemm_section()
         elif name == "prefill":
             result[name] = prefill_section(model, vocab)
+        elif name == "hitshape":
+            result[name] = hitshape_section(model, vocab)
         elif name == "capacity":
             result[name] = capacity_section(model, vocab)
         elif name == "longdecode":

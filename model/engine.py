@@ -62,6 +62,13 @@ MIN_CACHE_TOKENS = 256
 # KV capacities warm-up meets on CUDA (each costs one throwaway B=1 decode forward; ~2.5 s of
 # start-up for 256 ... 8192 on an H200): past it a long stream pays ~0.4 s per 256 tokens.
 WARM_DECODE_CAPACITY = 8192
+# Suffix lengths warm-up prefills after a prefix of HIT_WARM_PREFIX tokens (unfused_hit_prefill).
+HIT_WARM_PREFIX = 256
+HIT_WARM_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
+# MLX_TRIO_CLEAR_CACHE=0: keep MLX's freed buffers for reuse instead of releasing them after
+# every prefill and each CLEAR_CACHE_EVERY steps (an A/B knob: on CUDA each fresh buffer is new
+# managed memory, first-touched by the GPU).
+CLEAR_CACHE = os.environ.get("MLX_TRIO_CLEAR_CACHE", "1") != "0"
 
 
 @attrs.define(eq=False)
@@ -209,7 +216,8 @@ class Engine:
                 c.trim(pad)
             mx.eval([c.state for c in row.caches])
             row.processed = end
-            mx.clear_cache()
+            if CLEAR_CACHE:
+                mx.clear_cache()
         if row.snapshot_at is not None and row.processed >= row.snapshot_at:
             # The chunk ran past the boundary: attention is causal, so the KV of the tokens before
             # it is what a forward stopping there computes. Clones trimmed back to the boundary
@@ -272,7 +280,8 @@ class Engine:
             row.caches = [c.row(i, n) for c in caches]
             row.processed = n
         mx.eval([c.state for row in rows for c in row.caches])
-        mx.clear_cache()
+        if CLEAR_CACHE:
+            mx.clear_cache()
 
     def join(self, row_id: int) -> TokenOut:
         row = self._rows[row_id]
@@ -327,7 +336,7 @@ class Engine:
         current = self._inflight
         self._inflight = self._dispatch(current.tokens)
         self._steps += 1
-        if self._steps % CLEAR_CACHE_EVERY == 0:
+        if CLEAR_CACHE and self._steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return self._read(current)
 
@@ -369,6 +378,7 @@ class Engine:
             for rid in ids:
                 self.close_row(rid)
             self._warm_decode_capacities(ids[0])
+            self._warm_hit_prefills(ids[0])
             for count, width in self.prefill_shapes(max_batch):
                 rows = ids[:count]
                 for rid in rows:  # prompt[:-1] is exactly `width` long: no padding
@@ -386,6 +396,24 @@ class Engine:
             self._steps = 0
             mx.synchronize()
             mx.clear_cache()
+
+    def _warm_hit_prefills(self, rid: int) -> None:
+        """With `unfused_hit_prefill`: one suffix forward after a 256-token prefix at each width
+        of HIT_WARM_WIDTHS. On CUDA the first prefill after a hit at a new suffix length cost
+        47-58 ms against ~19 ms once its kernels had been met (H200, benchmarks/shape_cost.py
+        hitshape: a new k length alone costs nothing); the GEMM kernels cuBLAS picks change with
+        the row count, and each is loaded on first use."""
+        if not self.unfused_hit_prefill:
+            return
+        self.open_row(RowSpec(rid, tuple(1 + i % 17 for i in range(HIT_WARM_PREFIX + 1)), SamplingParams(), 1))
+        while self.prefill(rid).remaining:
+            pass
+        prefix = self._rows[rid].caches
+        self.close_row(rid)
+        for width in HIT_WARM_WIDTHS:
+            caches = [c.clone() for c in prefix]
+            self.model(mx.array([[1 + i % 19 for i in range(width)]]), caches, unfused_attention=True)
+            mx.eval([c.state for c in caches])
 
     def _warm_decode_capacities(self, rid: int) -> None:
         """One decode forward against KV buffers of each capacity up to `warm_decode_capacity`."""

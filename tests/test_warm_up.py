@@ -125,3 +125,33 @@ def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir, monkeypatch):
     assert (256, 255) in capacities and (512, 511) in capacities
     assert warmed.active_rows == 0 and warmed.batch_size == 0
     assert generate_tokens(warmed, SPECS) == cold
+
+
+def test_warm_up_meets_hit_prefill_widths_when_those_run_unfused(qwen3_dir, monkeypatch):
+    from cache.prompt_cache import PromptCache
+    from model import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HIT_WARM_WIDTHS", (1, 5, 9))
+    loaded = load_model(qwen3_dir)
+    cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1]), SPECS)
+    model = load_model(qwen3_dir).model
+    unfused = []
+
+    class Recorder:
+        def __call__(self, tokens, caches, **kwargs):
+            if kwargs.get("unfused_attention"):
+                unfused.append((tokens.shape[1], caches[0].offset))
+            return model(tokens, caches, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    cache = PromptCache(1 << 30)
+    warmed = Engine(Recorder(), eos_token_ids=[0, 1], compile_decode=False, prompt_cache=cache, unfused_hit_prefill=True)
+    warmed.warm_up(2)
+    assert unfused == [(1, 256), (5, 256), (9, 256)]  # each width once, after the 256-token prefix
+    assert warmed.active_rows == 0 and len(cache) == 0  # nothing the throwaway rows made was kept
+    assert generate_tokens(warmed, SPECS) == cold
+    unfused.clear()
+    Engine(Recorder(), eos_token_ids=[0, 1], compile_decode=False, unfused_hit_prefill=False).warm_up(2)
+    assert unfused == []
