@@ -84,6 +84,21 @@ if [ "${SUITE:-full}" = "s4" ]; then  # the last run of 2026-12-04: hit-prefill 
   pack
   exit 0
 fi
+if [ "${SUITE:-full}" = "s5" ]; then  # check: restore's first import in a process, clear-cache A/B reversed
+  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+  step 40 python3 benchmarks/restore_cost.py --repeats 2 --out "$RES/restore-q06-4k.json"
+  step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens 16 --concurrency 1 --repeats 1 --only ours \
+    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --restart-words 1100 --out "$RES/sb-q06-restart.json"
+  for cc in 0 1; do
+    step 70 env MLX_TRIO_CLEAR_CACHE=$cc $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 \
+      --repeats 2 --only ours --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 \
+      --out "$RES/sb-q06-bf16-clearcache$cc.json"
+  done
+  step 120 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 \
+    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16-c8-c32.json"
+  pack
+  exit 0
+fi
 # the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
 # first-time cost of new attention shapes, and bucketed / grouped prefill against exact widths

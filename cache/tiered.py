@@ -61,11 +61,12 @@ class _DirectImport:
     (the buffer protocol gives numpy a view of an evaluated array's memory, as `_export` uses
     for the other direction), so the reader threads pread and hash straight into them.
 
-    On CUDA every MLX buffer is managed memory and `mx.array(numpy)` copies into it on one
-    thread with first-touch faults: 200-330 ms for the 470 MB of a 4k-token 0.6B-shape entry on
-    the H200 host, against 65 ms for device-zeroed arrays filled by eight threads
-    (benchmarks/restore_cost.py). Any doubt about the views → None, and the read falls back to
-    numpy buffers + `_import`."""
+    This skips `_import`'s second pass over the bytes (numpy buffer → MLX copy). The arrays are
+    zeroed on the CPU stream: on CUDA every MLX buffer is managed memory, and host writes into
+    device-zeroed (GPU-resident) pages cost 2.6-3.7 s for the 470 MB of a 4k-token 0.6B-shape
+    entry the first time in a process on the H200 host, against 0.2-0.3 s for host-touched
+    pages (benchmarks/restore_cost.py). Any doubt about the views → None, and the read falls
+    back to numpy buffers + `_import`."""
 
     def __init__(self) -> None:
         self.arrays: dict[str, mx.array] = {}
@@ -74,7 +75,7 @@ class _DirectImport:
         if not _views_alias():
             return None
         try:
-            arrays = {name: mx.zeros(shape, dtype=_STORAGE[tag]) for name, tag, shape in specs}
+            arrays = {name: mx.zeros(shape, dtype=_STORAGE[tag], stream=mx.cpu) for name, tag, shape in specs}
             mx.eval(list(arrays.values()))
             views = {name: np.asarray(a).reshape(-1).view(np.uint8) for name, a in arrays.items()}
         except (KeyError, TypeError, ValueError):
@@ -95,7 +96,7 @@ def _views_alias() -> bool:
     """Once per process: does a write through np.asarray(array) reach the MLX array itself?"""
     if not _ALIAS_CHECKED:
         try:
-            probe = mx.zeros((4096,), dtype=mx.uint16)
+            probe = mx.zeros((4096,), dtype=mx.uint16, stream=mx.cpu)
             mx.eval(probe)
             view = np.asarray(probe)
             view[4095] = 0xBEEF

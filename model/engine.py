@@ -65,10 +65,13 @@ WARM_DECODE_CAPACITY = 8192
 # Suffix lengths warm-up prefills after a prefix of HIT_WARM_PREFIX tokens (unfused_hit_prefill).
 HIT_WARM_PREFIX = 256
 HIT_WARM_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
-# MLX_TRIO_CLEAR_CACHE=0: keep MLX's freed buffers for reuse instead of releasing them after
-# every prefill and each CLEAR_CACHE_EVERY steps (an A/B knob: on CUDA each fresh buffer is new
-# managed memory, first-touched by the GPU).
-CLEAR_CACHE = os.environ.get("MLX_TRIO_CLEAR_CACHE", "1") != "0"
+# Release MLX's freed buffers after every prefill and each CLEAR_CACHE_EVERY steps (as mlx-lm
+# does)? Not on CUDA: there every fresh buffer is new managed memory that the GPU first-touches,
+# and keeping freed buffers for reuse measured c=8 568 vs 430 tok/s and c=32 1082 vs 967 on the
+# H200 (ITL p99 74 vs 140 ms; docs/performance.md). MLX still frees cached buffers itself when
+# an allocation would pass its memory limit. MLX_TRIO_CLEAR_CACHE=0/1 overrides.
+_CUDA = mx.default_device().type == mx.gpu and not mx.metal.is_available()
+CLEAR_CACHE = os.environ.get("MLX_TRIO_CLEAR_CACHE", "0" if _CUDA else "1") != "0"
 
 
 @attrs.define(eq=False)
@@ -148,9 +151,8 @@ class Engine:
         # (model.layers.UNFUSED_CAUSAL), MLX's fallback formula, which builds nothing. A cold
         # prompt never takes this path, so its tokens stay mlx-lm's. None = on under CUDA only
         # (MLX_TRIO_UNFUSED_HIT=0/1 overrides); Metal and CPU have no per-shape cost.
-        cuda = mx.default_device().type == mx.gpu and not mx.metal.is_available()
         if unfused_hit_prefill is None:
-            unfused_hit_prefill = os.environ.get("MLX_TRIO_UNFUSED_HIT", "1" if cuda else "0") != "0"
+            unfused_hit_prefill = os.environ.get("MLX_TRIO_UNFUSED_HIT", "1" if _CUDA else "0") != "0"
         self.unfused_hit_prefill = unfused_hit_prefill
         self._heads = int(getattr(model.args, "num_attention_heads", 0) or 0)
         # Warm-up also decodes one token against KV buffers of every capacity 256, 512 ... N.
@@ -160,7 +162,7 @@ class Engine:
         # waits 0.7 s. N = MLX_TRIO_WARM_DECODE_CAPACITY, default WARM_DECODE_CAPACITY on CUDA
         # and 0 elsewhere (CPU has no such cost; Metal is unmeasured).
         self.warm_decode_capacity = int(
-            os.environ.get("MLX_TRIO_WARM_DECODE_CAPACITY", WARM_DECODE_CAPACITY if cuda else 0)
+            os.environ.get("MLX_TRIO_WARM_DECODE_CAPACITY", WARM_DECODE_CAPACITY if _CUDA else 0)
         )
         self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
