@@ -61,11 +61,11 @@ class _DirectImport:
     (the buffer protocol gives numpy a view of an evaluated array's memory, as `_export` uses
     for the other direction), so the reader threads pread and hash straight into them.
 
-    This skips `_import`'s second pass over the bytes (numpy buffer → MLX copy). The arrays are
-    zeroed on the CPU stream: on CUDA every MLX buffer is managed memory, and host writes into
-    device-zeroed (GPU-resident) pages cost 2.6-3.7 s for the 470 MB of a 4k-token 0.6B-shape
-    entry the first time in a process on the H200 host, against 0.2-0.3 s for host-touched
-    pages (benchmarks/restore_cost.py). Any doubt about the views → None, and the read falls
+    This skips `_import`'s second pass over the bytes (numpy buffer → MLX copy). Not on CUDA:
+    there every MLX buffer is managed memory, and eight threads writing into fresh managed
+    pages took 2.6-3.7 s for the 470 MB of a 4k-token 0.6B-shape entry the first time in a
+    process on the H200 host (benchmarks/restore_cost.py, zeroed on either stream), where
+    `mx.array` copies took 0.2-0.4 s. Any doubt about the views → None, and the read falls
     back to numpy buffers + `_import`."""
 
     def __init__(self) -> None:
@@ -95,6 +95,9 @@ _ALIAS_CHECKED: list[bool] = []
 def _views_alias() -> bool:
     """Once per process: does a write through np.asarray(array) reach the MLX array itself?"""
     if not _ALIAS_CHECKED:
+        if mx.default_device().type == mx.gpu and not mx.metal.is_available():
+            _ALIAS_CHECKED.append(False)  # CUDA: see _DirectImport
+            return False
         try:
             probe = mx.zeros((4096,), dtype=mx.uint16, stream=mx.cpu)
             mx.eval(probe)
