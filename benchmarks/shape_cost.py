@@ -150,6 +150,19 @@ def rowdiff_section(model, vocab: int) -> dict:
     return out
 
 
+def _timed_prefill(engine, spec) -> tuple:
+    """Open `spec`'s row, time its whole prefill (device work included), close it unreused:
+    (RowOpened, ms)."""
+    opened = engine.open_row(spec)
+    t = time.perf_counter()
+    while engine.prefill(spec.row_id).remaining:
+        pass
+    mx.synchronize()
+    ms = round(1e3 * (time.perf_counter() - t), 2)
+    engine.close_row(spec.row_id)
+    return opened, ms
+
+
 def hit_section(model, vocab: int, gen: int = 24) -> dict:
     """After a prompt-cache hit: greedy tokens of the suffix prefilled with fused attention and
     unfused (matmuls) against a cold run, and each one's first-time cost at new offsets."""
@@ -170,13 +183,7 @@ def hit_section(model, vocab: int, gen: int = 24) -> dict:
             extra = [(29 * n + 3 * j + (5 if unfused else 0)) % (vocab - 10) + 5 for j in range(n)]
             spec = RowSpec(10 + i, tuple(system + extra), SamplingParams(), gen)
             expected = generate_tokens(cold, [spec])[spec.row_id]
-            opened = hot.open_row(spec)
-            t = time.perf_counter()
-            while hot.prefill(spec.row_id).remaining:
-                pass
-            mx.synchronize()
-            prefill_ms = round(1e3 * (time.perf_counter() - t), 2)
-            hot.close_row(spec.row_id)
+            opened, prefill_ms = _timed_prefill(hot, spec)
             got = generate_tokens(hot, [spec])[spec.row_id]
             rows.append({"suffix": n, "cached": opened.cached_tokens, "first_prefill_ms": prefill_ms,
                          "equal_to_cold": got == expected,
@@ -240,13 +247,7 @@ def hitshape_section(model, vocab: int) -> dict:
         if extra[0] == base[prefix]:
             extra[0] = (extra[0] + 1 - 5) % (vocab - 10) + 5
         spec = RowSpec(rid[0], tuple(base[:prefix] + extra), SamplingParams(), 1)
-        opened = hot.open_row(spec)
-        t = time.perf_counter()
-        while hot.prefill(spec.row_id).remaining:
-            pass
-        mx.synchronize()
-        ms = round(1e3 * (time.perf_counter() - t), 2)
-        hot.close_row(spec.row_id)
+        opened, ms = _timed_prefill(hot, spec)
         return {"cached": opened.cached_tokens, "suffix": suffix, "ms": ms}
 
     new_both = [(1000, n, n) for n in (23, 37, 50, 81)]
@@ -264,8 +265,8 @@ def capacity_section(model, vocab: int, steps: int = 600) -> dict:
     """What the ~0.8 s decode stalls at each 256-token KV growth are keyed by: one row past
     several growths, the same again (a per-shape cache would make it free), then 8 rows (per
     batch size?), then 8 again; plus the raw cost of allocating and first-writing a new-size
-    buffer. With MLX_TRIO_WARM_DECODE_CAPACITY set, the engine's warm-up runs first."""
-    import os
+    buffer. The engine's warm-up runs first (MLX_TRIO_WARM_DECODE_CAPACITY=0 leaves the
+    capacities out of it)."""
     import statistics
 
     from actors.worker_api import RowSpec
@@ -277,7 +278,7 @@ def capacity_section(model, vocab: int, steps: int = 600) -> dict:
     t = time.perf_counter()
     engine.warm_up(8)
     out["warm_up_s"] = round(time.perf_counter() - t, 2)
-    out["warm_decode_capacity"] = int(os.environ.get("MLX_TRIO_WARM_DECODE_CAPACITY", 0))
+    out["warm_decode_capacity"] = engine.warm_decode_capacity
 
     def run(rows: int, tag: int) -> dict:
         ids = [1000 * tag + r for r in range(rows)]

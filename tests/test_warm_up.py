@@ -104,25 +104,32 @@ async def test_prefill_bucket_flag_reaches_the_engine(qwen3_dir):
             nursery.cancel_scope.cancel()
 
 
+class Recorder:
+    """The model, with a note of what `pick(tokens, caches, kwargs)` returns for each forward
+    (None: nothing to note)."""
+
+    def __init__(self, model, pick) -> None:
+        self.model, self.pick, self.seen = model, pick, []
+
+    def __call__(self, tokens, caches, **kwargs):
+        if (note := self.pick(tokens, caches, kwargs)) is not None:
+            self.seen.append(note)
+        return self.model(tokens, caches, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
 def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir, monkeypatch):
     monkeypatch.setenv("MLX_TRIO_WARM_DECODE_CAPACITY", "600")  # capacities 256 and 512
     loaded = load_model(qwen3_dir)
     cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1]), SPECS)
-    model = load_model(qwen3_dir).model
-    capacities = []
-
-    class CapacityRecorder:
-        def __call__(self, tokens, caches, **kwargs):
-            if tokens.shape[1] == 1 and type(caches[0]) is KVCache and caches[0].keys is not None:
-                capacities.append((caches[0].keys.shape[2], caches[0].offset))
-            return model(tokens, caches, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(model, name)
-
-    warmed = Engine(CapacityRecorder(), eos_token_ids=[0, 1], compile_decode=False)
+    solo_decode = Recorder(load_model(qwen3_dir).model, lambda tokens, caches, kw: (
+        (caches[0].keys.shape[2], caches[0].offset)
+        if tokens.shape[1] == 1 and type(caches[0]) is KVCache and caches[0].keys is not None else None))
+    warmed = Engine(solo_decode, eos_token_ids=[0, 1], compile_decode=False)
     warmed.warm_up(2)
-    assert (256, 255) in capacities and (512, 511) in capacities
+    assert (256, 255) in solo_decode.seen and (512, 511) in solo_decode.seen
     assert warmed.active_rows == 0 and warmed.batch_size == 0
     assert generate_tokens(warmed, SPECS) == cold
 
@@ -135,23 +142,17 @@ def test_warm_up_meets_hit_prefill_widths_when_those_run_unfused(qwen3_dir, monk
     loaded = load_model(qwen3_dir)
     cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1]), SPECS)
     model = load_model(qwen3_dir).model
-    unfused = []
 
-    class Recorder:
-        def __call__(self, tokens, caches, **kwargs):
-            if kwargs.get("unfused_attention"):
-                unfused.append((tokens.shape[1], caches[0].offset))
-            return model(tokens, caches, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(model, name)
+    def unfused(tokens, caches, kw):
+        return (tokens.shape[1], caches[0].offset) if kw.get("unfused_attention") else None
 
     cache = PromptCache(1 << 30)
-    warmed = Engine(Recorder(), eos_token_ids=[0, 1], compile_decode=False, prompt_cache=cache, unfused_hit_prefill=True)
+    recorder = Recorder(model, unfused)
+    warmed = Engine(recorder, eos_token_ids=[0, 1], compile_decode=False, prompt_cache=cache, unfused_hit_prefill=True)
     warmed.warm_up(2)
-    assert unfused == [(1, 256), (5, 256), (9, 256)]  # each width once, after the 256-token prefix
+    assert recorder.seen == [(1, 256), (5, 256), (9, 256)]  # each width once, after the 256-token prefix
     assert warmed.active_rows == 0 and len(cache) == 0  # nothing the throwaway rows made was kept
     assert generate_tokens(warmed, SPECS) == cold
-    unfused.clear()
-    Engine(Recorder(), eos_token_ids=[0, 1], compile_decode=False, unfused_hit_prefill=False).warm_up(2)
-    assert unfused == []
+    recorder = Recorder(model, unfused)
+    Engine(recorder, eos_token_ids=[0, 1], compile_decode=False, unfused_hit_prefill=False).warm_up(2)
+    assert recorder.seen == []
