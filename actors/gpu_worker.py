@@ -261,8 +261,8 @@ class GpuWorker:
     async def open_row(self, spec: RowSpec) -> RowOpened:
         return await self._call(lambda engine: engine.open_row(spec), "open_row")
 
-    async def prefill(self, row_id: int) -> PrefillProgress:
-        return await self._call(lambda engine: engine.prefill(row_id), "prefill")
+    async def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress:
+        return await self._call(lambda engine: engine.prefill(row_id, max_tokens), "prefill")
 
     async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]:
         ids = list(row_ids)

@@ -54,8 +54,13 @@ class Scheduler:
         inbox: trio.MemoryReceiveChannel[Control],
         stall_backlog: int = DEFAULT_STALL_BACKLOG,
         group_prefill_tokens: int = 0,
+        decoding_prefill_chunk: int = 0,
     ) -> None:
         self._worker = worker
+        # A joiner's prefill chunk while other rows are decoding (0 = the worker's full chunk):
+        # the running streams wait for one chunk between two of their tokens, so a smaller one
+        # bounds that gap (a long prompt then takes more, shorter forwards).
+        self.decoding_prefill_chunk = decoding_prefill_chunk
         # Group prefill: simultaneous short arrivals are prefilled together, up to this many
         # (padded) tokens per forward; 0 = off (every row prefills alone).
         self.group_prefill_tokens = group_prefill_tokens
@@ -221,7 +226,8 @@ class Scheduler:
     async def _prefill(self, row: Row) -> None:
         try:
             self._calls += 1
-            progress = await self._worker.prefill(row.row_id)
+            limit = self.decoding_prefill_chunk if self.table.running else 0
+            progress = await self._worker.prefill(row.row_id, limit or None)
         except Exception as exc:
             self._fail([row], exc, "prefill")
             return

@@ -72,6 +72,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)")
     p.add_argument("--group-prefill", choices=("auto", "on", "off"), default="auto",
                    help="prefill simultaneous short arrivals in one forward (auto: on a GPU only)")
+    p.add_argument("--decoding-prefill-chunk", type=_non_negative_int, default=None, metavar="N",
+                   help="prefill a joining prompt N tokens at a time while other rows decode, so their "
+                        "streams wait for at most one such chunk between tokens (default: 512 on CPU, "
+                        "the full 2048-token chunk on a GPU; 0 = always the full chunk)")
     p.add_argument("--prefill-bucket", type=_non_negative_int, default=0, metavar="N",
                    help="right-pad a request's prefill to a multiple of N tokens so CUDA attention graphs "
                         "are reused (first prompt of a new length ~60 ms faster on an H200); greedy "
@@ -161,6 +165,7 @@ async def _main(args: argparse.Namespace) -> int:
             warm_up=args.warm_up,
             group_prefill=args.group_prefill,
             prefill_bucket=args.prefill_bucket,
+            decoding_prefill_chunk=args.decoding_prefill_chunk,
         )
         flushed = None
         async with trio.open_nursery() as nursery:

@@ -203,9 +203,12 @@ class Engine:
         self._rows[spec.row_id] = row
         return RowOpened(row.row_id, cached_tokens=row.processed, to_prefill=len(row.prompt) - 1 - row.processed)
 
-    def prefill(self, row_id: int) -> PrefillProgress:
+    def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress:
+        """One chunk of the row's prompt: `prefill_chunk` tokens, or fewer when `max_tokens` says
+        so (the scheduler's smaller chunk while other rows are decoding)."""
         row = self._rows[row_id]
-        end = min(row.processed + self.prefill_chunk, len(row.prompt) - 1)
+        chunk_tokens = min(self.prefill_chunk, max_tokens) if max_tokens else self.prefill_chunk
+        end = min(row.processed + chunk_tokens, len(row.prompt) - 1)
         if end > row.processed:
             chunk = row.prompt[row.processed : end]
             trimmable = self.prefill_bucket and all(c.is_trimmable() for c in row.caches)

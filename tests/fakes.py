@@ -73,6 +73,7 @@ class FakeWorker:
         self.calls: list[tuple[float, str, Any]] = []  # (start time, call, row id or batch ids)
         self.closed: dict[int, tuple[float, bool]] = {}  # row id -> (time, reusable)
         self.violations: list[str] = []
+        self.prefill_limits: list[int | None] = []  # each prefill call's max_tokens
         self._busy = False
         self._steps = 0
 
@@ -90,13 +91,14 @@ class FakeWorker:
             self.specs[spec.row_id] = spec
             return RowOpened(spec.row_id, cached_tokens=0, to_prefill=len(spec.prompt) - 1)
 
-    async def prefill(self, row_id: int) -> PrefillProgress:
+    async def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress:
         async with self._call("prefill", row_id, self.prefill_cost):
             row = self._row(row_id, "prefill")
             total = len(row.spec.prompt) - 1
             if row.joined or row.done >= total:
                 self.violations.append(f"prefill({row_id}) with nothing to prefill")
-            row.done = min(total, row.done + self.chunk)
+            self.prefill_limits.append(max_tokens)
+            row.done = min(total, row.done + (min(self.chunk, max_tokens) if max_tokens else self.chunk))
             return PrefillProgress(row_id, done=row.done, remaining=total - row.done)
 
     async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]:
@@ -292,9 +294,12 @@ class SchedulerHarness:
 
 
 @asynccontextmanager
-async def scheduler_harness(worker: FakeWorker, *, capacity: int = 8, group_prefill_tokens: int = 0):
+async def scheduler_harness(
+    worker: FakeWorker, *, capacity: int = 8, group_prefill_tokens: int = 0, decoding_prefill_chunk: int = 0
+):
     inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
-    scheduler = Scheduler(worker, capacity=capacity, inbox=inbox_recv, group_prefill_tokens=group_prefill_tokens)
+    scheduler = Scheduler(worker, capacity=capacity, inbox=inbox_recv, group_prefill_tokens=group_prefill_tokens,
+                          decoding_prefill_chunk=decoding_prefill_chunk)
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         yield SchedulerHarness(scheduler, inbox_send, nursery)

@@ -110,3 +110,28 @@ def test_logprobs_are_sorted_and_consistent(engine):
         assert values == sorted(values, reverse=True)
         assert t.top_logprobs[0].token == t.token  # greedy: the sampled token is the top-1
         assert t.logprob == pytest.approx(values[0])
+
+
+def test_a_joiner_prefilled_in_small_chunks_beside_a_running_row_equals_solo(engine):
+    """The scheduler's smaller chunk while others decode (max_tokens) changes only where the
+    prompt is cut, never the result: row 3 (33 prompt tokens) in 5-token chunks between steps of
+    row 1 decodes exactly as when prefilled alone in 16-token chunks."""
+    expected = {r: solo(engine, r) for r in (1, 3)}
+    out = {1: [run_row_to_join(engine, spec(1))], 3: []}
+    s = spec(3)
+    engine.open_row(s)
+    chunks = 0
+    while True:
+        progress = engine.prefill(3, max_tokens=5)
+        chunks += 1
+        assert progress.done == min(5 * chunks, len(PROMPTS[3]) - 1)
+        for t in engine.step():
+            out[t.row_id].append(t.token)
+        if not progress.remaining:
+            break
+    assert chunks == 7
+    out[3].append(engine.join(3).token)
+    while any(len(out[r]) < 24 for r in out):
+        for t in engine.step():
+            out[t.row_id].append(t.token)
+    assert out == expected

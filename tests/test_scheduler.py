@@ -74,6 +74,30 @@ async def test_joiner_prefill_interleaves_with_running_steps(autojump_clock):
     assert not worker.violations
 
 
+async def test_a_joiner_prefills_in_smaller_chunks_only_while_others_decode(autojump_clock):
+    worker = FakeWorker(chunk=8)
+    async with scheduler_harness(worker, decoding_prefill_chunk=2) as h:
+        first = h.submit(1, prompt(17), max_tokens=3)  # alone: 16 tokens in two full chunks
+        await trio.sleep(2.5)
+        assert worker.prefill_limits == [None, None]
+        await trio.sleep(10)
+        assert first.ended_at is not None
+        running = h.submit(2, prompt(1), max_tokens=20)
+        await trio.sleep(2.5)
+        joiner = h.submit(3, prompt(9, salt=5), max_tokens=3)  # 8 tokens, 2 at a time beside row 2
+        await trio.sleep(40)
+    assert worker.prefill_limits == [None, None, 2, 2, 2, 2]
+    # Each 2-token chunk is followed by a step of the running row: it waits one chunk at most.
+    names = [c for _, c, arg in worker.calls if arg == 3 or c == "step"]
+    first_prefill = names.index("prefill")
+    assert names[first_prefill:first_prefill + 8] == ["prefill", "step"] * 4
+    gaps = [b - a for a, b in zip(running.token_times, running.token_times[1:])]
+    assert max(gaps) <= worker.prefill_cost + worker.step_cost
+    assert joiner.tokens == worker.expected(prompt(9, salt=5), 3)
+    assert running.tokens == worker.expected(prompt(1), 20)
+    assert not worker.violations
+
+
 async def test_a_lone_joiner_rides_the_next_step_instead_of_a_join_forward(autojump_clock):
     worker = FakeWorker()
     async with scheduler_harness(worker) as h:
