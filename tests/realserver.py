@@ -70,8 +70,8 @@ class RecordingWorker:
         self.specs[spec.row_id] = spec
         return await self._record("open_row", spec.row_id, lambda: self.inner.open_row(spec))
 
-    async def prefill(self, row_id: int) -> PrefillProgress:
-        return await self._record("prefill", row_id, lambda: self.inner.prefill(row_id))
+    async def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress:
+        return await self._record("prefill", row_id, lambda: self.inner.prefill(row_id, max_tokens))
 
     async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]:
         return await self._record("prefill_group", None, lambda: self.inner.prefill_group(row_ids))

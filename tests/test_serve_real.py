@@ -201,12 +201,17 @@ async def test_explicit_seed_is_reproducible_under_concurrent_traffic(model_dir)
 # -- d. a long-prompt joiner stalls running streams by at most one prefill chunk -----------------
 
 
-async def test_long_prompt_joiner_interleaves_its_chunks_with_decode_steps(model_dir):
-    chunk = 16
+@pytest.mark.parametrize("prefill_chunk, decoding_chunk", [(16, 0), (64, 16)], ids=["full-chunk", "decoding-chunk"])
+async def test_long_prompt_joiner_interleaves_its_chunks_with_decode_steps(model_dir, prefill_chunk, decoding_chunk):
+    """With --decoding-prefill-chunk the joiner's chunks beside running rows are that size (the
+    worker's own chunk otherwise), and its output equals the same prompt prefilled alone."""
+    chunk = decoding_chunk or prefill_chunk
     running = [{"prompt": prompt_text(i), "max_tokens": 120, "temperature": 0} for i in range(3)]
     long_prompt = " ".join(WORDS[k % len(WORDS)] for k in range(120))
     with trio.fail_after(LIMIT_S):
-        async with real_server(model_dir, batch=8, prefill_chunk=chunk) as server:
+        async with real_server(
+            model_dir, batch=8, prefill_chunk=prefill_chunk, decoding_prefill_chunk=decoding_chunk
+        ) as server:
             long_ids = server.tokenizer.encode(long_prompt)
             results: dict[int, Streamed] = {}
 
@@ -219,9 +224,15 @@ async def test_long_prompt_joiner_interleaves_its_chunks_with_decode_steps(model
                     await wait_until(lambda: len(server.handles.scheduler.table.running) == i + 1)
                 await wait_until(lambda: server.worker.step_widths().count(3) >= 3)  # all three stream
                 nursery.start_soon(one, 99, {"prompt": long_prompt, "max_tokens": 8, "temperature": 0})
+            alone = await complete(server, {"prompt": long_prompt, "max_tokens": 8, "temperature": 0})
 
-    calls = server.worker.calls
-    [long_row] = server.worker.row_for_prompt(tuple(long_ids))
+    long_row, alone_row = server.worker.row_for_prompt(tuple(long_ids))
+    alone_calls = [c for c in server.worker.calls if c.row_id == alone_row]
+    calls = server.worker.calls[: alone_calls[0].seq]  # the concurrent phase
+    assert len([c for c in alone_calls if c.name == "prefill"]) == -(-(len(long_ids) - 1) // prefill_chunk)
+    assert alone.text == results[99].text
+    by_row = server.worker.tokens_by_row()
+    assert by_row[long_row] == by_row[alone_row]
     chunks = [c for c in calls if c.name == "prefill" and c.row_id == long_row]
     # into a running batch with nobody queued, the joiner rides the next step (join_group)
     [join] = [c for c in calls if c.name in ("join", "join_group") and c.row_id == long_row]
