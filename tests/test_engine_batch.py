@@ -134,4 +134,32 @@ def test_a_joiner_prefilled_in_small_chunks_beside_a_running_row_equals_solo(eng
     while any(len(out[r]) < 24 for r in out):
         for t in engine.step():
             out[t.row_id].append(t.token)
+            if t.finish:
+                engine.close_row(t.row_id)
     assert out == expected
+    assert engine.active_rows == 0
+
+
+def test_keeping_freed_buffers_changes_no_output_and_holds_no_memory_once_rows_close(engine, monkeypatch):
+    """CUDA's default (model.engine.CLEAR_CACHE off): MLX's freed buffers stay in its cache for
+    reuse. Results are the same, and once every row is closed the active memory is back where it
+    was — the kept buffers count as cache, not as memory the engine holds."""
+    import gc
+
+    import mlx.core as mx
+
+    from model import engine as engine_module
+
+    expected = {r: solo(engine, r) for r in (1, 3, 4)}
+    assert generate_tokens(engine, [spec(r) for r in (1, 3, 4)]) == expected  # meets B=3's shapes once
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    monkeypatch.setattr(engine_module, "CLEAR_CACHE", False)
+    monkeypatch.setattr(engine_module, "CLEAR_CACHE_EVERY", 4)
+    for _ in range(2):
+        assert generate_tokens(engine, [spec(r) for r in (1, 3, 4)]) == expected
+        assert engine.active_rows == 0
+        gc.collect()  # arrays held only by reference cycles are not the engine's
+        assert mx.get_active_memory() == before
+    assert mx.get_cache_memory() > 0  # what the engine released is kept for reuse
