@@ -99,6 +99,29 @@ if [ "${SUITE:-full}" = "s5" ]; then  # check: restore's first import in a proce
   pack
   exit 0
 fi
+if [ "${SUITE:-full}" = "s6" ]; then  # 2026-12-05: the whole serve table again with the last defaults, engine B=1..32
+  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+  step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+    --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
+    --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
+  step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
+  pack
+  exit 0
+fi
+if [ "${SUITE:-full}" = "s7" ]; then  # 2026-12-05: 8B roofline, c=8/32 again, the joiner chunk on a GPU
+  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+  step 120 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 \
+    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16-c8-c32.json"
+  for chunk in 0 512; do
+    step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8 --repeats 1 --only ours \
+      --agent-turns 0 --joiner-words 3000 --no-abort --exit-streams 0 --ours-args "--decoding-prefill-chunk $chunk" \
+      --out "$RES/sb-q06-bf16-joiner-chunk$chunk.json"
+  done
+  step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
+  step 150 $DE --model $M/l8-bf16 --batches 1 --repeats 2 --out "$RES/de-l8-bf16.json"
+  pack
+  exit 0
+fi
 # the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
 # first-time cost of new attention shapes, and bucketed / grouped prefill against exact widths
