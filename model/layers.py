@@ -20,6 +20,8 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from model import cpu_exact
+
 log = logging.getLogger(__name__)
 
 
@@ -45,8 +47,18 @@ class DecoderArgs:
 
 
 @partial(mx.compile, shapeless=True)
-def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return nn.silu(gate) * x
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    # On the CPU, float32: the same bits from a faster exp (model/cpu_exact.py).
+    if _CPU_EXACT[0] and cpu_exact.applies(gate, x):
+        return cpu_exact.swiglu_f32(gate, x)
+    return _swiglu(gate, x)
+
+
+_CPU_EXACT = [os.environ.get("MLX_TRIO_CPU_EXACT_SWIGLU", "1") != "0"]
 
 
 # -- decode GEMV on CUDA ----------------------------------------------------------------------
