@@ -222,10 +222,10 @@ class RowTable:
         self.joiner = row
         return row
 
-    def admit_group(self, max_tokens: int) -> list[Row]:
-        """Admit the run of batched rows at the queue head that fits: capacity, and a padded
-        prefill of at most `max_tokens` (the widest prompt times the rows). Two rows at least,
-        else nothing (a lone row takes the ordinary path)."""
+    def group_at_head(self, max_tokens: int) -> list[Row]:
+        """The run of batched rows at the queue head that `admit_group` would take now: it
+        fits the capacity and a padded prefill of at most `max_tokens` (the widest prompt times
+        the rows). Two rows at least, else none (a lone row takes the ordinary path)."""
         if self.joiner is not None or self.staged or any(r.lane == "serial" for r in self.running.values()):
             return []
         group: list[Row] = []
@@ -242,8 +242,13 @@ class RowTable:
                 break
             group.append(row)
             width = wider
-        if len(group) < 2:
-            return []
+        return group if len(group) >= 2 else []
+
+    def admit_group(self, max_tokens: int) -> list[Row]:
+        """Admit `group_at_head`: its rows leave the queue and are staged to prefill together."""
+        group = self.group_at_head(max_tokens)
+        if not group:
+            return []  # (and the rows staged already stay staged)
         for row in group:
             self.queue.popleft()
             row.phase = "joining"

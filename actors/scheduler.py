@@ -17,6 +17,7 @@ discarded, never delivered.
 from __future__ import annotations
 
 import logging
+import os
 
 import attrs
 import trio
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 # Undelivered events on one row's channel that mean its reader is gone. A live reader drains its
 # channel every event-loop turn; even a slow one stays far below this (~tens of seconds of decode).
 DEFAULT_STALL_BACKLOG = 2048
+
+# A queue head that could open a group prefill waits for the next turn instead of prefilling
+# alone (MLX_TRIO_GROUP_HEAD_WAITS=0: the old order, for A/B measurements).
+GROUP_HEAD_WAITS = os.environ.get("MLX_TRIO_GROUP_HEAD_WAITS", "1") != "0"
 
 
 @attrs.define
@@ -142,7 +147,13 @@ class Scheduler:
                 await self._join_group(ready)
                 await self._close_leavers()
             table.next_staged()
-            if table.admissible_head() is not None:
+            # A head that could open a group waits one step for the next turn's group prefill
+            # rather than prefilling alone now: a burst's rows otherwise alternate between a group
+            # and a solo row (its exact width costs CUDA a new attention graph, ~40-60 ms on an
+            # H200, and the running streams wait for it).
+            grouped_next = (GROUP_HEAD_WAITS and self.group_prefill_tokens
+                            and table.group_at_head(self.group_prefill_tokens))
+            if table.admissible_head() is not None and not grouped_next:
                 await self._open(table.admit())
                 await self._close_leavers()
             burst = False

@@ -122,6 +122,20 @@ if [ "${SUITE:-full}" = "s7" ]; then  # 2026-12-05: 8B roofline, c=8/32 again, t
   pack
   exit 0
 fi
+if [ "${SUITE:-full}" = "s8" ]; then  # 2026-12-05: a groupable queue head waits for the next group (A/B), c=8/32 again
+  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+  for round in 1 2; do
+    for w in 1 0; do
+      step 75 env MLX_TRIO_GROUP_HEAD_WAITS=$w $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT \
+        --concurrency 8,32 --repeats 2 --only ours --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 \
+        --out "$RES/sb-q06-bf16-headwaits$w-r$round.json"
+    done
+  done
+  step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+    --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
+  pack
+  exit 0
+fi
 # the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
 # first-time cost of new attention shapes, and bucketed / grouped prefill against exact widths

@@ -53,6 +53,40 @@ async def test_capacity_and_token_budget_bound_a_group(autojump_clock):
     assert not worker.violations
 
 
+async def test_a_burst_wider_than_one_group_is_prefilled_in_groups_only(autojump_clock):
+    # Three groups' worth of rows: none may be prefilled alone in between (on CUDA a solo row's
+    # exact width costs a new attention graph while the running streams wait).
+    worker = FakeWorker(chunk=8)
+    async with scheduler_harness(worker, capacity=8, group_prefill_tokens=12) as h:
+        rows = [h.submit(i, prompt(7, salt=i), max_tokens=2) for i in range(1, 7)]
+        await trio.sleep(60)
+    made = calls(worker)
+    assert [arg for name, arg in made if name == "prefill_group"] == [(1, 2), (3, 4), (5, 6)]
+    assert [arg for name, arg in made if name in ("prefill", "join")] == []
+    # One group prefill between two steps: the running rows wait for one forward at a time.
+    kinds = [name for name, _ in made if name in ("prefill_group", "step")]
+    assert all(not (a == b == "prefill_group") for a, b in zip(kinds, kinds[1:]))
+    for i, row in zip(range(1, 7), rows):
+        assert row.tokens == worker.expected(prompt(7, salt=i), 2)
+    assert not worker.violations
+
+
+async def test_rows_left_staged_by_the_worker_are_never_dropped(autojump_clock):
+    # The worker prefills only row 1 of the group (2 and 3 are longer than its chunk): 2 becomes
+    # the joiner while 3 waits staged, and a later turn's group check must leave it there.
+    worker = FakeWorker(chunk=4)
+    async with scheduler_harness(worker, group_prefill_tokens=20) as h:
+        specs = {1: prompt(4, salt=1), 2: prompt(7, salt=2), 3: prompt(7, salt=3), 4: prompt(4, salt=4),
+                 5: prompt(4, salt=5)}
+        rows = {i: h.submit(i, p, max_tokens=2) for i, p in specs.items()}
+        await trio.sleep(80)
+    assert ("prefill_group", (1, 2, 3)) in calls(worker)
+    for i, p in specs.items():
+        assert rows[i].tokens == worker.expected(p, 2), i
+    assert h.scheduler.counters.finished_rows == 5
+    assert not worker.violations
+
+
 async def test_a_row_aborted_while_staged_never_joins(autojump_clock):
     worker = FakeWorker(chunk=4, prefill_cost=2.0)
     async with scheduler_harness(worker, group_prefill_tokens=16) as h:
