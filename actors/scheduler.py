@@ -148,9 +148,9 @@ class Scheduler:
                 await self._close_leavers()
             table.next_staged()
             # A head that could open a group waits one step for the next turn's group prefill
-            # rather than prefilling alone now: a burst's rows otherwise alternate between a group
-            # and a solo row (its exact width costs CUDA a new attention graph, ~40-60 ms on an
-            # H200, and the running streams wait for it).
+            # rather than prefilling alone now (one group forward between two decode steps). On
+            # the H200 benchmark bursts it changed nothing (their rows reach the queue one at a
+            # time: docs/performance.md item 24); it keeps a queued burst from alternating.
             grouped_next = (GROUP_HEAD_WAITS and self.group_prefill_tokens
                             and table.group_at_head(self.group_prefill_tokens))
             if table.admissible_head() is not None and not grouped_next:

@@ -19,9 +19,11 @@ shape is traced once, ~1 ms; the fused C++ kernels are shared by every shape.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import mlx.core as mx
+import numpy as np
 
 # Cephes exp2 polynomial on [-0.5, 0.5], highest degree first, as MLX's CPU `simd::exp` has it.
 _EXP2_POLY = (
@@ -36,7 +38,7 @@ _EXP2_POLY = (
 
 
 # The same constants, widened exactly to float64 (their float32 values, as the C++ has them).
-_EXP2_POLY_F64 = tuple(float(mx.array(c, mx.float32).item()) for c in _EXP2_POLY)
+_EXP2_POLY_F64 = tuple(float(np.float32(c)) for c in _EXP2_POLY)
 
 
 def exp_f32(x: mx.array, *, non_negative: bool = False) -> mx.array:
@@ -69,8 +71,9 @@ def swiglu_f32(gate: mx.array, x: mx.array) -> mx.array:
 # MLX fuses a compiled CPU graph into C++ it builds with `g++` at run time; without one it runs
 # the ops one by one, and this formula is then slower than `mx.sigmoid` (3.9 vs 3.3 ms for a
 # 250 x 768 gate, 2.0 vs 3.2 ms with g++).
-JIT = shutil.which("g++") is not None
+# MLX_TRIO_CPU_EXACT_SWIGLU=0 turns it off.
+ENABLED = shutil.which("g++") is not None and os.environ.get("MLX_TRIO_CPU_EXACT_SWIGLU", "1") != "0"
 
 
 def applies(gate: mx.array, x: mx.array) -> bool:
-    return JIT and gate.dtype == mx.float32 and x.dtype == mx.float32 and mx.default_device().type == mx.cpu
+    return ENABLED and gate.dtype == mx.float32 and x.dtype == mx.float32 and mx.default_device().type == mx.cpu

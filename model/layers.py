@@ -53,12 +53,9 @@ def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     # On the CPU, float32: the same bits from a faster exp (model/cpu_exact.py).
-    if _CPU_EXACT[0] and cpu_exact.applies(gate, x):
+    if cpu_exact.applies(gate, x):
         return cpu_exact.swiglu_f32(gate, x)
     return _swiglu(gate, x)
-
-
-_CPU_EXACT = [os.environ.get("MLX_TRIO_CPU_EXACT_SWIGLU", "1") != "0"]
 
 
 # -- decode GEMV on CUDA ----------------------------------------------------------------------
