@@ -140,6 +140,8 @@ class Row:
     leaving: LeaveReason | None = None  # set once; the first reason wins
     to_prefill: int = 0
     opened: bool = False  # the worker holds state for it (close_row owed)
+    enqueued_at: float = 0.0  # trio time it reached the scheduler
+    held_since: float | None = None  # when the scheduler first held it at the head for arrivals
 
     @property
     def row_id(self) -> int:
@@ -243,6 +245,17 @@ class RowTable:
             group.append(row)
             width = wider
         return group if len(group) >= 2 else []
+
+    def group_has_room(self, max_tokens: int) -> bool:
+        """The group the head would open now (or the lone head) could take one more row as wide
+        as its widest: worth waiting for a request still on its way in."""
+        if self.admissible_head() is None:
+            return False
+        group = self.group_at_head(max_tokens) or [self.queue[0]]
+        if len(group) < len(self.queue) or any(r.lane != "batched" for r in group):
+            return False  # the row behind the group could not join it: waiting buys nothing
+        width = max(len(r.spec.prompt) - 1 for r in group)
+        return 0 < width * (len(group) + 1) <= max_tokens and len(self.running) + len(group) < self.capacity
 
     def admit_group(self, max_tokens: int) -> list[Row]:
         """Admit `group_at_head`: its rows leave the queue and are staged to prefill together."""

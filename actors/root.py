@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from actors.arrivals import Arrivals
 from actors.admission import Admission
 from actors.messages import Control, Submit
 from actors.policy import AdmissionCeiling, BatchMode, admission_ceiling, batch_mode, memory_budget_bytes
@@ -98,6 +99,8 @@ class ServeConfig:
     # A joiner's prefill chunk while other rows decode: None = DECODING_PREFILL_CHUNK on CPU and
     # the full chunk on a GPU (unmeasured there); 0 = always the full chunk.
     decoding_prefill_chunk: int | None = None
+    # With group prefill, how long a queue head may wait for requests still on their way in.
+    arrival_window_ms: float = 10.0
 
 
 @attrs.define
@@ -129,6 +132,7 @@ class ServerHandles:
     ports: RequestPorts
     admission: Admission
     scheduler: Scheduler
+    arrivals: Arrivals = attrs.Factory(Arrivals)  # generation routes count themselves in here
     sampling_defaults: SamplingParams = SamplingParams()
     started_at: float = attrs.Factory(time.time)
     # The worker's PromptCache (mutated on the MLX thread; /stats only reads its ints), or None.
@@ -166,6 +170,8 @@ class ServerHandles:
                 "pending_rows": len(sched.table.queue),
                 "draining": sched.table.draining,
                 **attrs.asdict(sched.counters),
+                # (row id, reached the queue [ms, server clock], waited [ms], opened with N rows)
+                "recent_opens": [(i, round(t * 1e3, 1), round(w * 1e3, 2), n) for i, t, w, n in sched.recent_opens],
             },
             "prompt_cache": (
                 {"enabled": True, **self.prompt_cache.stats()}
@@ -234,14 +240,18 @@ async def start_actors(
     grouped = mode == "batch" and (
         config.group_prefill == "on" or (config.group_prefill == "auto" and info.device == "gpu")
     )
+    arrivals = Arrivals()
     scheduler = Scheduler(
         worker, capacity=config.batch, inbox=inbox_recv,
+        pending_arrivals=lambda: arrivals.pending,
+        arrival_window=config.arrival_window_ms / 1000,
         group_prefill_tokens=int(getattr(worker, "prefill_chunk", 2048)) if grouped else 0,
         decoding_prefill_chunk=(
             config.decoding_prefill_chunk if config.decoding_prefill_chunk is not None
             else DECODING_PREFILL_CHUNK if info.device == "cpu" else 0
         ),
     )
+    arrivals.on_settled = scheduler.nudge
     await nursery.start(scheduler.run)
 
     submits_send, submits_recv = trio.open_memory_channel[Submit](float("inf"))
@@ -273,6 +283,7 @@ async def start_actors(
         ports=RequestPorts(submits=submits_send, control=inbox_send, admission=admission),
         admission=admission,
         scheduler=scheduler,
+        arrivals=arrivals,
         sampling_defaults=sampling_defaults_for(config, info, sampling_defaults),
         prompt_cache=getattr(worker, "prompt_cache", None),
         worker=worker,

@@ -9,7 +9,9 @@ Outbound: each row's own unbounded event channel (`RowOpened`, `TokenOut`, `RowF
 Two tasks share the row table, which is safe because trio only switches at awaits and every
 table mutation is synchronous: the control task applies inbound messages the moment they arrive
 (so a queued row is dropped at once), and the driver task turns the table into worker calls.
-Rows leave only between worker calls: an abort during a prefill chunk takes effect after that
+A queue head that could share a group prefill (alone, or opening a group with room to spare) is held while other requests are still on
+their way in (`pending_arrivals`), for at most `arrival_window` seconds; the running streams keep
+stepping meanwhile. Rows leave only between worker calls: an abort during a prefill chunk takes effect after that
 chunk, one during a decode step after that step, and the aborted row's token from that call is
 discarded, never delivered.
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -35,6 +39,9 @@ DEFAULT_STALL_BACKLOG = 2048
 # A queue head that could open a group prefill waits for the next turn instead of prefilling
 # alone (MLX_TRIO_GROUP_HEAD_WAITS=0: the old order, for A/B measurements).
 GROUP_HEAD_WAITS = os.environ.get("MLX_TRIO_GROUP_HEAD_WAITS", "1") != "0"
+# For A/B measurements only: hold a groupable head for the whole arrival window even with nothing
+# known to be on its way (a plain time window; every lone request then waits that long).
+ARRIVAL_HOLD_ALWAYS = os.environ.get("MLX_TRIO_ARRIVAL_HOLD_ALWAYS", "0") == "1"
 
 
 @attrs.define
@@ -47,6 +54,10 @@ class SchedulerCounters:
     steps: int = 0
     prefill_chunks: int = 0
     group_prefills: int = 0  # prefill_group forwards (each also counts as a prefill chunk)
+    grouped_rows: int = 0  # rows opened for a group prefill
+    solo_rows: int = 0  # rows opened to prefill alone
+    held_heads: int = 0  # queue heads held for requests still on their way in
+    held_s: float = 0.0  # their total wait
     tokens: int = 0
 
 
@@ -60,6 +71,8 @@ class Scheduler:
         stall_backlog: int = DEFAULT_STALL_BACKLOG,
         group_prefill_tokens: int = 0,
         decoding_prefill_chunk: int = 0,
+        pending_arrivals: Callable[[], int] = lambda: 0,
+        arrival_window: float = 0.0,
     ) -> None:
         self._worker = worker
         # A joiner's prefill chunk while other rows are decoding (0 = the worker's full chunk):
@@ -70,11 +83,17 @@ class Scheduler:
         # (padded) tokens per forward; 0 = off (every row prefills alone).
         self.group_prefill_tokens = group_prefill_tokens
         self.stall_backlog = stall_backlog
+        # Requests read but not yet in the inbox, and how long a lone head may wait for them.
+        self._pending_arrivals = pending_arrivals
+        self.arrival_window = arrival_window
         self._inbox = inbox
         self.table = RowTable(capacity)
         self.counters = SchedulerCounters()
         self._kick = trio.Event()
         self._calls = 0  # worker calls made (each one a checkpoint)
+        # The last rows opened: when each reached the queue, how long it waited, with how many
+        # rows it was opened (1 = alone); /stats shows it, to explain solo prefills.
+        self.recent_opens: deque[tuple[int, float, float, int]] = deque(maxlen=32)
 
     # -- views for admission and /stats
 
@@ -91,6 +110,10 @@ class Scheduler:
     def busy(self) -> bool:
         """For background GPU work (durability, demotion): anything running or pending."""
         return not self.table.idle or bool(self.table.queue)
+
+    def nudge(self) -> None:
+        """Re-decide now (an arrival the driver may be holding the head for has settled)."""
+        self._kick.set()
 
     # -- the actor
 
@@ -119,7 +142,8 @@ class Scheduler:
 
     def apply(self, message: Control) -> None:
         if isinstance(message, Enqueue):
-            self.table.enqueue(Row(spec=message.spec, lane=message.lane, out=message.rows))
+            row = Row(spec=message.spec, lane=message.lane, out=message.rows, enqueued_at=trio.current_time())
+            self.table.enqueue(row)
             self.counters.submitted_rows += 1
         elif isinstance(message, (Abort, StopRow)):
             reason: LeaveReason = "abort" if isinstance(message, Abort) else "stop"
@@ -140,7 +164,8 @@ class Scheduler:
                 self._kick = trio.Event()
                 await self._kick.wait()
                 continue
-            if self.group_prefill_tokens and (group := table.admit_group(self.group_prefill_tokens)):
+            held = self._hold_head()
+            if held is None and self.group_prefill_tokens and (group := table.admit_group(self.group_prefill_tokens)):
                 await self._open_group(group)
                 await self._close_leavers()
             if table.joiner is None and (ready := table.staged_ready()):
@@ -153,7 +178,10 @@ class Scheduler:
             # time: docs/performance.md item 24); it keeps a queued burst from alternating.
             grouped_next = (GROUP_HEAD_WAITS and self.group_prefill_tokens
                             and table.group_at_head(self.group_prefill_tokens))
-            if table.admissible_head() is not None and not grouped_next:
+            if held is None:
+                held = self._hold_head()  # (the group above may have changed the head)
+            if table.admissible_head() is not None and not grouped_next and held is None:
+                self._opening([table.queue[0]])
                 await self._open(table.admit())
                 await self._close_leavers()
             burst = False
@@ -181,7 +209,44 @@ class Scheduler:
             # yield here would leave the device idle for the whole of that per-token work). Every
             # worker call is itself a checkpoint; a loop turn that made none yields here.
             if calls == self._calls:
-                await trio.lowlevel.checkpoint()
+                if held is not None:
+                    # Nothing to run until an arrival settles or the window closes.
+                    self._kick = trio.Event()
+                    with trio.move_on_at(held):
+                        await self._kick.wait()
+                else:
+                    await trio.lowlevel.checkpoint()
+
+    def _hold_head(self) -> float | None:
+        """The deadline until which the admissible head (alone, or opening a group with room to
+        spare) waits for requests still on their way in, so they share its group prefill; None =
+        admit now."""
+        table = self.table
+        if not (self.group_prefill_tokens and self.arrival_window > 0) or table.joiner is not None:
+            return None
+        if not table.group_has_room(self.group_prefill_tokens):
+            return None
+        pending = self._pending_arrivals() + self._inbox.statistics().current_buffer_used
+        if pending == 0 and not ARRIVAL_HOLD_ALWAYS:
+            return None
+        head = table.queue[0]
+        now = trio.current_time()
+        if head.held_since is None:
+            head.held_since = now
+        deadline = head.held_since + self.arrival_window
+        return deadline if now < deadline else None
+
+    def _opening(self, rows: list[Row]) -> None:
+        now = trio.current_time()
+        if len(rows) == 1:
+            self.counters.solo_rows += 1
+        else:
+            self.counters.grouped_rows += len(rows)
+        for row in rows:
+            if row.held_since is not None:
+                self.counters.held_heads += 1
+                self.counters.held_s += now - row.held_since
+            self.recent_opens.append((row.row_id, row.enqueued_at, now - row.enqueued_at, len(rows)))
 
     async def _open(self, row: Row, *, min_cached_tokens: int = 1) -> None:
         spec = row.spec if min_cached_tokens <= 1 else attrs.evolve(row.spec, min_cached_tokens=min_cached_tokens)
@@ -198,6 +263,7 @@ class Scheduler:
     async def _open_group(self, rows: list[Row]) -> None:
         """Open the rows, then one prefill_group call for those still wanted; any the worker
         could not take (a cached prefix, say) keep their `to_prefill` and prefill alone later."""
+        self._opening(rows)
         for row in rows:
             if row.leaving is None:
                 await self._open(row, min_cached_tokens=GROUP_MIN_CACHED_TOKENS)

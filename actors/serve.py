@@ -72,6 +72,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)")
     p.add_argument("--group-prefill", choices=("auto", "on", "off"), default="auto",
                    help="prefill simultaneous short arrivals in one forward (auto: on a GPU only)")
+    p.add_argument("--arrival-window-ms", type=_non_negative_float, default=10.0, metavar="MS",
+                   help="with group prefill, a queue head waits up to MS for requests still being read "
+                        "and templated, so a burst shares one group prefill (default 10; 0 = off)")
     p.add_argument("--decoding-prefill-chunk", type=_non_negative_int, default=None, metavar="N",
                    help="prefill a joining prompt N tokens at a time while other rows decode, so their "
                         "streams wait for at most one such chunk between tokens (default: 512 on CPU, "
@@ -166,6 +169,7 @@ async def _main(args: argparse.Namespace) -> int:
             group_prefill=args.group_prefill,
             prefill_bucket=args.prefill_bucket,
             decoding_prefill_chunk=args.decoding_prefill_chunk,
+            arrival_window_ms=args.arrival_window_ms,
         )
         flushed = None
         async with trio.open_nursery() as nursery:

@@ -45,8 +45,9 @@ def blueprint(handles: Any) -> Blueprint:
 
     @bp.post("/v1/messages")
     async def messages() -> Response:
-        chat = anthropic_to_chat(await json_body())
-        started = await openai_routes.start_chat(handles, chat)
+        with handles.arrivals.arriving():
+            chat = anthropic_to_chat(await json_body())
+            started = await openai_routes.start_chat(handles, chat)
         message_id = new_id("msg")
         model = handles.info.name
         if started.gen.stream:

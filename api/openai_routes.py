@@ -414,7 +414,8 @@ def blueprint(handles: Any) -> Blueprint:
 
     @bp.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        started = await start_chat(handles, await json_body())
+        with handles.arrivals.arriving():
+            started = await start_chat(handles, await json_body())
         meta = _Meta("chatcmpl", "chat.completion", handles.info.name)
         if started.gen.stream:
             return _sse(_chat_stream(started.actor, meta))
@@ -422,7 +423,8 @@ def blueprint(handles: Any) -> Blueprint:
 
     @bp.post("/v1/completions")
     async def completions() -> Response:
-        started = await start_text(handles, await json_body())
+        with handles.arrivals.arriving():
+            started = await start_text(handles, await json_body())
         meta = _Meta("cmpl", "text_completion", handles.info.name)
         if started.gen.stream:
             return _sse(_text_stream(started.actor, meta))

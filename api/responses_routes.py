@@ -50,25 +50,26 @@ def blueprint(handles: Any, *, store: ResponseStore | None = None) -> Blueprint:
 
     @bp.post("/v1/responses")
     async def create() -> Response:
-        body = await json_body()
-        previous_id = body.get("previous_response_id")
-        items = input_items(body.get("input"))
-        instructions = body.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise bad_request("instructions must be a string", param="instructions")
-        if previous_id is not None:
-            if not isinstance(previous_id, str):
-                raise bad_request("previous_response_id must be a string", param="previous_response_id")
-            previous = store.get(previous_id)
-            if previous is None:
-                raise ApiError(404, f"previous_response_id '{previous_id}' not found or expired",
-                               param="previous_response_id", code="previous_response_not_found")
-            items = [*previous.input, *output_to_input(previous.output), *items]
-            if instructions is None:
-                instructions = previous.instructions
-        keep = body.get("store", True) is not False
-        chat = responses_to_chat(body, items, instructions)
-        started = await openai_routes.start_chat(handles, chat)
+        with handles.arrivals.arriving():
+            body = await json_body()
+            previous_id = body.get("previous_response_id")
+            items = input_items(body.get("input"))
+            instructions = body.get("instructions")
+            if instructions is not None and not isinstance(instructions, str):
+                raise bad_request("instructions must be a string", param="instructions")
+            if previous_id is not None:
+                if not isinstance(previous_id, str):
+                    raise bad_request("previous_response_id must be a string", param="previous_response_id")
+                previous = store.get(previous_id)
+                if previous is None:
+                    raise ApiError(404, f"previous_response_id '{previous_id}' not found or expired",
+                                   param="previous_response_id", code="previous_response_not_found")
+                items = [*previous.input, *output_to_input(previous.output), *items]
+                if instructions is None:
+                    instructions = previous.instructions
+            keep = body.get("store", True) is not False
+            chat = responses_to_chat(body, items, instructions)
+            started = await openai_routes.start_chat(handles, chat)
         meta = ResponseMeta(body, model=handles.info.name, instructions=instructions,
                             previous_response_id=previous_id, store=keep)
 

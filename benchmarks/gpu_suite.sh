@@ -136,6 +136,22 @@ if [ "${SUITE:-full}" = "s8" ]; then  # 2026-12-05: a groupable queue head waits
   pack
   exit 0
 fi
+if [ "${SUITE:-full}" = "s9a" ] || [ "${SUITE:-full}" = "s9b" ]; then  # 2026-12-05: the arrival hold (A/B)
+  [ -d $M/q06-bf16 ] || step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+  if [ "$SUITE" = "s9a" ]; then order="10 0 always"; round=1; else order="always 0 10"; round=2; fi
+  for v in $order; do
+    if [ "$v" = always ]; then env="MLX_TRIO_ARRIVAL_HOLD_ALWAYS=1"; w=10; else env="MLX_TRIO_ARRIVAL_HOLD_ALWAYS=0"; w=$v; fi
+    step 80 env $env $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 3 \
+      --only ours --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--arrival-window-ms $w" \
+      --out "$RES/sb-q06-bf16-arrival-$v-r$round.json"
+  done
+  if [ "$SUITE" = "s9b" ]; then
+    step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+      --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
+  fi
+  pack
+  exit 0
+fi
 # the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
 # first-time cost of new attention shapes, and bucketed / grouped prefill against exact widths

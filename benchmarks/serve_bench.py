@@ -375,7 +375,9 @@ def run_suite(kind: str, model: Path, args) -> dict:
                 best = max(runs, key=lambda x: x["agg_tok_s"])
                 best["agg_tok_s_all"] = [x["agg_tok_s"] for x in runs]
                 if kind == "ours":  # where the MLX thread's time went, cumulative (/stats "worker")
-                    best["worker"] = httpx.get(f"{server.url}/stats", timeout=10).json().get("worker")
+                    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+                    best["worker"] = stats.get("worker")
+                    best["batch"] = stats.get("batch")  # scheduler counters, recent_opens
                 out[f"c{c}"] = best
                 print(f"  {kind} c={c}: " + json.dumps({k: v for k, v in best.items() if k not in ("ttfts", "itls")}),
                       file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import trio
 
+from actors.arrivals import Arrivals
 from actors.messages import Enqueue, Lane
 from actors.scheduler import Scheduler
 from actors.worker_api import ModelInfo, PrefillProgress, RowOpened, RowSpec, TokenOut
@@ -295,11 +296,15 @@ class SchedulerHarness:
 
 @asynccontextmanager
 async def scheduler_harness(
-    worker: FakeWorker, *, capacity: int = 8, group_prefill_tokens: int = 0, decoding_prefill_chunk: int = 0
+    worker: FakeWorker, *, capacity: int = 8, group_prefill_tokens: int = 0, decoding_prefill_chunk: int = 0,
+    arrivals: Arrivals | None = None, arrival_window: float = 0.0,
 ):
     inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
     scheduler = Scheduler(worker, capacity=capacity, inbox=inbox_recv, group_prefill_tokens=group_prefill_tokens,
-                          decoding_prefill_chunk=decoding_prefill_chunk)
+                          decoding_prefill_chunk=decoding_prefill_chunk, arrival_window=arrival_window,
+                          pending_arrivals=(lambda: arrivals.pending) if arrivals else (lambda: 0))
+    if arrivals is not None:
+        arrivals.on_settled = scheduler.nudge
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         yield SchedulerHarness(scheduler, inbox_send, nursery)
