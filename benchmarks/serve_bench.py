@@ -228,6 +228,23 @@ async def concurrent(server: Server, c: int, max_tokens: int, prompt_words: int,
             "ttfts": [r["ttft"] for r in results], "itls": itls}
 
 
+def request_lines(log: str) -> list[dict]:
+    """Our request log's generation lines: where each request's TTFT went (arrive / queue /
+    prefill ms), with its prompt and cached tokens."""
+    keys = ("prompt_tokens", "cached_tokens", "arrive_ms", "queue_ms", "prefill_ms", "ttft_ms")
+    out = []
+    for line in log.splitlines():
+        _, sep, payload = line.partition(" request {")
+        if sep:
+            try:
+                fields = json.loads("{" + payload)
+            except ValueError:
+                continue
+            if "prompt_tokens" in fields:
+                out.append({k: fields.get(k) for k in keys})
+    return out
+
+
 async def agent(server: Server, turns: int, system_words: int, max_tokens: int, agents: int = 2) -> dict:
     ttfts: dict[int, list[float]] = {t: [] for t in range(turns)}
     async with httpx.AsyncClient(timeout=None) as client:
@@ -391,6 +408,8 @@ def run_suite(kind: str, model: Path, args) -> dict:
             for name, make in extras:
                 try:
                     out[name] = asyncio.run(make())
+                    if kind == "ours" and name == "agent":  # the server's own TTFT breakdown per turn
+                        out[name]["server_lines"] = request_lines(server.tail(10**7))[-2 * args.agent_turns:]
                 except Exception as e:  # noqa: BLE001 - one failed workload must not lose the rest
                     out[f"{name}_error"] = f"{type(e).__name__}: {e}"
                 print(f"  {kind} {name}: {out.get(name, out.get(name + '_error'))}", file=sys.stderr, flush=True)

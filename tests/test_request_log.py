@@ -61,9 +61,12 @@ async def test_one_line_per_request_with_its_generation(autojump_clock, lines, c
     assert chat == {
         "id": "abc-123", "method": "POST", "route": CHAT, "status": 200, "client": None,
         "duration_ms": chat["duration_ms"], "lane": "batched", "prompt_tokens": prompt_tokens,
-        "cached_tokens": 0, "generated_tokens": 3, "queue_ms": 0.0, "ttft_ms": chat["ttft_ms"],
+        "cached_tokens": 0, "generated_tokens": 3, "arrive_ms": chat["arrive_ms"], "queue_ms": 0.0,
+        "prefill_ms": chat["prefill_ms"], "ttft_ms": chat["ttft_ms"],
         "finish_reason": "length", "client_abort": False, "_level": logging.INFO,
     }
+    assert chat["prefill_ms"] > 0
+    assert chat["ttft_ms"] == pytest.approx(chat["arrive_ms"] + chat["queue_ms"] + chat["prefill_ms"])
     assert chat["ttft_ms"] > 0 and chat["duration_ms"] == pytest.approx(chat["ttft_ms"] + 200.0)
     assert models["route"] == "/v1/models" and "prompt_tokens" not in models
     assert SECRET not in caplog.text  # never the prompt without --log-prompts
