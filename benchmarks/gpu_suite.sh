@@ -136,19 +136,30 @@ if [ "${SUITE:-full}" = "s8" ]; then  # 2026-12-05: a groupable queue head waits
   pack
   exit 0
 fi
-if [ "${SUITE:-full}" = "s9a" ] || [ "${SUITE:-full}" = "s9b" ]; then  # 2026-12-05: the arrival hold (A/B)
+if [ "${SUITE:-full}" = "s9" ] || [ "${SUITE:-full}" = "s9r" ]; then  # 2026-12-05: the arrival hold (A/B), then side by side
   [ -d $M/q06-bf16 ] || step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  if [ "$SUITE" = "s9a" ]; then order="10 0 always"; round=1; else order="always 0 10"; round=2; fi
+  if [ "$SUITE" = "s9" ]; then order="10 0 always"; else order="always 0 10"; fi  # s9r: a second round, reversed
   for v in $order; do
     if [ "$v" = always ]; then env="MLX_TRIO_ARRIVAL_HOLD_ALWAYS=1"; w=10; else env="MLX_TRIO_ARRIVAL_HOLD_ALWAYS=0"; w=$v; fi
-    step 80 env $env $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 3 \
+    step 75 env $env $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
       --only ours --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--arrival-window-ms $w" \
-      --out "$RES/sb-q06-bf16-arrival-$v-r$round.json"
+      --out "$RES/sb-q06-bf16-arrival-$v-$SUITE.json"
   done
-  if [ "$SUITE" = "s9b" ]; then
-    step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-      --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
-  fi
+  step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+    --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16-$SUITE.json"
+  pack
+  exit 0
+fi
+if [ "${SUITE:-full}" = "s10" ]; then  # 2026-12-05: chat rows with a boundary snapshot join group prefills (A/B), then side by side
+  [ -d $M/q06-bf16 ] || step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
+  for v in 1 0 0 1; do
+    n=$(( ${n:-0} + 1 ))
+    step 75 env MLX_TRIO_GROUP_SNAPSHOT_ROWS=$v $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 \
+      --repeats 2 --only ours --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 \
+      --out "$RES/sb-q06-bf16-snaprows$v-$n.json"
+  done
+  step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
+    --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16-s10.json" --plots "$RES"
   pack
   exit 0
 fi

@@ -72,6 +72,9 @@ HIT_WARM_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 25
 # an allocation would pass its memory limit. MLX_TRIO_CLEAR_CACHE=0/1 overrides.
 _CUDA = mx.default_device().type == mx.gpu and not mx.metal.is_available()
 CLEAR_CACHE = os.environ.get("MLX_TRIO_CLEAR_CACHE", "0" if _CUDA else "1") != "0"
+# Rows with a boundary snapshot (most chat requests) join group prefills; =0 leaves them out, as
+# before 2026-12-05 (for A/B measurements only).
+GROUP_SNAPSHOT_ROWS = os.environ.get("MLX_TRIO_GROUP_SNAPSHOT_ROWS", "1") != "0"
 
 
 @attrs.define(eq=False)
@@ -223,28 +226,32 @@ class Engine:
             row.processed = end
             if CLEAR_CACHE:
                 mx.clear_cache()
+        self._snapshot_if_passed(row)
+        return self._progress(row_id)
+
+    def _snapshot_if_passed(self, row: _Row) -> None:
         if row.snapshot_at is not None and row.processed >= row.snapshot_at:
-            # The chunk ran past the boundary: attention is causal, so the KV of the tokens before
-            # it is what a forward stopping there computes. Clones trimmed back to the boundary
-            # are the snapshot — one forward instead of two (on CUDA each new prefill shape also
-            # costs MLX an attention graph).
+            # The forward ran past the boundary: attention is causal, so the KV of the tokens
+            # before it is what a forward stopping there computes. Clones trimmed back to the
+            # boundary are the snapshot — one forward instead of two (on CUDA each new prefill
+            # shape also costs MLX an attention graph).
             at, row.snapshot_at = row.snapshot_at, None
             snapshot = [c.clone() for c in row.caches]
             for c in snapshot:
                 c.trim(row.processed - at)
             self._put(row.prompt[:at], snapshot, row.namespace)
-        return self._progress(row_id)
 
     def _progress(self, row_id: int) -> PrefillProgress:
         row = self._rows[row_id]
         return PrefillProgress(row_id, done=row.processed, remaining=len(row.prompt) - 1 - row.processed)
 
     def groupable(self, row_id: int) -> bool:
-        """Whether `prefill_group` can take this row: freshly opened (no cached prefix, no
-        boundary snapshot) with a whole prompt[:-1] of one chunk at most."""
+        """Whether `prefill_group` can take this row: freshly opened (no cached prefix) with a
+        whole prompt[:-1] of one chunk at most. A boundary snapshot inside it is taken after the
+        group's forward, as after a solo chunk that runs past it."""
         row = self._rows[row_id]
         todo = len(row.prompt) - 1 - row.processed
-        return row.processed == 0 and row.snapshot_at is None and 0 < todo <= self.prefill_chunk
+        return row.processed == 0 and 0 < todo <= self.prefill_chunk and (GROUP_SNAPSHOT_ROWS or row.snapshot_at is None)
 
     def prefill_group(self, row_ids: Sequence[int]) -> list[PrefillProgress]:
         """Prefill the groupable ones of these rows in one right-padded forward, then give each
@@ -285,6 +292,8 @@ class Engine:
             row.caches = [c.row(i, n) for c in caches]
             row.processed = n
         mx.eval([c.state for row in rows for c in row.caches])
+        for row in rows:
+            self._snapshot_if_passed(row)
         if CLEAR_CACHE:
             mx.clear_cache()
 

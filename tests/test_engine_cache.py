@@ -179,6 +179,25 @@ def test_snapshot_does_not_disturb_the_row_that_takes_it(model, cold):
     assert got == cold_run(cold, P)
 
 
+def test_group_prefilled_rows_take_their_snapshots(model, cold):
+    # Chat rows carry a boundary snapshot; the group forward takes them like a solo prefill
+    # (before, such rows were left out of the group and prefilled alone afterwards).
+    hot = Engine(model, eos_token_ids=[], prefill_chunk=512, prompt_cache=PromptCache(1 << 30), group_bucket=0)
+    a, b = P[:300] + rand_tokens(30, 5), rand_tokens(350, 6)
+    hot.open_row(spec(1, a, snapshot_at=300))
+    hot.open_row(spec(2, b, snapshot_at=349))  # the boundary at the very end of prompt[:-1]
+    assert hot.groupable(1) and hot.groupable(2)
+    assert [p.remaining for p in hot.prefill_group([1, 2])] == [0, 0]
+    hot.close_row(1, reusable=False)
+    hot.close_row(2, reusable=False)  # only the snapshots survive
+    assert hot.prompt_cache.stats()["entries"] == 2
+    assert hot.prompt_cache.find_exact(a[:300]) is not None and hot.prompt_cache.find_exact(b[:349]) is not None
+    for prefix, seed in ((a[:300], 7), (b[:349], 8)):
+        nxt = prefix + rand_tokens(60, seed)
+        got, cached = run_solo(hot, nxt)
+        assert cached == len(prefix) and got == cold_run(cold, nxt)
+
+
 @pytest.mark.parametrize("at", [255, 100])
 def test_no_snapshot_below_256_tokens(model, at):
     hot = hot_engine(model)
