@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-up", choices=("auto", "on", "off"), default="auto",
                    help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)")
     p.add_argument("--group-prefill", choices=("auto", "on", "off"), default="auto",
-                   help="prefill simultaneous short arrivals in one forward (auto: on a GPU only)")
+                   help="prefill simultaneous short arrivals in one forward (auto: on)")
     p.add_argument("--arrival-window-ms", type=_non_negative_float, default=10.0, metavar="MS",
                    help="with group prefill, a queue head waits up to MS for requests still being read "
                         "and templated, so a burst shares one group prefill (default 10; 0 = off)")
