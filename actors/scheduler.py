@@ -9,9 +9,11 @@ Outbound: each row's own unbounded event channel (`RowOpened`, `TokenOut`, `RowF
 Two tasks share the row table, which is safe because trio only switches at awaits and every
 table mutation is synchronous: the control task applies inbound messages the moment they arrive
 (so a queued row is dropped at once), and the driver task turns the table into worker calls.
-A queue head that could share a group prefill (alone, or opening a group with room to spare) is held while other requests are still on
-their way in (`pending_arrivals`), for at most `arrival_window` seconds; the running streams keep
-stepping meanwhile. Rows leave only between worker calls: an abort during a prefill chunk takes effect after that
+A queue head that could share a group prefill (alone, or opening a group with room to spare) is
+held while other requests are still on their way in (`pending_arrivals`), for at most
+`arrival_window` seconds; the running streams keep stepping meanwhile.
+
+Rows leave only between worker calls: an abort during a prefill chunk takes effect after that
 chunk, one during a decode step after that step, and the aborted row's token from that call is
 discarded, never delivered.
 """
