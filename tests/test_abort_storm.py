@@ -25,6 +25,7 @@ Real threads: the real clock with a generous `trio.fail_after`.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import re
@@ -46,9 +47,11 @@ WORDS = (
     "there lived an old fisherman and his wife every morning he walked down to the harbour"
 ).split()
 MODES = ("queued", "prefill", "decode", "random")
-# Allocator noise on top of the baseline (measured: under 100 B); one leaked row's KV (512 B per
-# token for this model, in 256-token steps: 128 KiB) is 8 times this.
-SLACK_BYTES = 16 << 10
+# Allocator noise on top of the baseline (measured: under 400 B) plus one step's logits still
+# referenced as the engine empties (8 rows x 512 vocab x 4 B = 16 KiB: a CI run on 2 cores saw
+# 16.6 KiB over); one leaked row's KV (512 B per token for this model, in 256-token steps:
+# 128 KiB) is 4 times this.
+SLACK_BYTES = 32 << 10
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +327,10 @@ async def active_memory(server: RealServer) -> int:
     import mlx.core as mx
 
     def measure(engine: Any) -> int:
+        # Arrays that only cyclic garbage still holds (a cancelled task's traceback frames) are
+        # the collector's to free, not a leak: collect them first so the reading does not
+        # depend on when the collector last ran (a CI baseline once read two models' weights).
+        gc.collect()
         mx.synchronize()
         mx.clear_cache()
         return int(mx.get_active_memory())
