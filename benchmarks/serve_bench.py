@@ -521,7 +521,19 @@ def versions() -> dict:
                                      capture_output=True, text=True, timeout=10).stdout.strip() or None
     except Exception:  # noqa: BLE001
         info["gpu"] = None
+    info["blas"] = blas_line()
     return info
+
+
+def blas_line() -> str:
+    """The BLAS our server (and mlx_lm+blas) binds MLX's CPU backend to, as the server logs it:
+    asked in a fresh interpreter, because the preload must come before mlx is imported."""
+    probe = "from model.blas import preload_optimized_blas; print(preload_optimized_blas().log_line())"
+    try:
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                              cwd=ROOT).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        return f"unknown ({type(e).__name__})"
 
 
 def main() -> None:
@@ -574,6 +586,10 @@ def main() -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "versions": versions(), "model": str(args.synth or model),
                "layers": args.layers, "dtype": args.dtype, "quant": args.quant, "max_tokens": args.max_tokens,
                "prompt_words": args.prompt_words, "argv": sys.argv[1:]}
+    if args.mlx_lm_blas and "reference" in results["versions"]["blas"]:
+        # Both servers would run MLX's bundled reference BLAS: a fair comparison still, but not
+        # the one the flag names, and fp32 prefill ~10-30x slower than with OpenBLAS.
+        print(f"warning: --mlx-lm-blas but {results['versions']['blas']}", file=sys.stderr, flush=True)
     kinds = [args.only] if args.only else ["ours", "mlx_lm"]
     for kind in kinds:
         print(f"running {kind} ...", file=sys.stderr, flush=True)
