@@ -75,6 +75,9 @@ CLEAR_CACHE = os.environ.get("MLX_TRIO_CLEAR_CACHE", "0" if _CUDA else "1") != "
 # Rows with a boundary snapshot (most chat requests) join group prefills; =0 leaves them out, as
 # before 2026-12-05 (for A/B measurements only).
 GROUP_SNAPSHOT_ROWS = os.environ.get("MLX_TRIO_GROUP_SNAPSHOT_ROWS", "1") != "0"
+# Rows closed between two steps leave the batch's KV in one filter at the next step; =0 filters
+# at every close, as before 2026-12-05 (for A/B measurements only).
+COALESCE_LEAVES = os.environ.get("MLX_TRIO_COALESCE_LEAVES", "1") != "0"
 
 
 @attrs.define(eq=False)
@@ -173,6 +176,11 @@ class Engine:
         self._batch: list[_Row] = []
         self._caches: list[KVCache] | list[BatchKVCache] | None = None
         self._inflight: _Inflight | None = None
+        # Rows closed since the last step, still in the batch's arrays: their rows are dropped
+        # from the KV in one gather at the next step or join (`_settle_departures`), because
+        # each filter copies the whole batch's KV (CPU, B=32: 5-8 ms, most of a step) and the
+        # rows of a group finish together.
+        self._departed: list[_Row] = []
         self._ready: list[TokenOut] = []  # tokens read early (pipeline flush at a join)
         self._steps = 0
         # Compiled decode stages (model.layers.CompiledDecode): same numerics, far fewer host
@@ -343,6 +351,7 @@ class Engine:
         if self._ready:
             ready, self._ready = self._ready, []
             return ready
+        self._settle_departures()
         if not self._batch:
             return []
         if self._inflight is None:
@@ -464,7 +473,7 @@ class Engine:
 
     @property
     def batch_size(self) -> int:
-        return len(self._batch)
+        return len(self._batch) - len(self._departed)
 
     # -- prompt cache ----------------------------------------------------------------------------
 
@@ -512,6 +521,7 @@ class Engine:
 
     def _admit_to_batch(self, rows: list[_Row]) -> None:
         """Rows whose caches cover their prompt so far enter the batch: one merge, one extend."""
+        self._settle_departures()
         if self._inflight is not None:
             # Settle the row set first: read the in-flight step and hold its tokens for `step`.
             self._ready.extend(self._read(self._inflight))
@@ -532,10 +542,18 @@ class Engine:
             self._batch.append(row)
 
     def _leave_batch(self, row: _Row) -> None:
-        index = self._batch.index(row)
-        keep = [i for i in range(len(self._batch)) if i != index]
-        self._batch.pop(index)
         row.in_batch = False
+        self._departed.append(row)
+        if len(self._departed) == len(self._batch) or not COALESCE_LEAVES:
+            self._settle_departures()  # the batch is empty: free its KV now, not at a next step
+
+    def _settle_departures(self) -> None:
+        """Drop the rows closed since the last step from the batch: one filter for all."""
+        if not self._departed:
+            return
+        self._departed = []
+        keep = [i for i, r in enumerate(self._batch) if r.in_batch]
+        self._batch = [self._batch[i] for i in keep]
         if not self._batch:
             self._caches, self._inflight = None, None
             return

@@ -163,3 +163,34 @@ def test_keeping_freed_buffers_changes_no_output_and_holds_no_memory_once_rows_c
         gc.collect()  # arrays held only by reference cycles are not the engine's
         assert mx.get_active_memory() == before
     assert mx.get_cache_memory() > 0  # what the engine released is kept for reuse
+
+
+def test_rows_closed_between_two_steps_leave_the_kv_in_one_filter_and_the_rest_stay_exact(engine, monkeypatch):
+    """Three of five rows closed together (a group finishing, or aborts) are dropped from the
+    batch's KV by one filter at the next step, not one copy of the whole batch each; the rows
+    left decode exactly as alone, and closing the last rows frees the batch at once."""
+    from model import kv_cache
+
+    alone = {r: solo(engine, r) for r in (3, 5)}
+    got = {r: [] for r in PROMPTS}
+    for r in PROMPTS:
+        got[r].append(run_row_to_join(engine, spec(r)))
+    for _ in range(3):
+        for t in engine.step():
+            got[t.row_id].append(t.token)
+    filters = []
+    real_filter = kv_cache.BatchKVCache.filter
+    monkeypatch.setattr(kv_cache.BatchKVCache, "filter", lambda self, keep: (filters.append(list(keep)), real_filter(self, keep)))
+    for r in (1, 2, 4):
+        engine.close_row(r)
+    assert engine.batch_size == 2 and filters == []  # nothing copied yet
+    while len(got[3]) < 24 or len(got[5]) < 24:
+        for t in engine.step():
+            assert t.row_id in (3, 5), t
+            got[t.row_id].append(t.token)
+    # one filter per layer, keeping rows 3 and 5 (batch positions 2 and 4)
+    assert filters == [[2, 4]] * engine.num_layers, filters
+    assert {r: got[r] for r in (3, 5)} == alone
+    engine.close_row(3)
+    engine.close_row(5)
+    assert engine.batch_size == 0 and engine._caches is None  # the last leave frees the KV now
