@@ -54,7 +54,7 @@ def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     # On the CPU, float32: the same bits from a faster exp (model/cpu_exact.py).
     if cpu_exact.applies(gate, x):
-        return cpu_exact.swiglu_f32(gate, x)
+        return cpu_exact.swiglu(gate, x)
     return _swiglu(gate, x)
 
 

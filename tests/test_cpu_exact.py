@@ -42,6 +42,24 @@ def test_swiglu_is_mlx_lm_bit_for_bit_at_every_shape():
         assert _same_bits(swiglu(gate, up), nn.silu(gate) * up)
 
 
+def test_a_large_swiglu_in_row_pieces_is_still_mlx_lm_bit_for_bit(monkeypatch):
+    x = _inputs()
+    calls = []
+    real = cpu_exact.swiglu_f32
+    monkeypatch.setattr(cpu_exact, "swiglu_f32", lambda g, u: (calls.append(g.shape), real(g, u))[1])
+    for piece, shape in ((cpu_exact.PIECE_ELEMENTS, (3, 301, 512)), (1000, (2, 37, 96))):
+        monkeypatch.setattr(cpu_exact, "PIECE_ELEMENTS", piece)
+        calls.clear()
+        n = int(np.prod(shape))
+        gate = x[:n].reshape(shape)
+        up = mx.random.normal(shape, key=mx.random.key(n))
+        out = swiglu(gate, up)
+        step = piece // shape[-1]
+        rows = n // shape[-1]
+        assert len(calls) == -(-rows // step) and calls[0] == (step, shape[-1]), calls  # really in pieces
+        assert out.shape == shape and _same_bits(out, nn.silu(gate) * up)
+
+
 def test_other_dtypes_keep_mlx_silu():
     gate = mx.random.normal((2, 5, 64)).astype(mx.bfloat16)
     up = mx.random.normal((2, 5, 64)).astype(mx.bfloat16)
