@@ -16,6 +16,8 @@ PROMPTS = [
     [5, 17, 42, 99, 3, 250, 11, 7],
     [300, 2, 77],
     list(range(40, 140, 3)),
+    # Longer than model.cpu_attention.BLOCK: on CPU, float32 prefill attention runs in blocks.
+    [(i * 37) % 400 + 3 for i in range(200)],
 ]
 N_TOKENS = 32
 

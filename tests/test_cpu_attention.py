@@ -1,0 +1,54 @@
+"""model.cpu_attention: blocked causal attention must give MLX's own CPU bits, not close ones."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from model import cpu_attention
+
+pytestmark = pytest.mark.skipif(mx.default_device().type != mx.cpu, reason="MLX's CPU fallback")
+
+
+def _same_bits(a: mx.array, b: mx.array) -> bool:
+    return np.array_equal(np.array(a).view(np.uint32), np.array(b).view(np.uint32))
+
+
+# (batch, q heads, kv heads, queries, keys, head_dim): a solo prompt, a right-padded group, a
+# chunk after a cached prefix (queries are the last positions), GQA 1/2/4, MHA, a long prompt
+# (the key lengths where a shorter p @ v product rounds differently), a length under one block.
+SHAPES = [
+    (1, 4, 2, 265, 265, 64),
+    (7, 4, 2, 290, 290, 64),
+    (1, 4, 2, 100, 612, 64),
+    (2, 16, 8, 333, 333, 128),
+    (1, 4, 4, 1100, 1100, 64),
+    (1, 8, 2, 129, 2048, 32),
+    (3, 4, 2, 17, 17, 64),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_blocked_causal_attention_is_mlx_bit_for_bit(shape):
+    B, hq, hk, L, kL, D = shape
+    rng = np.random.default_rng(sum(shape))
+    q, k, v = (mx.array((rng.standard_normal((B, h, n, D)) * s).astype(np.float32))
+               for h, n, s in ((hq, L, 3.0), (hk, kL, 3.0), (hk, kL, 1.0)))
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal")
+    for block in (16, cpu_attention.BLOCK, 100):
+        assert _same_bits(cpu_attention.causal_attention(q, k, v, D**-0.5, block=block), theirs), block
+
+
+def test_it_applies_only_to_long_causal_float32_prefills():
+    long = mx.zeros((1, 4, cpu_attention.BLOCK + 1, 64))
+    assert cpu_attention.applies(long, "causal")  # and the start-up self-check agreed with MLX
+    assert not cpu_attention.applies(long, None)
+    assert not cpu_attention.applies(long, mx.ones((1, 1), mx.bool_))
+    assert not cpu_attention.applies(mx.zeros((1, 4, cpu_attention.BLOCK, 64)), "causal")
+    assert not cpu_attention.applies(long.astype(mx.bfloat16), "causal")
+
+
+def test_a_disagreeing_build_falls_back_to_mlx(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_state", {"enabled": True, "checked": False})
+    monkeypatch.setattr(cpu_attention, "causal_attention", lambda q, k, v, scale, block=64: q * 0)
+    assert not cpu_attention.applies(mx.zeros((1, 4, 200, 64)), "causal")
+    assert cpu_attention._state == {"enabled": False, "checked": True}
