@@ -246,7 +246,11 @@ def request_lines(log: str) -> list[dict]:
 
 
 async def agent(server: Server, turns: int, system_words: int, max_tokens: int, agents: int = 2) -> dict:
+    """Conversations whose turns share their history: each turn's TTFT, then the last turn's
+    prompt once more with its first system word changed, so that nothing before it is cached:
+    that prompt cold, for `cold_speedup` (the same prompt, cold over warm)."""
     ttfts: dict[int, list[float]] = {t: [] for t in range(turns)}
+    cold: list[float] = []
     async with httpx.AsyncClient(timeout=None) as client:
         await warm(client, server)
         for a in range(agents):
@@ -255,11 +259,20 @@ async def agent(server: Server, turns: int, system_words: int, max_tokens: int, 
                 history.append({"role": "user", "content": f"agent {a} turn {t}: " + text_of(30, a * 31 + t)})
                 r = await stream_chat(client, server, history, max_tokens)
                 ttfts[t].append(r["ttft"])
+                last = list(history)
                 history.append({"role": "assistant", "content": r["text"]})
+            if turns > 1:
+                busted = [{"role": "system", "content": "cold" + last[0]["content"][len("agent"):]}, *last[1:]]
+                cold.append((await stream_chat(client, server, busted, max_tokens))["ttft"])
     first = statistics.mean(ttfts[0])
     later = statistics.mean(x for t in range(1, turns) for x in ttfts[t])
-    return {"turn1_ttft": first, "turnN_ttft": later, "speedup": first / later if later else float("nan"),
-            "by_turn": {t: statistics.mean(v) for t, v in ttfts.items()}}
+    out = {"turn1_ttft": first, "turnN_ttft": later, "speedup": first / later if later else float("nan"),
+           "by_turn": {t: statistics.mean(v) for t, v in ttfts.items()}}
+    if cold:
+        last_warm = statistics.mean(ttfts[turns - 1])
+        out.update(lastturn_ttft=last_warm, lastturn_cold_ttft=statistics.mean(cold),
+                   cold_speedup=statistics.mean(cold) / last_warm)
+    return out
 
 
 async def joiner(server: Server, streams: int, long_words: int) -> dict:
@@ -446,6 +459,11 @@ def ratio_table(ours: dict, ref: dict, args) -> str:
         row("agent", "turn-N TTFT s", ours["agent"]["turnN_ttft"], ref["agent"]["turnN_ttft"], lower_is_better=True)
         rows.append(f"| agent | turn-1 / turn-N TTFT | {ours['agent']['speedup']:.2f}x | "
                     f"{ref['agent']['speedup']:.2f}x | |")
+        if "cold_speedup" in ours["agent"] and "cold_speedup" in ref["agent"]:
+            row("agent", "last turn's prompt cold TTFT s", ours["agent"]["lastturn_cold_ttft"],
+                ref["agent"]["lastturn_cold_ttft"], lower_is_better=True)
+            rows.append(f"| agent | last turn: cold / warm TTFT (same prompt) | {ours['agent']['cold_speedup']:.2f}x | "
+                        f"{ref['agent']['cold_speedup']:.2f}x | |")
     if "joiner" in ours and "joiner" in ref:
         row("long joiner", "max ITL of running streams s", ours["joiner"]["max_itl_during_join"],
             ref["joiner"]["max_itl_during_join"], lower_is_better=True)

@@ -63,8 +63,13 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, block:
     return out.reshape(B, n_q_heads, L, -1) if repeats > 1 else out
 
 
-def applies(q: mx.array, mask: object) -> bool:
-    if not (_state["enabled"] and isinstance(mask, str) and mask == "causal" and q.shape[2] > BLOCK):
+def applies(q: mx.array, k: mx.array, mask: object) -> bool:
+    """Worth it and exact: CPU, float32, causal, and the masked triangle a large enough part
+    of the scores — at most L - 2 * BLOCK keys before the L queries. A short suffix after a long
+    cached prefix sees nearly every key from every block, and there blocking measured ~6% slower
+    (157 queries after 1453 keys: 71 vs 67 ms)."""
+    L = q.shape[2]
+    if not (_state["enabled"] and isinstance(mask, str) and mask == "causal" and k.shape[2] - L <= L - 2 * BLOCK):
         return False
     if q.dtype != mx.float32 or mx.default_device().type != mx.cpu:
         return False

@@ -401,7 +401,7 @@ class Attention(nn.Module):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> mx.array:
         if isinstance(mask, str) and mask == UNFUSED_CAUSAL:
             return unfused_causal_attention(queries, keys, values, self.scale)
-        if cpu_attention.applies(queries, mask):  # CPU float32 prefill: same bits, fewer scores
+        if cpu_attention.applies(queries, keys, mask):  # CPU float32 prefill: same bits, fewer scores
             return cpu_attention.causal_attention(queries, keys, values, self.scale)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
 

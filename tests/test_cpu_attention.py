@@ -38,17 +38,22 @@ def test_blocked_causal_attention_is_mlx_bit_for_bit(shape):
         assert _same_bits(cpu_attention.causal_attention(q, k, v, D**-0.5, block=block), theirs), block
 
 
-def test_it_applies_only_to_long_causal_float32_prefills():
-    long = mx.zeros((1, 4, cpu_attention.BLOCK + 1, 64))
-    assert cpu_attention.applies(long, "causal")  # and the start-up self-check agreed with MLX
-    assert not cpu_attention.applies(long, None)
-    assert not cpu_attention.applies(long, mx.ones((1, 1), mx.bool_))
-    assert not cpu_attention.applies(mx.zeros((1, 4, cpu_attention.BLOCK, 64)), "causal")
-    assert not cpu_attention.applies(long.astype(mx.bfloat16), "causal")
+def test_it_applies_only_where_the_causal_triangle_is_a_large_part_of_a_float32_prefill():
+    n = 3 * cpu_attention.BLOCK
+    q = mx.zeros((1, 4, n, 64))
+    keys = lambda before: mx.zeros((1, 2, before + n, 64))  # noqa: E731
+    assert cpu_attention.applies(q, keys(0), "causal")  # and the start-up self-check agreed with MLX
+    assert cpu_attention.applies(q, keys(n - 2 * cpu_attention.BLOCK), "causal")
+    assert not cpu_attention.applies(q, keys(n), "causal")  # a suffix after a long cached prefix
+    assert not cpu_attention.applies(q, keys(0), None)
+    assert not cpu_attention.applies(q, keys(0), mx.ones((1, 1), mx.bool_))
+    short = 2 * cpu_attention.BLOCK - 1  # too few queries for the triangle to pay
+    assert not cpu_attention.applies(mx.zeros((1, 4, short, 64)), mx.zeros((1, 2, short, 64)), "causal")
+    assert not cpu_attention.applies(q.astype(mx.bfloat16), keys(0).astype(mx.bfloat16), "causal")
 
 
 def test_a_disagreeing_build_falls_back_to_mlx(monkeypatch):
     monkeypatch.setattr(cpu_attention, "_state", {"enabled": True, "checked": False})
     monkeypatch.setattr(cpu_attention, "causal_attention", lambda q, k, v, scale, block=64: q * 0)
-    assert not cpu_attention.applies(mx.zeros((1, 4, 200, 64)), "causal")
+    assert not cpu_attention.applies(mx.zeros((1, 4, 200, 64)), mx.zeros((1, 2, 200, 64)), "causal")
     assert cpu_attention._state == {"enabled": False, "checked": True}
