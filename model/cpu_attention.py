@@ -116,12 +116,12 @@ def _streams() -> list:
 def applies(q: mx.array, k: mx.array, mask: object) -> bool:
     """Worth it and exact: CPU, float32, a causal prefill whose masked triangle is large (blocks)
     or, on more than one core, any prefill of MIN_SPLIT_QUERIES queries or more (a split softmax)."""
-    L = q.shape[2]
     if not (_state["enabled"] and isinstance(mask, str) and mask == "causal"):
         return False
-    if not (_blocks_pay(L, k.shape[2]) or (L >= MIN_SPLIT_QUERIES and len(_streams()) > 1)):
-        return False
     if q.dtype != mx.float32 or mx.default_device().type != mx.cpu:
+        return False  # checked before `_streams()`, which would make CPU streams on a GPU box
+    L = q.shape[2]
+    if not (_blocks_pay(L, k.shape[2]) or (L >= MIN_SPLIT_QUERIES and len(_streams()) > 1)):
         return False
     if not _state["checked"]:
         _state["checked"] = True

@@ -176,11 +176,11 @@ class Engine:
         self._batch: list[_Row] = []
         self._caches: list[KVCache] | list[BatchKVCache] | None = None
         self._inflight: _Inflight | None = None
-        # Rows closed since the last step, still in the batch's arrays: their rows are dropped
+        # Rows closed since the last step (in_batch False), still in the batch's arrays: dropped
         # from the KV in one gather at the next step or join (`_settle_departures`), because
         # each filter copies the whole batch's KV (CPU, B=32: 5-8 ms, most of a step) and the
         # rows of a group finish together.
-        self._departed: list[_Row] = []
+        self._departed = 0
         self._ready: list[TokenOut] = []  # tokens read early (pipeline flush at a join)
         self._steps = 0
         # Compiled decode stages (model.layers.CompiledDecode): same numerics, far fewer host
@@ -473,7 +473,7 @@ class Engine:
 
     @property
     def batch_size(self) -> int:
-        return len(self._batch) - len(self._departed)
+        return len(self._batch) - self._departed
 
     # -- prompt cache ----------------------------------------------------------------------------
 
@@ -543,15 +543,15 @@ class Engine:
 
     def _leave_batch(self, row: _Row) -> None:
         row.in_batch = False
-        self._departed.append(row)
-        if len(self._departed) == len(self._batch) or not COALESCE_LEAVES:
+        self._departed += 1
+        if self._departed == len(self._batch) or not COALESCE_LEAVES:
             self._settle_departures()  # the batch is empty: free its KV now, not at a next step
 
     def _settle_departures(self) -> None:
         """Drop the rows closed since the last step from the batch: one filter for all."""
         if not self._departed:
             return
-        self._departed = []
+        self._departed = 0
         keep = [i for i, r in enumerate(self._batch) if r.in_batch]
         self._batch = [self._batch[i] for i in keep]
         if not self._batch:
