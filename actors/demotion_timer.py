@@ -82,8 +82,11 @@ class DemotionTimer:
                     self._spills.submit_nowait(item)
                 self.counters.spilled += len(items)
                 if items:
-                    log.info("demoted %d idle prompt-cache entr%s to the SSD tier", len(items),
-                             "y" if len(items) == 1 else "ies")
+                    log.info(
+                        "demoted %d idle prompt-cache entr%s to the SSD tier",
+                        len(items),
+                        "y" if len(items) == 1 else "ies",
+                    )
 
     def stop(self) -> None:
         """Stop ticking (shutdown: before the final flush)."""

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from typing import Any, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -168,7 +168,7 @@ class Durability:
         self._settle(key, record, gen, outcome)
 
     async def _store(self, key: Key) -> str:
-        """"stored" | "missing" | "failed" | "deferred"."""
+        """ "stored" | "missing" | "failed" | "deferred"."""
         namespace, tokens = key
         if self._port.has_durable_prefix(tokens, namespace):
             return "stored"
@@ -203,10 +203,7 @@ class Durability:
     def _dirty_descendant(self, key: Key) -> bool:
         namespace, tokens = key
         n = len(tokens)
-        return any(
-            ns == namespace and len(other) > n and other[:n] == tokens
-            for (ns, other) in self.records
-        )
+        return any(ns == namespace and len(other) > n and other[:n] == tokens for (ns, other) in self.records)
 
     def _settle(self, key: Key, record: _Record, gen: int, outcome: str) -> None:
         if self.records.get(key) is not record:
@@ -293,9 +290,7 @@ class Durability:
         # Drops or failures of spills no record backs (demotions) are entries lost for good.
         lost = spills.counters.dropped + spills.counters.failed - self._own_losses - lost0
         durable = not self.records and spills.pending == 0 and lost == 0 and missing == 0
-        return self.result(
-            durable=durable, flushed=flushed, missing=missing, elapsed_s=trio.current_time() - started
-        )
+        return self.result(durable=durable, flushed=flushed, missing=missing, elapsed_s=trio.current_time() - started)
 
     def result(self, *, durable: bool, flushed: int = 0, missing: int = 0, elapsed_s: float = 0.0) -> FlushResult:
         spills = self._spills
@@ -382,8 +377,9 @@ async def start_ssd_tier(
     from actors.demotion_timer import DemotionTimer
 
     # A store may bring its own blocking-call runner (test doubles run inline on virtual time).
-    spills = SpillQueue(store, cap_bytes=spill_queue_bytes, idle=lambda: not busy(),
-                        run_blocking=getattr(store, "run_blocking", None))
+    spills = SpillQueue(
+        store, cap_bytes=spill_queue_bytes, idle=lambda: not busy(), run_blocking=getattr(store, "run_blocking", None)
+    )
     await nursery.start(spills.run)
     durability = Durability(worker, spills, busy=busy)
     await nursery.start(durability.run)
@@ -392,8 +388,9 @@ async def start_ssd_tier(
     if demote_idle_s > 0:
         demotion = DemotionTimer(worker, spills, busy=busy, idle_s=demote_idle_s)
         await nursery.start(demotion.run)
-    return SsdTier(worker=worker, store=store, cache=worker.prompt_cache, spills=spills,
-                   durability=durability, demotion=demotion)
+    return SsdTier(
+        worker=worker, store=store, cache=worker.prompt_cache, spills=spills, durability=durability, demotion=demotion
+    )
 
 
 async def shutdown_flush(tier: SsdTier | None, *, timeout: float) -> FlushResult:
@@ -416,6 +413,8 @@ async def shutdown_flush(tier: SsdTier | None, *, timeout: float) -> FlushResult
 
 
 def _describe(r: FlushResult) -> str:
-    return (f"flushed {r.flushed_snapshots}, missing {r.missing_snapshots}, pending snapshots "
-            f"{r.pending_snapshots}, pending spills {r.pending_spills}, dropped {r.dropped_spills}, "
-            f"failed {r.failed_spills}, {r.elapsed_ms:.0f} ms")
+    return (
+        f"flushed {r.flushed_snapshots}, missing {r.missing_snapshots}, pending snapshots "
+        f"{r.pending_snapshots}, pending spills {r.pending_spills}, dropped {r.dropped_spills}, "
+        f"failed {r.failed_spills}, {r.elapsed_ms:.0f} ms"
+    )

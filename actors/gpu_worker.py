@@ -22,8 +22,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import attrs
 import outcome
@@ -199,8 +200,12 @@ class GpuWorker:
             started = time.perf_counter()
             engine.warm_up(self.warm_up_batch)
             self.times.warm_up_s = time.perf_counter() - started
-            log.info("warmed up decode batch sizes 1..%d and %d prefill shapes in %.1f s", self.warm_up_batch,
-                     len(engine.prefill_shapes(self.warm_up_batch)), self.times.warm_up_s)
+            log.info(
+                "warmed up decode batch sizes 1..%d and %d prefill shapes in %.1f s",
+                self.warm_up_batch,
+                len(engine.prefill_shapes(self.warm_up_batch)),
+                self.times.warm_up_s,
+            )
         self.info = ModelInfo(
             name=loaded.name,
             context_length=loaded.config.max_position_embeddings,

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from actors.arrivals import Arrivals
 from actors.admission import Admission
+from actors.arrivals import Arrivals
 from actors.messages import Control, Submit
 from actors.policy import AdmissionCeiling, BatchMode, admission_ceiling, batch_mode, memory_budget_bytes
 from actors.request import RequestPorts
@@ -183,7 +183,9 @@ class ServerHandles:
         }
 
 
-def sampling_defaults_for(config: ServeConfig, info: ModelInfo, base: SamplingParams = SamplingParams()) -> SamplingParams:
+def sampling_defaults_for(
+    config: ServeConfig, info: ModelInfo, base: SamplingParams = SamplingParams()
+) -> SamplingParams:
     """request > server flag > generation_config.json > fallback; this builds the last three."""
     fields = attrs.fields_dict(SamplingParams)
     values = {k: v for k, v in info.generation_defaults if k in fields}
@@ -214,7 +216,10 @@ async def start_actors(
     started = time.monotonic()
     info: ModelInfo = await nursery.start(worker.run)
     log.info(
-        "model %s loaded in %.1f s (%s, context %d)", info.name, time.monotonic() - started, info.device,
+        "model %s loaded in %.1f s (%s, context %d)",
+        info.name,
+        time.monotonic() - started,
+        info.device,
         info.context_length,
     )
     tokenizer = make_tokenizer(info)
@@ -230,7 +235,8 @@ async def start_actors(
         log.warning(
             "memory budget %.2f GB leaves no room for KV after weights (%.2f GB) and the prefill "
             "transient: every request will be refused; raise --memory-budget",
-            budget / 1e9, info.weights_bytes / 1e9,
+            budget / 1e9,
+            info.weights_bytes / 1e9,
         )
     else:
         log.info("admission: max safe context %d tokens (budget %.2f GB)", ceiling.max_safe_context, budget / 1e9)
@@ -242,13 +248,18 @@ async def start_actors(
     grouped = mode == "batch" and config.group_prefill != "off"
     arrivals = Arrivals()
     scheduler = Scheduler(
-        worker, capacity=config.batch, inbox=inbox_recv,
+        worker,
+        capacity=config.batch,
+        inbox=inbox_recv,
         pending_arrivals=lambda: arrivals.pending,
         arrival_window=config.arrival_window_ms / 1000,
         group_prefill_tokens=int(getattr(worker, "prefill_chunk", 2048)) if grouped else 0,
         decoding_prefill_chunk=(
-            config.decoding_prefill_chunk if config.decoding_prefill_chunk is not None
-            else DECODING_PREFILL_CHUNK if info.device == "cpu" else 0
+            config.decoding_prefill_chunk
+            if config.decoding_prefill_chunk is not None
+            else DECODING_PREFILL_CHUNK
+            if info.device == "cpu"
+            else 0
         ),
     )
     arrivals.on_settled = scheduler.nudge
@@ -269,8 +280,11 @@ async def start_actors(
     from actors.durability import start_ssd_tier
 
     ssd = await start_ssd_tier(
-        nursery, worker, busy=lambda: scheduler.busy,
-        spill_queue_bytes=int(config.ssd_spill_queue_gb * 2**30), demote_idle_s=config.ssd_demote_idle_s,
+        nursery,
+        worker,
+        busy=lambda: scheduler.busy,
+        spill_queue_bytes=int(config.ssd_spill_queue_gb * 2**30),
+        demote_idle_s=config.ssd_demote_idle_s,
     )
 
     return ServerHandles(
@@ -330,15 +344,14 @@ async def run_server(
             handles.admission.close(cutoff_after=config.shutdown_timeout)
             log.info(
                 "shutting down: admission closed; %d in-flight request(s) get up to %.0f s",
-                handles.admission.in_flight, config.shutdown_timeout,
+                handles.admission.in_flight,
+                config.shutdown_timeout,
             )
             trace("admission closed")
 
         nursery.start_soon(escalate)
         nursery.start_soon(gate)
-        handles = await start_actors(
-            nursery, worker, config=config, make_tokenizer=make_tokenizer, make_sink=make_sink
-        )
+        handles = await start_actors(nursery, worker, config=config, make_tokenizer=make_tokenizer, make_sink=make_sink)
         app = make_app(handles)
         serving = True
         if not shutdown.requested.is_set():

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from actors.messages import Abort, Control, Enqueue, RowFailed, RowEvent, StopRow
+from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow
 from actors.policy import GROUP_MIN_CACHED_TOKENS, LeaveReason, Row, RowTable
 from actors.worker_api import TokenOut, Worker
 
@@ -178,8 +178,9 @@ class Scheduler:
             # rather than prefilling alone now (one group forward between two decode steps). On
             # the H200 benchmark bursts it changed nothing (their rows reach the queue one at a
             # time: docs/performance.md item 24); it keeps a queued burst from alternating.
-            grouped_next = (GROUP_HEAD_WAITS and self.group_prefill_tokens
-                            and table.group_at_head(self.group_prefill_tokens))
+            grouped_next = (
+                GROUP_HEAD_WAITS and self.group_prefill_tokens and table.group_at_head(self.group_prefill_tokens)
+            )
             if held is None:
                 held = self._hold_head()  # (the group above may have changed the head)
             if table.admissible_head() is not None and not grouped_next and held is None:
@@ -372,8 +373,11 @@ class Scheduler:
             stats = row.out.statistics()
             stalled = stats.current_buffer_used > self.stall_backlog
             if stalled and row.leaving is None:
-                log.warning("row %d: %d tokens unread, the client stopped reading: aborting it",
-                            row.row_id, stats.current_buffer_used)
+                log.warning(
+                    "row %d: %d tokens unread, the client stopped reading: aborting it",
+                    row.row_id,
+                    stats.current_buffer_used,
+                )
             if stats.open_receive_channels == 0 or stalled:
                 dropped = self.table.mark_leaving(row.row_id, "abort")
                 if dropped is not None:

@@ -32,57 +32,145 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--batch", type=_at_least_one, default=8, help="max concurrent rows; 1 = strict serial executor")
     p.add_argument("--max-tokens", type=_at_least_one, default=None, help="default max_tokens for requests")
-    p.add_argument("--memory-budget", type=_positive_float, default=None, metavar="GB",
-                   help="memory budget in decimal GB (default: 0.75 x device/system memory)")
+    p.add_argument(
+        "--memory-budget",
+        type=_positive_float,
+        default=None,
+        metavar="GB",
+        help="memory budget in decimal GB (default: 0.75 x device/system memory)",
+    )
     p.add_argument("--max-queue", type=_at_least_one, default=256, help="requests allowed to wait; more get 503")
-    p.add_argument("--shutdown-timeout", type=_positive_float, default=30.0, metavar="S",
-                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
-    p.add_argument("--prompt-cache", type=_non_negative_float, default=8.0, metavar="GiB",
-                   help="RAM prompt cache size in GiB (default 8; 0 disables it)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
+    )
+    p.add_argument(
+        "--prompt-cache",
+        type=_non_negative_float,
+        default=8.0,
+        metavar="GiB",
+        help="RAM prompt cache size in GiB (default 8; 0 disables it)",
+    )
     # Issue 7: the prompt cache's SSD tier (docs/ssd-cache.md).
-    p.add_argument("--ssd-cache", default=None, metavar="DIR",
-                   help="keep prompt-cache entries on disk in DIR too, so they survive restarts (needs --prompt-cache > 0)")
-    p.add_argument("--ssd-cache-max", type=_positive_float, default=32.0, metavar="GiB",
-                   help="SSD cache size cap in GiB (default 32)")
-    p.add_argument("--ssd-spill-queue", type=_non_negative_float, default=2.0, metavar="GiB",
-                   help="write-behind queue cap in GiB; over it the oldest queued spill is dropped (default 2)")
-    p.add_argument("--ssd-demote-idle", type=_non_negative_float, default=300.0, metavar="S",
-                   help="move RAM entries unused this long to the SSD tier (default 300; 0 = off)")
-    p.add_argument("--no-ssd-verify", dest="ssd_verify", action="store_false",
-                   help="skip the per-tensor hash check when restoring from the SSD tier")
-    p.add_argument("--temp", type=_non_negative_float, default=None, dest="temperature",
-                   help="default sampling temperature (default: generation_config.json, else 0 = greedy)")
+    p.add_argument(
+        "--ssd-cache",
+        default=None,
+        metavar="DIR",
+        help="keep prompt-cache entries on disk in DIR too, so they survive restarts (needs --prompt-cache > 0)",
+    )
+    p.add_argument(
+        "--ssd-cache-max",
+        type=_positive_float,
+        default=32.0,
+        metavar="GiB",
+        help="SSD cache size cap in GiB (default 32)",
+    )
+    p.add_argument(
+        "--ssd-spill-queue",
+        type=_non_negative_float,
+        default=2.0,
+        metavar="GiB",
+        help="write-behind queue cap in GiB; over it the oldest queued spill is dropped (default 2)",
+    )
+    p.add_argument(
+        "--ssd-demote-idle",
+        type=_non_negative_float,
+        default=300.0,
+        metavar="S",
+        help="move RAM entries unused this long to the SSD tier (default 300; 0 = off)",
+    )
+    p.add_argument(
+        "--no-ssd-verify",
+        dest="ssd_verify",
+        action="store_false",
+        help="skip the per-tensor hash check when restoring from the SSD tier",
+    )
+    p.add_argument(
+        "--temp",
+        type=_non_negative_float,
+        default=None,
+        dest="temperature",
+        help="default sampling temperature (default: generation_config.json, else 0 = greedy)",
+    )
     p.add_argument("--top-p", type=_non_negative_float, default=None, help="default top_p")
     p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
     p.add_argument("--min-p", type=_non_negative_float, default=None, help="default min_p")
     # Issue 9: access, limits, logs (api/security.py). Secrets may come from the environment so
     # they stay out of `ps`.
-    p.add_argument("--api-key", default=os.environ.get("MLX_TRIO_API_KEY") or None,
-                   help="require this key on /v1/* (Authorization: Bearer or x-api-key); env MLX_TRIO_API_KEY")
-    p.add_argument("--admin-token", default=os.environ.get("MLX_TRIO_ADMIN_TOKEN") or None,
-                   help="let non-loopback clients call /admin/* with this token; env MLX_TRIO_ADMIN_TOKEN")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", dest="cors_origins",
-                   help="allow browser calls from ORIGIN (repeatable or comma-separated; * = any); default: CORS off")
-    p.add_argument("--max-body-mb", type=_non_negative_float, default=16.0, metavar="MiB",
-                   help="request body cap in MiB, 413 above it (default 16; 0 = no cap)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MLX_TRIO_API_KEY") or None,
+        help="require this key on /v1/* (Authorization: Bearer or x-api-key); env MLX_TRIO_API_KEY",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("MLX_TRIO_ADMIN_TOKEN") or None,
+        help="let non-loopback clients call /admin/* with this token; env MLX_TRIO_ADMIN_TOKEN",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        dest="cors_origins",
+        help="allow browser calls from ORIGIN (repeatable or comma-separated; * = any); default: CORS off",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=_non_negative_float,
+        default=16.0,
+        metavar="MiB",
+        help="request body cap in MiB, 413 above it (default 16; 0 = no cap)",
+    )
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log lines")
-    p.add_argument("--idle-timeout", type=_positive_float, default=5.0, metavar="S",
-                   help="seconds an idle keep-alive connection stays open (default 5)")
-    p.add_argument("--warm-up", choices=("auto", "on", "off"), default="auto",
-                   help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)")
-    p.add_argument("--group-prefill", choices=("auto", "on", "off"), default="auto",
-                   help="prefill simultaneous short arrivals in one forward (auto: on)")
-    p.add_argument("--arrival-window-ms", type=_non_negative_float, default=10.0, metavar="MS",
-                   help="with group prefill, a queue head waits up to MS for requests still being read "
-                        "and templated, so a burst shares one group prefill (default 10; 0 = off)")
-    p.add_argument("--decoding-prefill-chunk", type=_non_negative_int, default=None, metavar="N",
-                   help="prefill a joining prompt N tokens at a time while other rows decode, so their "
-                        "streams wait for at most one such chunk between tokens (default: 512 on CPU, "
-                        "the full 2048-token chunk on a GPU; 0 = always the full chunk)")
-    p.add_argument("--prefill-bucket", type=_non_negative_int, default=0, metavar="N",
-                   help="right-pad a request's prefill to a multiple of N tokens so CUDA attention graphs "
-                        "are reused (first prompt of a new length ~60 ms faster on an H200); greedy "
-                        "tokens may then differ from mlx-lm's in the last bits (default 0 = exact widths)")
+    p.add_argument(
+        "--idle-timeout",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
+    p.add_argument(
+        "--warm-up",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="meet decode batch sizes 1..--batch once before serving (auto: on a GPU only)",
+    )
+    p.add_argument(
+        "--group-prefill",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="prefill simultaneous short arrivals in one forward (auto: on)",
+    )
+    p.add_argument(
+        "--arrival-window-ms",
+        type=_non_negative_float,
+        default=10.0,
+        metavar="MS",
+        help="with group prefill, a queue head waits up to MS for requests still being read "
+        "and templated, so a burst shares one group prefill (default 10; 0 = off)",
+    )
+    p.add_argument(
+        "--decoding-prefill-chunk",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="prefill a joining prompt N tokens at a time while other rows decode, so their "
+        "streams wait for at most one such chunk between tokens (default: 512 on CPU, "
+        "the full 2048-token chunk on a GPU; 0 = always the full chunk)",
+    )
+    p.add_argument(
+        "--prefill-bucket",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="right-pad a request's prefill to a multiple of N tokens so CUDA attention graphs "
+        "are reused (first prompt of a new length ~60 ms faster on an H200); greedy "
+        "tokens may then differ from mlx-lm's in the last bits (default 0 = exact widths)",
+    )
     return p.parse_args(argv)
 
 
@@ -177,8 +265,11 @@ async def _main(args: argparse.Namespace) -> int:
             async def on_signals() -> None:
                 async for signum in signals:
                     first = not shutdown.requested.is_set()
-                    log.info("%s: %s", signal.Signals(signum).name,
-                             "shutting down gracefully (again to exit now)" if first else "exiting now")
+                    log.info(
+                        "%s: %s",
+                        signal.Signals(signum).name,
+                        "shutting down gracefully (again to exit now)" if first else "exiting now",
+                    )
                     shutdown.request()
                     if first:
                         budget = config.shutdown_timeout + HTTP_GRACE_MARGIN_S + WATCHDOG_SLACK_S

@@ -123,8 +123,11 @@ class SpillQueue:
                 break  # soft cap: the newest item and the one in flight always stay
             self._queue.remove(victim)
             self.counters.dropped += 1
-            log.info("spill queue over its %.2f GiB cap: dropped a %d-token entry (a future miss)",
-                     self.cap_bytes / 2**30, len(victim.key[1]))
+            log.info(
+                "spill queue over its %.2f GiB cap: dropped a %d-token entry (a future miss)",
+                self.cap_bytes / 2**30,
+                len(victim.key[1]),
+            )
             self._finish(victim, False, "dropped")
         self._wake.set()
         self._signal()

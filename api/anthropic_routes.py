@@ -54,8 +54,9 @@ def blueprint(handles: Any) -> Blueprint:
             stream = AnthropicStream(message_id=message_id, model=model, input_tokens=len(started.prompt))
             return sse_response(_stream(started.actor, stream))
         completion = await collect(started.actor)
-        return json_response(message_object(completion, message_id=message_id, model=model),
-                             headers={"request-id": new_id("req")})
+        return json_response(
+            message_object(completion, message_id=message_id, model=model), headers={"request-id": new_id("req")}
+        )
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
@@ -108,5 +109,3 @@ async def _stream(actor: Any, stream: AnthropicStream) -> AsyncIterator[bytes]:
         )
     finally:
         actor.close()
-
-

@@ -19,11 +19,20 @@ from api.protocol_common import Completion, sse_event
 AUDIO_BLOCKS = ("audio", "input_audio", "audio_url")
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # prior reasoning is not re-fed
 PASSTHROUGH_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "seed",
-    "min_p", "xtc_probability", "xtc_threshold",
-    "repetition_penalty", "repetition_context_size",
-    "presence_penalty", "presence_context_size",
-    "frequency_penalty", "frequency_context_size",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_p",
+    "xtc_probability",
+    "xtc_threshold",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
 )
 
 # --- request ---------------------------------------------------------------------------------
@@ -79,7 +88,11 @@ def _system_text(system: Any) -> str:
     if isinstance(system, list):
         texts = []
         for block in system:
-            if isinstance(block, Mapping) and block.get("type", "text") == "text" and isinstance(block.get("text"), str):
+            if (
+                isinstance(block, Mapping)
+                and block.get("type", "text") == "text"
+                and isinstance(block.get("text"), str)
+            ):
                 texts.append(block["text"])
             else:
                 raise bad_request("system: must be a string or an array of text blocks", param="system")
@@ -118,11 +131,13 @@ def _translate_message(message: Any, index: int) -> list[dict[str, Any]]:
             calls.append(_tool_call(block, block_where))
         elif kind == "tool_result":
             # Its own role:"tool" message, at the point it appears: before the turn's text.
-            tool_messages.append({
-                "role": "tool",
-                "tool_call_id": block.get("tool_use_id"),
-                "content": _tool_result_text(block.get("content"), block_where),
-            })
+            tool_messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.get("tool_use_id"),
+                    "content": _tool_result_text(block.get("content"), block_where),
+                }
+            )
         elif kind in AUDIO_BLOCKS:
             raise bad_request(f"{block_where}: audio content blocks are not supported", param="messages")
         else:
@@ -197,7 +212,11 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     out = []
     for tool in tools:
         # Client tools only: server tools (web_search, bash, ...) carry no input_schema.
-        if isinstance(tool, Mapping) and isinstance(tool.get("name"), str) and isinstance(tool.get("input_schema"), Mapping):
+        if (
+            isinstance(tool, Mapping)
+            and isinstance(tool.get("name"), str)
+            and isinstance(tool.get("input_schema"), Mapping)
+        ):
             function: dict[str, Any] = {"name": tool["name"], "parameters": dict(tool["input_schema"])}
             if isinstance(tool.get("description"), str):
                 function["description"] = tool["description"]
@@ -338,11 +357,14 @@ class AnthropicStream:
         if self._index < 0:  # an empty generation still has one (empty) text block
             out += self._open_block("text") + self._close()
         reason, sequence = stop_reason(finish_reason, matched_stop)
-        out += sse_event("message_delta", {
-            "type": "message_delta",
-            "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": usage(openai_usage),
-        })
+        out += sse_event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage(openai_usage),
+            },
+        )
         return out + sse_event("message_stop", {"type": "message_stop"})
 
     def error(self, message: str, *, error_type: str = "api_error") -> bytes:
@@ -351,8 +373,14 @@ class AnthropicStream:
     def _open_block(self, kind: str) -> bytes:
         self._index += 1
         self._open = kind
-        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
-        return sse_event("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})
+        block = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
+        return sse_event(
+            "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
+        )
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
@@ -371,7 +399,9 @@ class AnthropicStream:
         block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
         partial = json.dumps(tool_input(call.arguments), ensure_ascii=False)
         return (
-            sse_event("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})
+            sse_event(
+                "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
+            )
             + self._delta({"type": "input_json_delta", "partial_json": partial})
             + sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
         )
@@ -379,8 +409,14 @@ class AnthropicStream:
 
 # --- errors ----------------------------------------------------------------------------------
 
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def error_type(status: int) -> str:

@@ -15,8 +15,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from api import anthropic_routes, openai_routes, responses_routes
-from api.errors import ApiError
-from api.errors import error_response_for
+from api.errors import ApiError, error_response_for
 from api.health import install_health
 from api.metrics import install_metrics
 from api.request_log import install_request_log

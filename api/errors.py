@@ -51,15 +51,11 @@ def from_rejection(rejection: Rejected) -> ApiError:
     headers = {}
     if rejection.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(rejection.retry_after)))
-    return ApiError(
-        rejection.status, rejection.message, type=rejection.type, code=rejection.code, headers=headers
-    )
+    return ApiError(rejection.status, rejection.message, type=rejection.type, code=rejection.code, headers=headers)
 
 
 def error_response(error: ApiError) -> Response:
-    response = Response(
-        json.dumps(error.body()), status=error.status, content_type="application/json"
-    )
+    response = Response(json.dumps(error.body()), status=error.status, content_type="application/json")
     for name, value in error.headers.items():
         response.headers[name] = value
     return response

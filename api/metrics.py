@@ -56,12 +56,74 @@ PREFIX = "mlx_trio:"
 _EXTENSION_KEY = "mlx_trio.metrics"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 UNMATCHED_ROUTE = "unmatched"  # unknown paths share one label value: a scanner cannot blow up cardinality
 NO_FINISH = "none"
@@ -93,11 +155,15 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            PREFIX + "requests", "HTTP requests by route, status and finish reason.",
-            ["route", "status", "finish_reason"], registry=r,
+            PREFIX + "requests",
+            "HTTP requests by route, status and finish reason.",
+            ["route", "status", "finish_reason"],
+            registry=r,
         )
         self.request_success = Counter(
-            PREFIX + "request_success", "Finished generation requests by finish reason.", ["finished_reason"],
+            PREFIX + "request_success",
+            "Finished generation requests by finish reason.",
+            ["finished_reason"],
             registry=r,
         )
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
@@ -109,20 +175,28 @@ class Metrics:
             PREFIX + "prefix_cache_hits", "Prompt tokens served from the prompt cache.", registry=r
         )
         self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first token.",
-            buckets=TTFT_BUCKETS, registry=r,
+            PREFIX + "time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens of one request.",
-            buckets=ITL_BUCKETS, registry=r,
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive tokens of one request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last byte.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from request arrival to its last byte.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Time from admission until the worker opened the row.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            PREFIX + "request_queue_time_seconds",
+            "Time from admission until the worker opened the row.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         buckets = token_buckets(max_model_len)
         self.request_prompt_tokens = Histogram(
@@ -132,8 +206,10 @@ class Metrics:
             PREFIX + "request_generation_tokens", "Generated tokens per request.", buckets=buckets, registry=r
         )
         self.aborts = Counter(
-            PREFIX + "request_aborts", "Rows cut before their end, by the phase they were in and why.",
-            ["phase", "cause"], registry=r,
+            PREFIX + "request_aborts",
+            "Rows cut before their end, by the phase they were in and why.",
+            ["phase", "cause"],
+            registry=r,
         )
         if stats is not None:
             r.register(StatsCollector(stats, healthy=healthy))
@@ -259,15 +335,20 @@ def _simple(block: Mapping[str, Any], specs: Iterable[tuple[str, str, str, str]]
 
 
 def _batch_series(batch: Mapping[str, Any]) -> Iterator[Metric]:
-    yield from _simple(batch, [
-        ("num_requests_running", "gauge", "active_rows", "Rows on the engine (running or joining)."),
-        ("num_requests_waiting", "gauge", "pending_rows", "Rows admitted and waiting for the engine."),
-        ("scheduler_steps", "counter", "steps", "Batched decode steps."),
-        ("prefill_chunks", "counter", "prefill_chunks", "Prompt chunks prefilled."),
-    ])
+    yield from _simple(
+        batch,
+        [
+            ("num_requests_running", "gauge", "active_rows", "Rows on the engine (running or joining)."),
+            ("num_requests_waiting", "gauge", "pending_rows", "Rows admitted and waiting for the engine."),
+            ("scheduler_steps", "counter", "steps", "Batched decode steps."),
+            ("prefill_chunks", "counter", "prefill_chunks", "Prompt chunks prefilled."),
+        ],
+    )
     outcomes = [(o, _number(batch, f"{o}_rows")) for o in ("submitted", "finished", "stopped", "aborted", "failed")]
     if any(v is not None for _, v in outcomes):
-        family = CounterMetricFamily(PREFIX + "scheduler_rows", "Rows by how the scheduler ended them.", labels=["outcome"])
+        family = CounterMetricFamily(
+            PREFIX + "scheduler_rows", "Rows by how the scheduler ended them.", labels=["outcome"]
+        )
         for outcome, value in outcomes:
             if value is not None:
                 family.add_metric([outcome], value)
@@ -278,16 +359,21 @@ def _batch_series(batch: Mapping[str, Any]) -> Iterator[Metric]:
 
 
 def _admission_series(admission: Mapping[str, Any]) -> Iterator[Metric]:
-    yield from _simple(admission, [
-        ("num_requests_in_flight", "gauge", "in_flight", "Admitted requests not yet ended."),
-        ("admission_accepting", "gauge", "accepting", "1 while admission accepts requests."),
-        ("max_safe_context", "gauge", "max_safe_context", "Largest context the memory budget admits."),
-        ("admitted_requests", "counter", "admitted", "Requests admitted."),
-        ("clamped_requests", "counter", "clamped", "Requests whose max_tokens the budget clamped."),
-    ])
+    yield from _simple(
+        admission,
+        [
+            ("num_requests_in_flight", "gauge", "in_flight", "Admitted requests not yet ended."),
+            ("admission_accepting", "gauge", "accepting", "1 while admission accepts requests."),
+            ("max_safe_context", "gauge", "max_safe_context", "Largest context the memory budget admits."),
+            ("admitted_requests", "counter", "admitted", "Requests admitted."),
+            ("clamped_requests", "counter", "clamped", "Requests whose max_tokens the budget clamped."),
+        ],
+    )
     reasons = [(r, _number(admission, f"rejected_{r}")) for r in ("budget", "queue_full", "shutdown")]
     if any(v is not None for _, v in reasons):
-        family = CounterMetricFamily(PREFIX + "admission_rejections", "Requests refused by admission.", labels=["reason"])
+        family = CounterMetricFamily(
+            PREFIX + "admission_rejections", "Requests refused by admission.", labels=["reason"]
+        )
         for reason, value in reasons:
             if value is not None:
                 family.add_metric([reason], value)
@@ -295,13 +381,16 @@ def _admission_series(admission: Mapping[str, Any]) -> Iterator[Metric]:
 
 
 def _prompt_cache_series(cache: Mapping[str, Any]) -> Iterator[Metric]:
-    yield from _simple(cache, [
-        ("prompt_cache_hits", "counter", "hits", "Prompt-cache lookups that reused a snapshot."),
-        ("prompt_cache_misses", "counter", "misses", "Prompt-cache lookups that found nothing."),
-        ("prompt_cache_entries", "gauge", "entries", "Snapshots in the RAM prompt cache."),
-        ("prompt_cache_bytes", "gauge", "bytes", "Bytes held by the RAM prompt cache."),
-        ("prompt_cache_max_bytes", "gauge", "max_bytes", "RAM prompt cache capacity in bytes."),
-    ])
+    yield from _simple(
+        cache,
+        [
+            ("prompt_cache_hits", "counter", "hits", "Prompt-cache lookups that reused a snapshot."),
+            ("prompt_cache_misses", "counter", "misses", "Prompt-cache lookups that found nothing."),
+            ("prompt_cache_entries", "gauge", "entries", "Snapshots in the RAM prompt cache."),
+            ("prompt_cache_bytes", "gauge", "bytes", "Bytes held by the RAM prompt cache."),
+            ("prompt_cache_max_bytes", "gauge", "max_bytes", "RAM prompt cache capacity in bytes."),
+        ],
+    )
 
 
 _SSD_SPECS = [
@@ -313,8 +402,12 @@ _SSD_SPECS = [
     ("ssd_cache_quarantined", "counter", "quarantined", "SSD records quarantined as corrupt."),
     ("ssd_cache_demotions", "counter", "demotions", "Snapshots demoted from RAM to SSD."),
     ("ssd_cache_restore_ms_last", "gauge", "restore_ms_last", "Duration of the last SSD restore, ms."),
-    ("ssd_cache_longest_durable_prefix_tokens", "gauge", "longest_durable_prefix_tokens",
-     "Longest prompt prefix durable on SSD, tokens."),
+    (
+        "ssd_cache_longest_durable_prefix_tokens",
+        "gauge",
+        "longest_durable_prefix_tokens",
+        "Longest prompt prefix durable on SSD, tokens.",
+    ),
     ("ssd_cache_entries", "gauge", "entries", "Snapshots on the SSD tier."),
     ("ssd_cache_bytes", "gauge", "bytes", "Bytes on the SSD tier."),
     ("ssd_cache_max_bytes", "gauge", "max_bytes", "SSD tier capacity in bytes."),

@@ -23,8 +23,8 @@ from quart import Blueprint, Response, current_app
 
 from actors.messages import GenerationRequest
 from actors.request import GenerationFailed, RequestActor, RequestRejected
-from api.errors import bad_request, error_body, from_rejection
 from api import structured
+from api.errors import bad_request, error_body, from_rejection
 from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools import detect_tool_format
 from api.protocol_common import collect, json_body
@@ -51,10 +51,16 @@ _TEMPLATE_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": 
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MEDIA_PARTS = {
-    "image_url": "image", "image": "image", "input_image": "image",
-    "input_audio": "audio", "audio": "audio", "audio_url": "audio",
-    "video_url": "video", "video": "video",
-    "file": "file", "input_file": "file",
+    "image_url": "image",
+    "image": "image",
+    "input_image": "image",
+    "input_audio": "audio",
+    "audio": "audio",
+    "audio_url": "audio",
+    "video_url": "video",
+    "video": "video",
+    "file": "file",
+    "input_file": "file",
 }
 
 # --- request fields → generation parameters (the one place) ----------------------------------
@@ -160,11 +166,7 @@ def _number(
     value = body.get(key)
     if value is None:
         return None
-    if (
-        not _is_number(value)
-        or (minimum is not None and value < minimum)
-        or (maximum is not None and value > maximum)
-    ):
+    if not _is_number(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise bad_request(f"{key} must be {what}", param=key)
     return float(value)
 
@@ -317,7 +319,7 @@ def _history_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     for i, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad_request(f"{where}[{i}] must be {{\"function\": {{\"name\", \"arguments\"}}}}", param="messages")
+            raise bad_request(f'{where}[{i}] must be {{"function": {{"name", "arguments"}}}}', param="messages")
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -455,7 +457,10 @@ async def start_chat(handles: Any, body: Mapping[str, Any]) -> StartedChat:
     messages = _chat_messages(body)
     default = handles.config.max_tokens or CHAT_DEFAULT_MAX_TOKENS
     gen = parse_generation(
-        body, defaults=handles.sampling_defaults, default_max_tokens=default, chat=True,
+        body,
+        defaults=handles.sampling_defaults,
+        default_max_tokens=default,
+        chat=True,
         vocab_size=_vocab_size(handles.tokenizer),
     )
     options = parse_chat_options(body)
@@ -479,7 +484,10 @@ async def start_chat(handles: Any, body: Mapping[str, Any]) -> StartedChat:
         gen = attrs.evolve(gen, sampling=attrs.evolve(gen.sampling, constraint=constraint))
     snapshot_at = _snapshot_position(handles, messages, prompt, tools=tools, **template_kwargs)
     actor = await _admitted(
-        handles, prompt, gen, snapshot_at=snapshot_at,
+        handles,
+        prompt,
+        gen,
+        snapshot_at=snapshot_at,
         sink_options={
             "think": think or starts_in_reasoning,
             "starts_in_reasoning": starts_in_reasoning,
@@ -488,8 +496,12 @@ async def start_chat(handles: Any, body: Mapping[str, Any]) -> StartedChat:
         },
     )
     return StartedChat(
-        actor=actor, gen=gen, prompt=tuple(prompt), tool_format=tool_format,
-        starts_in_reasoning=starts_in_reasoning, think=think or starts_in_reasoning,
+        actor=actor,
+        gen=gen,
+        prompt=tuple(prompt),
+        tool_format=tool_format,
+        starts_in_reasoning=starts_in_reasoning,
+        think=think or starts_in_reasoning,
     )
 
 
@@ -498,17 +510,17 @@ async def start_text(handles: Any, body: Mapping[str, Any]) -> StartedChat:
     prompt = _text_prompt(handles.tokenizer, body.get("prompt"))
     default = handles.config.max_tokens or TEXT_DEFAULT_MAX_TOKENS
     gen = parse_generation(
-        body, defaults=handles.sampling_defaults, default_max_tokens=default, chat=False,
+        body,
+        defaults=handles.sampling_defaults,
+        default_max_tokens=default,
+        chat=False,
         vocab_size=_vocab_size(handles.tokenizer),
     )
     actor = await _admitted(handles, prompt, gen, sink_options={"think": False})
     return StartedChat(actor=actor, gen=gen, prompt=tuple(prompt))
 
 
-_PROMPT_REQUIRED = (
-    "prompt (a non-empty string) or a non-empty array of token ids is required "
-    "(one prompt per request)"
-)
+_PROMPT_REQUIRED = "prompt (a non-empty string) or a non-empty array of token ids is required (one prompt per request)"
 
 
 def _text_prompt(tokenizer: Any, value: Any) -> list[int]:
@@ -537,9 +549,7 @@ def _template_source(tokenizer: Any, tools: list[dict[str, Any]] | None) -> str 
         return None
 
 
-def _template_kwargs(
-    tokenizer: Any, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
-) -> dict[str, Any]:
+def _template_kwargs(tokenizer: Any, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(kwargs)
     if "reasoning_effort" in kwargs and "reasoning_effort" not in (_template_source(tokenizer, tools) or ""):
         del kwargs["reasoning_effort"]  # only depth-reading templates get it (spec §1.6)
@@ -693,7 +703,13 @@ class _Meta:
         self.model = model
 
     def envelope(self, object_name: str, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        payload = {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": [choice]}
+        payload = {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if usage is not None:
             payload["usage"] = usage
         return payload
@@ -714,8 +730,10 @@ def logprobs_block(actor: RequestActor, gen: Generation, tokenizer: Any) -> dict
     if gen.sampling.top_logprobs > 0:
         content = []
         for out in outs:
-            top = [{"id": t.token, "token": _piece(tokenizer, t.token), "logprob": _json_float(t.logprob)}
-                   for t in out.top_logprobs]
+            top = [
+                {"id": t.token, "token": _piece(tokenizer, t.token), "logprob": _json_float(t.logprob)}
+                for t in out.top_logprobs
+            ]
             content.append({**top[0], "top_logprobs": top} if top else {})
         return {"content": content}
     return {"content": [{"id": out.token, "logprob": _json_float(out.logprob)} for out in outs]}

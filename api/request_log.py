@@ -184,8 +184,11 @@ class RequestRecord:
                 # ttft = arrive (read, template, tokenize, admit) + queue + prefill (+ delivery)
                 arrive_ms=_ms(None if self.admitted_at is None else self.admitted_at - self.started),
                 queue_ms=_ms(self.queue_time),
-                prefill_ms=_ms(None if self.first_token_at is None or self.opened_at is None
-                               else self.first_token_at - self.opened_at),
+                prefill_ms=_ms(
+                    None
+                    if self.first_token_at is None or self.opened_at is None
+                    else self.first_token_at - self.opened_at
+                ),
                 ttft_ms=_ms(self.ttft),
                 finish_reason=self.finish_reason,
             )

@@ -67,8 +67,12 @@ class ResponseStore:
         if size > self.max_bytes:
             return False
         self._entries[response_id] = StoredResponse(
-            input=input, output=output, instructions=instructions, response=response,
-            size=size, expires_at=self._clock() + self.ttl_s,
+            input=input,
+            output=output,
+            instructions=instructions,
+            response=response,
+            size=size,
+            expires_at=self._clock() + self.ttl_s,
         )
         self.bytes += size
         while self.bytes > self.max_bytes:

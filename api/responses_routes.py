@@ -62,16 +62,21 @@ def blueprint(handles: Any, *, store: ResponseStore | None = None) -> Blueprint:
                     raise bad_request("previous_response_id must be a string", param="previous_response_id")
                 previous = store.get(previous_id)
                 if previous is None:
-                    raise ApiError(404, f"previous_response_id '{previous_id}' not found or expired",
-                                   param="previous_response_id", code="previous_response_not_found")
+                    raise ApiError(
+                        404,
+                        f"previous_response_id '{previous_id}' not found or expired",
+                        param="previous_response_id",
+                        code="previous_response_not_found",
+                    )
                 items = [*previous.input, *output_to_input(previous.output), *items]
                 if instructions is None:
                     instructions = previous.instructions
             keep = body.get("store", True) is not False
             chat = responses_to_chat(body, items, instructions)
             started = await openai_routes.start_chat(handles, chat)
-        meta = ResponseMeta(body, model=handles.info.name, instructions=instructions,
-                            previous_response_id=previous_id, store=keep)
+        meta = ResponseMeta(
+            body, model=handles.info.name, instructions=instructions, previous_response_id=previous_id, store=keep
+        )
 
         def remember(final: dict[str, Any]) -> None:
             if keep and final["status"] != "failed":
@@ -91,10 +96,15 @@ def blueprint(handles: Any, *, store: ResponseStore | None = None) -> Blueprint:
     async def input_items_list(response_id: str) -> Response:
         entry = _stored(store, response_id)
         data = [{"id": item.get("id") or f"item_{i}", **item} for i, item in enumerate(entry.input)]
-        return json_response({
-            "object": "list", "data": data, "has_more": False,
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
-        })
+        return json_response(
+            {
+                "object": "list",
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+            }
+        )
 
     @bp.delete("/v1/responses/<response_id>")
     async def delete(response_id: str) -> Response:
@@ -116,7 +126,9 @@ def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"response '{response_id}' not found or expired", code="not_found")
 
 
-async def _stream(actor: Any, stream: ResponsesStream, remember: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
+async def _stream(
+    actor: Any, stream: ResponsesStream, remember: Callable[[dict[str, Any]], None]
+) -> AsyncIterator[bytes]:
     completion = Completion()
     try:
         yield stream.start()
@@ -140,5 +152,3 @@ async def _stream(actor: Any, stream: ResponsesStream, remember: Callable[[dict[
         yield error + closing
     finally:
         actor.close()
-
-

@@ -18,12 +18,23 @@ from api.errors import ApiError, bad_request
 from api.protocol_common import Completion, new_id, sse_event
 
 PASSTHROUGH_FIELDS = (
-    "temperature", "top_p", "top_k", "seed", "logit_bias",
-    "min_p", "xtc_probability", "xtc_threshold",
-    "repetition_penalty", "repetition_context_size",
-    "presence_penalty", "presence_context_size",
-    "frequency_penalty", "frequency_context_size",
-    "chat_template_kwargs", "logprobs", "top_logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logit_bias",
+    "min_p",
+    "xtc_probability",
+    "xtc_threshold",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "chat_template_kwargs",
+    "logprobs",
+    "top_logprobs",
 )
 # Tuples, not sets: a part's "type" or an item's "role" may be any JSON value, and
 # `[] in frozenset(...)` raises TypeError (unhashable) where a tuple compares with ==.
@@ -57,12 +68,14 @@ def output_to_input(output: list[Any]) -> list[dict[str, Any]]:
         if item.get("type") == "message":
             items.append({"type": "message", "role": "assistant", "content": item.get("content") or []})
         elif item.get("type") == "function_call":
-            items.append({
-                "type": "function_call",
-                "call_id": item.get("call_id"),
-                "name": item.get("name"),
-                "arguments": item.get("arguments", ""),
-            })
+            items.append(
+                {
+                    "type": "function_call",
+                    "call_id": item.get("call_id"),
+                    "name": item.get("name"),
+                    "arguments": item.get("arguments", ""),
+                }
+            )
     return items
 
 
@@ -126,8 +139,11 @@ def _translate_item(item: Mapping[str, Any], index: int, messages: list[dict[str
         arguments = item.get("arguments", "")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        call = {"id": item.get("call_id") or item.get("id") or "", "type": "function",
-                "function": {"name": name, "arguments": arguments}}
+        call = {
+            "id": item.get("call_id") or item.get("id") or "",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
         # Consecutive calls (and the assistant text before them) are one assistant turn.
         if messages and messages[-1]["role"] == "assistant":
             messages[-1].setdefault("tool_calls", []).append(call)
@@ -190,7 +206,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             continue
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request("a function tool needs a name", param="tools")
-        function: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+        function: dict[str, Any] = {
+            "name": tool["name"],
+            "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+        }
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         if "strict" in tool:
@@ -228,8 +247,15 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 class ResponseMeta:
     """One response's id and the request fields its object echoes."""
 
-    def __init__(self, body: Mapping[str, Any], *, model: str, instructions: str | None,
-                 previous_response_id: str | None, store: bool) -> None:
+    def __init__(
+        self,
+        body: Mapping[str, Any],
+        *,
+        model: str,
+        instructions: str | None,
+        previous_response_id: str | None,
+        store: bool,
+    ) -> None:
         self.id = new_id("resp")
         self.created_at = int(time.time())
         self.model = model
@@ -242,20 +268,31 @@ class ResponseMeta:
             "metadata": _echo_metadata(body.get("metadata")),
             "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
             "previous_response_id": previous_response_id,
-            "reasoning": {"effort": _get(body, "reasoning", "effort"),
-                          "summary": _one_of(_get(body, "reasoning", "summary"), ("auto", "concise", "detailed"))},
+            "reasoning": {
+                "effort": _get(body, "reasoning", "effort"),
+                "summary": _one_of(_get(body, "reasoning", "summary"), ("auto", "concise", "detailed")),
+            },
             "store": store,
             "temperature": body.get("temperature"),
             "text": {"format": _echo_format(_get(body, "text", "format"))},
             "tool_choice": _echo_tool_choice(body.get("tool_choice")),
-            "tools": [_echo_tool(t) for t in body.get("tools") or [] if isinstance(t, Mapping) and t.get("type") == "function"],
+            "tools": [
+                _echo_tool(t) for t in body.get("tools") or [] if isinstance(t, Mapping) and t.get("type") == "function"
+            ],
             "top_p": body.get("top_p"),
             "truncation": _one_of(body.get("truncation"), ("auto", "disabled")) or "disabled",
             "user": body.get("user") if isinstance(body.get("user"), str) else None,
         }
 
-    def response(self, *, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
-                 incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def response(
+        self,
+        *,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        incomplete: str | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "response",
@@ -283,8 +320,11 @@ def _echo_metadata(value: Any) -> dict[str, str]:
 def _echo_format(fmt: Any) -> dict[str, Any]:
     """`text.format` as applied (`_response_format`): json_schema / json_object, else text."""
     if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema":
-        out: dict[str, Any] = {"type": "json_schema", "name": fmt.get("name") if isinstance(fmt.get("name"), str)
-                               else "response", "schema": fmt.get("schema") if isinstance(fmt.get("schema"), Mapping) else {}}
+        out: dict[str, Any] = {
+            "type": "json_schema",
+            "name": fmt.get("name") if isinstance(fmt.get("name"), str) else "response",
+            "schema": fmt.get("schema") if isinstance(fmt.get("schema"), Mapping) else {},
+        }
         if isinstance(fmt.get("strict"), bool):
             out["strict"] = fmt["strict"]
         if isinstance(fmt.get("description"), str):
@@ -346,17 +386,30 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [output_text_part(text)]}
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [output_text_part(text)],
+    }
 
 
 def output_text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def function_call_item(item_id: str, call: Any, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if arguments is None else arguments, "status": status}
+def function_call_item(
+    item_id: str, call: Any, status: str = "completed", arguments: str | None = None
+) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+        "status": status,
+    }
 
 
 def function_item_id(call: Any) -> str:
@@ -374,8 +427,9 @@ def response_object(completion: Completion, meta: ResponseMeta) -> dict[str, Any
     for call in completion.calls:
         output.append(function_call_item(function_item_id(call), call))
     status, incomplete = status_of(completion.finish_reason)
-    return meta.response(status=status, output=output, usage=usage(completion.usage, completion.reasoning),
-                         incomplete=incomplete)
+    return meta.response(
+        status=status, output=output, usage=usage(completion.usage, completion.reasoning), incomplete=incomplete
+    )
 
 
 class ResponsesStream:
@@ -390,8 +444,9 @@ class ResponsesStream:
 
     def start(self) -> bytes:
         skeleton = self.meta.response(status="in_progress", output=[], usage=None)
-        return (self._event("response.created", response=skeleton)
-                + self._event("response.in_progress", response=skeleton))
+        return self._event("response.created", response=skeleton) + self._event(
+            "response.in_progress", response=skeleton
+        )
 
     def add(self, events: list[Any]) -> bytes:
         out = b""
@@ -408,8 +463,9 @@ class ResponsesStream:
                 out += self._text_delta(event.text)
         return out
 
-    def finish(self, *, finish_reason: str | None, openai_usage: Mapping[str, Any], reasoning: str,
-               error: str | None = None) -> tuple[bytes, dict[str, Any]]:
+    def finish(
+        self, *, finish_reason: str | None, openai_usage: Mapping[str, Any], reasoning: str, error: str | None = None
+    ) -> tuple[bytes, dict[str, Any]]:
         """The closing frames and the final Response object (what the store keeps)."""
         out = self._close()
         if not self.output and error is None:  # an empty generation still answers one message
@@ -419,7 +475,10 @@ class ResponsesStream:
         else:
             status, incomplete = status_of(finish_reason)
         final = self.meta.response(
-            status=status, output=list(self.output), usage=usage(openai_usage, reasoning), incomplete=incomplete,
+            status=status,
+            output=list(self.output),
+            usage=usage(openai_usage, reasoning),
+            incomplete=incomplete,
             error={"code": "server_error", "message": error} if error is not None else None,
         )
         return out + self._event("response.completed", response=final), final
@@ -436,23 +495,42 @@ class ResponsesStream:
             item_id = new_id("rs")
             self._open = {"type": "reasoning", "id": item_id, "index": index}
             added = {"id": item_id, "type": "reasoning", "summary": [], "status": "in_progress"}
-            return (self._event("response.output_item.added", output_index=index, item=added)
-                    + self._event("response.reasoning_summary_part.added", item_id=item_id, output_index=index,
-                                  summary_index=0, part={"type": "summary_text", "text": ""}))
+            return self._event("response.output_item.added", output_index=index, item=added) + self._event(
+                "response.reasoning_summary_part.added",
+                item_id=item_id,
+                output_index=index,
+                summary_index=0,
+                part={"type": "summary_text", "text": ""},
+            )
         item_id = new_id("msg")
         self._open = {"type": "message", "id": item_id, "index": index}
         added = {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-        return (self._event("response.output_item.added", output_index=index, item=added)
-                + self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
-                              part=output_text_part("")))
+        return self._event("response.output_item.added", output_index=index, item=added) + self._event(
+            "response.content_part.added",
+            item_id=item_id,
+            output_index=index,
+            content_index=0,
+            part=output_text_part(""),
+        )
 
     def _text_delta(self, text: str) -> bytes:
         item = self._open
         if item["type"] == "reasoning":
-            return self._event("response.reasoning_summary_text.delta", item_id=item["id"],
-                               output_index=item["index"], summary_index=0, delta=text)
-        return self._event("response.output_text.delta", item_id=item["id"], output_index=item["index"],
-                           content_index=0, delta=text, logprobs=[])
+            return self._event(
+                "response.reasoning_summary_text.delta",
+                item_id=item["id"],
+                output_index=item["index"],
+                summary_index=0,
+                delta=text,
+            )
+        return self._event(
+            "response.output_text.delta",
+            item_id=item["id"],
+            output_index=item["index"],
+            content_index=0,
+            delta=text,
+            logprobs=[],
+        )
 
     def _close(self) -> bytes:
         item, self._open = self._open, None
@@ -461,14 +539,19 @@ class ResponsesStream:
         ids = {"item_id": item["id"], "output_index": item["index"]}
         if item["type"] == "reasoning":
             done = reasoning_item(item["id"], self._text)
-            out = (self._event("response.reasoning_summary_text.done", **ids, summary_index=0, text=self._text)
-                   + self._event("response.reasoning_summary_part.done", **ids, summary_index=0,
-                                 part={"type": "summary_text", "text": self._text}))
+            out = self._event(
+                "response.reasoning_summary_text.done", **ids, summary_index=0, text=self._text
+            ) + self._event(
+                "response.reasoning_summary_part.done",
+                **ids,
+                summary_index=0,
+                part={"type": "summary_text", "text": self._text},
+            )
         else:
             done = message_item(item["id"], self._text)
-            out = (self._event("response.output_text.done", **ids, content_index=0, text=self._text, logprobs=[])
-                   + self._event("response.content_part.done", **ids, content_index=0,
-                                 part=output_text_part(self._text)))
+            out = self._event(
+                "response.output_text.done", **ids, content_index=0, text=self._text, logprobs=[]
+            ) + self._event("response.content_part.done", **ids, content_index=0, part=output_text_part(self._text))
         self.output.append(done)
         return out + self._event("response.output_item.done", output_index=item["index"], item=done)
 
@@ -478,11 +561,16 @@ class ResponsesStream:
         ids = {"item_id": item_id, "output_index": index}
         done = function_call_item(item_id, call)
         self.output.append(done)
-        return (self._event("response.output_item.added", output_index=index,
-                            item=function_call_item(item_id, call, status="in_progress", arguments=""))
-                + self._event("response.function_call_arguments.delta", **ids, delta=call.arguments)
-                + self._event("response.function_call_arguments.done", **ids, name=call.name, arguments=call.arguments)
-                + self._event("response.output_item.done", output_index=index, item=done))
+        return (
+            self._event(
+                "response.output_item.added",
+                output_index=index,
+                item=function_call_item(item_id, call, status="in_progress", arguments=""),
+            )
+            + self._event("response.function_call_arguments.delta", **ids, delta=call.arguments)
+            + self._event("response.function_call_arguments.done", **ids, name=call.name, arguments=call.arguments)
+            + self._event("response.output_item.done", output_index=index, item=done)
+        )
 
     def _event(self, event_type: str, **fields: Any) -> bytes:
         payload = {"type": event_type, "sequence_number": self._seq, **fields}

@@ -170,9 +170,7 @@ def body_too_large(options: SecurityOptions, content_length: int | None) -> ApiE
 
 
 def _too_large(what: str, cap: int | None) -> ApiError:
-    return ApiError(
-        413, f"{what}; this server accepts at most {cap} bytes (--max-body-mb)", code="request_too_large"
-    )
+    return ApiError(413, f"{what}; this server accepts at most {cap} bytes (--max-body-mb)", code="request_too_large")
 
 
 def install_security(app: Any, options: SecurityOptions | Any) -> SecurityOptions:
@@ -217,7 +215,8 @@ def _preflight(options: SecurityOptions, path: str) -> Response:
     origin = request.headers.get("Origin") or ""
     if not options.origin_allowed(origin):
         return error_response_for(
-            path, ApiError(403, f"CORS origin {origin!r} is not allowed", type="permission_error", code="cors_forbidden")
+            path,
+            ApiError(403, f"CORS origin {origin!r} is not allowed", type="permission_error", code="cors_forbidden"),
         )
     response = Response(b"", status=204)
     _allow_origin(options, response, origin)

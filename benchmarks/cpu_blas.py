@@ -77,8 +77,14 @@ def _model_bench(mx, seconds: float, dtype: str) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_model_dir(
-            Path(tmp) / "m", hidden_size=512, num_hidden_layers=4, intermediate_size=1536,
-            num_attention_heads=8, num_key_value_heads=4, dtype=dtype, tokenizer_vocab=512,
+            Path(tmp) / "m",
+            hidden_size=512,
+            num_hidden_layers=4,
+            intermediate_size=1536,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            dtype=dtype,
+            tokenizer_vocab=512,
             vocab_size=4096,
         )
         model = load_model(path).model
@@ -137,8 +143,15 @@ def worker(args) -> None:
 
 def run_config(label: str, env_over: dict[str, str], args) -> dict:
     env = dict(os.environ, **env_over)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--seconds", str(args.seconds),
-           "--dtype", args.dtype] + (["--no-model"] if args.no_model else [])
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--seconds",
+        str(args.seconds),
+        "--dtype",
+        args.dtype,
+    ] + (["--no-model"] if args.no_model else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("JSON:"):
@@ -178,12 +191,19 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     print("| BLAS | " + " | ".join(str(r.get("name", "ERROR")) for r in results) + " |" + " |" * (len(results) - 1))
-    print("| matmul == numpy | " + " | ".join(str(r.get("correct", "-")) for r in results) + " |" + " |" * (len(results) - 1))
+    print(
+        "| matmul == numpy | "
+        + " | ".join(str(r.get("correct", "-")) for r in results)
+        + " |"
+        + " |" * (len(results) - 1)
+    )
     for metric, key in zip(metrics, keys):
         vals = [r.get(key) for r in results]
         cells = [f"{v:.1f}" if isinstance(v, (int, float)) else "-" for v in vals]
         ratios = [
-            f"{v / vals[0]:.1f}x" if isinstance(v, (int, float)) and isinstance(vals[0], (int, float)) and vals[0] else "-"
+            f"{v / vals[0]:.1f}x"
+            if isinstance(v, (int, float)) and isinstance(vals[0], (int, float)) and vals[0]
+            else "-"
             for v in vals[1:]
         ]
         print(f"| {metric} | " + " | ".join(cells + ratios) + " |")

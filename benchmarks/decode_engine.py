@@ -150,11 +150,14 @@ def profile_b1(model, ref_model, prompt: list[int]) -> dict:
             caches = make_caches(len(model.layers))
             mx.eval(model(mx.array(prompt)[None], caches))
             if name == "eager":
+
                 def forward(tok):
                     return model.logits(model(tok, caches)[:, -1, :])
             else:
+
                 def forward(tok):
                     return compiled(tok, caches)
+
         tok = mx.array([[7]])
         builds, evals = [], []
         for i in range(24):
@@ -181,8 +184,13 @@ def gemv_bench(model) -> dict:
     """Per distinct weight shape: µs and GB/s of x @ W.T for M = 1 and 8, kernel vs MLX matmul."""
     shapes = {}
     layer = model.layers[0]
-    mods = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.o_proj,
-            layer.mlp.gate_proj, layer.mlp.down_proj]
+    mods = [
+        layer.self_attn.q_proj,
+        layer.self_attn.k_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_proj,
+        layer.mlp.down_proj,
+    ]
     ws = [m.weight for m in mods if hasattr(m, "weight") and not hasattr(m, "scales")]
     head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
     if head.dtype in (mx.bfloat16, mx.float16):
@@ -198,7 +206,7 @@ def gemv_bench(model) -> dict:
             res = {}
             kernel = _gemv_kernel()
             for name, fn in (("gemv", lambda: _gemv_call(kernel, x, w)), ("mlx", lambda: x @ w.T)):
-                with (gemv_disabled() if name == "mlx" else contextlib.nullcontext()):
+                with gemv_disabled() if name == "mlx" else contextlib.nullcontext():
                     for _ in range(3):
                         mx.eval(fn())
                     reps = 20
@@ -226,7 +234,9 @@ def parity(engine: Engine, ref_model, prompt: list[int], n: int = 48) -> dict:
     while len(ours) < n:
         ours += [t.token for t in engine.step()]
     engine.close_row(999)
-    ref = [int(t) for t, _ in zip((tok for tok, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n)), range(n))]
+    ref = [
+        int(t) for t, _ in zip((tok for tok, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n)), range(n))
+    ]
     same = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
     return {"tokens": n, "identical_prefix": same, "equal": ours[:n] == ref[:n]}
 
@@ -237,8 +247,13 @@ def versions() -> dict:
     import mlx_lm
 
     dev = mx.default_device()
-    info = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "device": str(dev)}
+    info = {
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(dev),
+    }
     try:
         info["device_info"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
     except Exception:  # noqa: BLE001
@@ -258,8 +273,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--skip-eager", action="store_true", help="only the default engine (no A/B variants)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant; the best is reported")
-    p.add_argument("--gemv-bench", action=argparse.BooleanOptionalAction, default=True,
-                   help="time the CUDA GEMV kernel against MLX's matmul on the model's weight shapes")
+    p.add_argument(
+        "--gemv-bench",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the CUDA GEMV kernel against MLX's matmul on the model's weight shapes",
+    )
     p.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth for the roofline")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -280,10 +299,17 @@ def main() -> None:
     prompt = [(i * 37) % 400 + 3 for i in range(args.prompt_len)]
     kv_bytes = loaded.kv_bytes_per_token * (args.prompt_len + args.steps // 2)
     roofline = args.bandwidth_gbs * 1e9 / (loaded.weights_bytes + kv_bytes)
-    result = {"model": args.synth if args.model is None else str(args.model), "layers": args.layers,
-              "dtype": args.dtype, "quant": args.quant, "versions": versions(),
-              "weights_gb": loaded.weights_bytes / 1e9, "bandwidth_gbs": args.bandwidth_gbs,
-              "roofline_tok_s": roofline, "date": time.strftime("%Y-%m-%d")}
+    result = {
+        "model": args.synth if args.model is None else str(args.model),
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "quant": args.quant,
+        "versions": versions(),
+        "weights_gb": loaded.weights_bytes / 1e9,
+        "bandwidth_gbs": args.bandwidth_gbs,
+        "roofline_tok_s": roofline,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     # ours: compiled decode + CUDA GEMV (where available) — the defaults; the rest are A/B.
     # variant: (engine, gemv off, fusion off)
     variants = {"ours": (Engine(loaded.model, eos_token_ids=[], compile_decode=True), False, False)}
@@ -307,14 +333,19 @@ def main() -> None:
         splits: dict[str, dict] = {}
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             for name, (engine, no_gemv, no_fuse) in variants.items():
-                with (gemv_disabled() if no_gemv else contextlib.nullcontext()), \
-                        (fusion_disabled() if no_fuse else contextlib.nullcontext()):
+                with (
+                    gemv_disabled() if no_gemv else contextlib.nullcontext(),
+                    fusion_disabled() if no_fuse else contextlib.nullcontext(),
+                ):
                     rate, split = ours_decode(engine, prompt, args.steps, b)
                 runs.setdefault(name, []).append(rate)
                 if rate >= max(runs[name]):
                     splits[name] = split
-            rate = (mlx_lm_decode(ref_model, prompt, args.steps) if b == 1
-                    else mlx_lm_batch(ref_model, prompt, args.steps, b))
+            rate = (
+                mlx_lm_decode(ref_model, prompt, args.steps)
+                if b == 1
+                else mlx_lm_batch(ref_model, prompt, args.steps, b)
+            )
             runs.setdefault("mlx_lm", []).append(rate)
         row = {f"{name}_tok_s": max(v) for name, v in runs.items()}
         row["runs"] = runs

@@ -27,8 +27,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -54,8 +55,27 @@ _SYL = (
     "ve co me de hi ri ro ic ne ea ra ce li ch ll be ma si om ur ca el ta la ns ge ly ei os no pe do su "
     "pa ec ac ot di ol tr sh pr pl gr bl cl str ion ment ing tion able ness ful"
 ).split()
-_PUNCT = list('{}[]():;,."\'!?-_=+*/\\<>|&%$#@~`^') + ['":', '",', '{"', '"}', '["', '"]', '":"', '": "', '", "',
-                                                        "\n", "\n\n", "  ", "    ", "\t", "//", "->", "=>", "==", "!="]
+_PUNCT = list("{}[]():;,.\"'!?-_=+*/\\<>|&%$#@~`^") + [
+    '":',
+    '",',
+    '{"',
+    '"}',
+    '["',
+    '"]',
+    '":"',
+    '": "',
+    '", "',
+    "\n",
+    "\n\n",
+    "  ",
+    "    ",
+    "\t",
+    "//",
+    "->",
+    "=>",
+    "==",
+    "!=",
+]
 
 
 def synth_vocab_words(size: int, seed: int = 0) -> list[str]:
@@ -85,7 +105,9 @@ def synth_vocab_words(size: int, seed: int = 0) -> list[str]:
             if rng.random() < 0.6:
                 w = " " + w
         elif kind < 0.85:
-            w = rng.choice(("_", ".", "(", '"', " ", "  ")) + "".join(rng.choice(_SYL) for _ in range(rng.randint(1, 3)))
+            w = rng.choice(("_", ".", "(", '"', " ", "  ")) + "".join(
+                rng.choice(_SYL) for _ in range(rng.randint(1, 3))
+            )
         elif kind < 0.92:
             w = "".join(rng.choice(cjk) for _ in range(rng.randint(2, 3)))
         else:
@@ -118,7 +140,9 @@ def synth_tokenizer_json(vocab_size: int = 150_000, *, seed: int = 0) -> str:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+    )
     return tok.to_str()
 
 
@@ -148,7 +172,11 @@ MEDIUM_SCHEMA = {
         "done": {"type": "boolean"},
         "owner": {
             "type": "object",
-            "properties": {"name": {"type": "string"}, "email": {"type": "string"}, "team": {"type": ["string", "null"]}},
+            "properties": {
+                "name": {"type": "string"},
+                "email": {"type": "string"},
+                "team": {"type": ["string", "null"]},
+            },
             "required": ["name", "email", "team"],
             "additionalProperties": False,
         },
@@ -157,7 +185,11 @@ MEDIUM_SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"title": {"type": "string"}, "done": {"type": "boolean"}, "estimate": {"type": "number"}},
+                "properties": {
+                    "title": {"type": "string"},
+                    "done": {"type": "boolean"},
+                    "estimate": {"type": "number"},
+                },
                 "required": ["title", "done"],
                 "additionalProperties": False,
             },
@@ -168,8 +200,13 @@ MEDIUM_SCHEMA = {
     "additionalProperties": False,
 }
 MEDIUM_VALUE = {
-    "id": "3fa85f64", "title": "Fix the flaky scheduler test", "status": "open", "priority": 2, "score": 0.75,
-    "done": False, "owner": {"name": "Bob", "email": "bob@example.com", "team": None},
+    "id": "3fa85f64",
+    "title": "Fix the flaky scheduler test",
+    "status": "open",
+    "priority": 2,
+    "score": 0.75,
+    "done": False,
+    "owner": {"name": "Bob", "email": "bob@example.com", "team": None},
     "labels": ["bug", "ci", "scheduler"],
     "subtasks": [{"title": "reproduce", "done": True, "estimate": 1.5}, {"title": "patch", "done": False}],
     "created": "2025-01-31T12:30:45Z",
@@ -198,20 +235,20 @@ TOOL_VALUE = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "cel
 REGEX = r"\d{3}-\d{3}-\d{4}( ext\. \d{1,5})?"
 REGEX_VALUE = "415-555-0123 ext. 42"
 CHOICES = ["positive", "negative", "neutral", "mixed feelings"]
-EBNF = r'''
+EBNF = r"""
 root   ::= expr
 expr   ::= term (("+" | "-") term)*
 term   ::= factor (("*" | "/") factor)*
 factor ::= number | "(" expr ")"
 number ::= [0-9]+
-'''
-LARK = r'''
+"""
+LARK = r"""
 start: expr
 expr: term (("+" | "-") term)*
 term: factor (("*" | "/") factor)*
 factor: NUMBER | "(" expr ")"
 NUMBER: /[0-9]+/
-'''
+"""
 EBNF_VALUE = "(12+7)*3-42/(6+1)"
 
 CASES: list[tuple[str, str, Any, str]] = [
@@ -356,7 +393,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def bench_engine(engine: Any, backend: Any, eos: list[int], *, repeats: int, walk_steps: int, seed: int) -> dict[str, Any]:
+def bench_engine(
+    engine: Any, backend: Any, eos: list[int], *, repeats: int, walk_steps: int, seed: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {"prepare_tokenizer_ms": engine.prepare_s * 1e3, "cases": {}}
     rng = random.Random(seed)
     for name, kind, spec, valid in CASES:
@@ -440,7 +479,9 @@ def main() -> None:
         r = bench_engine(engine, backend, eos, repeats=args.repeats, walk_steps=args.walk_steps, seed=0)
         results[name] = r
         print(f"\n== {name}: tokenizer prep {r['prepare_tokenizer_ms']:.0f} ms")
-        print(f"{'case':18s} {'compile ms':>10s} {'1st mask ms':>11s} {'trace us/tok':>12s} {'p99':>8s} {'walk us/tok':>11s} {'p99':>8s}")
+        print(
+            f"{'case':18s} {'compile ms':>10s} {'1st mask ms':>11s} {'trace us/tok':>12s} {'p99':>8s} {'walk us/tok':>11s} {'p99':>8s}"
+        )
         for case, c in r["cases"].items():
             print(
                 f"{case:18s} {c['compile_ms']:10.2f} {c['first_mask_ms']:11.2f} {c['trace_mask_us_mean']:12.1f} "

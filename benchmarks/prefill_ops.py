@@ -77,7 +77,9 @@ def main() -> None:
         "layer 0: attention (causal sdpa)": best_ms(lambda: attn.attend(q, k, v, "causal")),
         "layer 0: output product": best_ms(lambda: attn.output(attended)),
         "layer 0: MLP": best_ms(lambda: mlp(x)),
-        "layer 0: MLP gate + up + down products": best_ms(lambda: [mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(gate)]),
+        "layer 0: MLP gate + up + down products": best_ms(
+            lambda: [mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(gate)]
+        ),
         "layer 0: SwiGLU (ours)": best_ms(lambda: swiglu(gate, up)),
         "layer 0: SwiGLU (nn.silu, mlx-lm's)": best_ms(lambda: nn.silu(gate) * up),
     }

@@ -46,7 +46,7 @@ def main() -> None:
         path = code.co_filename
         for base in (str(ROOT) + os.sep, sys.prefix):
             if path.startswith(base):
-                path = path[len(base):].lstrip(os.sep)
+                path = path[len(base) :].lstrip(os.sep)
         return f"{path}:{code.co_name}"
 
     def sampler() -> None:

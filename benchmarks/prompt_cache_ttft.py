@@ -70,8 +70,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(
-            Path(tmp) / "m", hidden_size=args.hidden, num_hidden_layers=args.layers,
-            intermediate_size=4 * args.hidden, num_attention_heads=4, num_key_value_heads=2,
+            Path(tmp) / "m",
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=4 * args.hidden,
+            num_attention_heads=4,
+            num_key_value_heads=2,
         )
         model = load_model(model_dir).model
         tok = Tokenizer.from_dir(model_dir)

@@ -102,8 +102,12 @@ def main() -> None:
     mx.eval([c.state for c in caches])
     tokens = tuple(range(1, args.tokens + 1))
     identity = Identity("bench", "f" * 64, "bfloat16", "t" * 64)
-    results: dict = {"shape": list(shape), "layers": args.layers, "threads": ssd_store._RESTORE_THREADS,
-                     "device": str(mx.default_device())}
+    results: dict = {
+        "shape": list(shape),
+        "layers": args.layers,
+        "threads": ssd_store._RESTORE_THREADS,
+        "device": str(mx.default_device()),
+    }
     with tempfile.TemporaryDirectory(dir=str(Path.home())) as tmp:
         store = SsdStore(Path(tmp), identity, max_bytes=64 << 30).open()
         started = time.perf_counter()
@@ -147,23 +151,39 @@ def main() -> None:
                 mx.eval(outs)
                 first_use_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                outs = [mx.fast.scaled_dot_product_attention(q, c.keys[..., : c.offset, :], c.values[..., : c.offset, :],
-                                                             scale=0.1) for c in restored]
+                outs = [
+                    mx.fast.scaled_dot_product_attention(
+                        q, c.keys[..., : c.offset, :], c.values[..., : c.offset, :], scale=0.1
+                    )
+                    for c in restored
+                ]
                 mx.eval(outs)
                 again_s = time.perf_counter() - t0
-                rows.append({"take_s": take_s, "read_s": read_s[0], "import_eval_s": take_s - read_s[0],
-                             "first_use_s": first_use_s, "again_s": again_s})
+                rows.append(
+                    {
+                        "take_s": take_s,
+                        "read_s": read_s[0],
+                        "import_eval_s": take_s - read_s[0],
+                        "first_use_s": first_use_s,
+                        "again_s": again_s,
+                    }
+                )
                 store.close()
                 del restored, outs
                 mx.clear_cache()
             results["verify" if verify else "no_verify"] = rows
             for r in rows:
-                print(f"verify={verify!s:5} take {r['take_s']*1e3:7.1f} ms = read {r['read_s']*1e3:7.1f} + "
-                      f"import/eval {r['import_eval_s']*1e3:6.1f}; first use {r['first_use_s']*1e3:6.1f} ms "
-                      f"(again {r['again_s']*1e3:5.1f})", flush=True)
+                print(
+                    f"verify={verify!s:5} take {r['take_s'] * 1e3:7.1f} ms = read {r['read_s'] * 1e3:7.1f} + "
+                    f"import/eval {r['import_eval_s'] * 1e3:6.1f}; first use {r['first_use_s'] * 1e3:6.1f} ms "
+                    f"(again {r['again_s'] * 1e3:5.1f})",
+                    flush=True,
+                )
     results["import_variants"] = import_variants(args.layers * 2, shape)
-    print(f"{results['bytes'] / 2**20:.0f} MiB on disk, written in {results['write_s']:.2f} s; "
-          f"{results['threads']} restore threads")
+    print(
+        f"{results['bytes'] / 2**20:.0f} MiB on disk, written in {results['write_s']:.2f} s; "
+        f"{results['threads']} restore threads"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -47,23 +47,65 @@ if str(ROOT) not in sys.path:
 
 SHAPES = {
     # Real architectures, random weights (only shapes matter for speed).
-    "qwen3-0.6b": dict(family="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       tie_word_embeddings=True, max_position_embeddings=40960),
-    "llama3-8b": dict(family="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                      tie_word_embeddings=False, rope_scaling="llama3", max_position_embeddings=131072),
-    "cpu-small": dict(family="qwen3", hidden_size=256, num_hidden_layers=4, intermediate_size=768,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "qwen3-0.6b": dict(
+        family="qwen3",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "llama3-8b": dict(
+        family="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_scaling="llama3",
+        max_position_embeddings=131072,
+    ),
+    "cpu-small": dict(
+        family="qwen3",
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=768,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
     # The server's own per-token host work, with the engine nearly free (as on a fast GPU).
-    "cpu-tiny": dict(family="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=32),
-    "cpu-medium": dict(family="qwen3", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    "cpu-tiny": dict(
+        family="qwen3",
+        hidden_size=64,
+        num_hidden_layers=1,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    ),
+    "cpu-medium": dict(
+        family="qwen3",
+        hidden_size=512,
+        num_hidden_layers=8,
+        intermediate_size=1536,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
 }
 
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
-         "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 
 MODEL_NAME = {"ours": "default", "mlx_lm": "default_model"}  # mlx_lm.server maps "default_model" to --model
 
@@ -79,21 +121,42 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, kind: str, model: Path, port: int, extra: list[str], switch_interval: float | None = None,
-                 profile_out: Path | None = None):
+    def __init__(
+        self,
+        kind: str,
+        model: Path,
+        port: int,
+        extra: list[str],
+        switch_interval: float | None = None,
+        profile_out: Path | None = None,
+    ):
         self.kind, self.port = kind, port
         if kind == "ours" and switch_interval:
-            boot = (f"import sys, runpy; sys.setswitchinterval({switch_interval}); "
-                    "sys.argv = ['actors.serve'] + sys.argv[1:]; runpy.run_module('actors.serve', run_name='__main__')")
+            boot = (
+                f"import sys, runpy; sys.setswitchinterval({switch_interval}); "
+                "sys.argv = ['actors.serve'] + sys.argv[1:]; runpy.run_module('actors.serve', run_name='__main__')"
+            )
             cmd = [sys.executable, "-c", boot, "--model", str(model), "--port", str(port), *extra]
         elif kind == "ours" and profile_out:
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_serve.py"), "--out", str(profile_out), "--",
-                   "--model", str(model), "--port", str(port), *extra]
+            cmd = [
+                sys.executable,
+                str(ROOT / "benchmarks" / "profile_serve.py"),
+                "--out",
+                str(profile_out),
+                "--",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                *extra,
+            ]
         elif kind == "ours":
             cmd = [sys.executable, "-m", "actors.serve", "--model", str(model), "--port", str(port), *extra]
         elif kind == "mlx_lm+blas":  # mlx_lm.server with the BLAS our server preloads (CPU fairness)
-            boot = ("import sys; from model.blas import preload_optimized_blas; preload_optimized_blas(); "
-                    "import runpy; sys.argv = ['mlx_lm'] + sys.argv[1:]; runpy.run_module('mlx_lm', run_name='__main__')")
+            boot = (
+                "import sys; from model.blas import preload_optimized_blas; preload_optimized_blas(); "
+                "import runpy; sys.argv = ['mlx_lm'] + sys.argv[1:]; runpy.run_module('mlx_lm', run_name='__main__')"
+            )
             cmd = [sys.executable, "-c", boot, "server", "--model", str(model), "--port", str(port), *extra]
         else:
             cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port), *extra]
@@ -102,7 +165,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.start_s = float("nan")
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         self.log = tempfile.TemporaryFile()
         t0 = time.perf_counter()
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -144,12 +207,25 @@ class Server:
             self.stop()
 
 
-async def stream_chat(client: httpx.AsyncClient, server: Server, messages: list[dict], max_tokens: int,
-                      *, stop_after: int | None = None, stamps: list[float] | None = None) -> dict:
+async def stream_chat(
+    client: httpx.AsyncClient,
+    server: Server,
+    messages: list[dict],
+    max_tokens: int,
+    *,
+    stop_after: int | None = None,
+    stamps: list[float] | None = None,
+) -> dict:
     """One streaming chat completion; `stop_after` tokens → disconnect (returns at once).
     `stamps` (optional) receives each content chunk's arrival time as it comes."""
-    body = {"model": server.model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": server.model_name,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     stamps = [] if stamps is None else stamps
     text: list[str] = []
@@ -170,8 +246,15 @@ async def stream_chat(client: httpx.AsyncClient, server: Server, messages: list[
                 break
     end = time.perf_counter()
     tokens = (usage or {}).get("completion_tokens") or len(stamps)
-    return {"ttft": (stamps[0] - t0) if stamps else end - t0, "stamps": stamps, "start": t0, "end": end,
-            "tokens": tokens, "text": "".join(text), "usage": usage}
+    return {
+        "ttft": (stamps[0] - t0) if stamps else end - t0,
+        "stamps": stamps,
+        "start": t0,
+        "end": end,
+        "tokens": tokens,
+        "text": "".join(text),
+        "usage": usage,
+    }
 
 
 @contextlib.asynccontextmanager
@@ -211,21 +294,38 @@ async def concurrent(server: Server, c: int, max_tokens: int, prompt_words: int,
     async with httpx.AsyncClient(timeout=None) as client:
         await warm(client, server)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*[
-            stream_chat(client, server, [{"role": "user", "content": f"{seed}.{i} " + text_of(prompt_words, seed + i)}],
-                        max_tokens)
-            for i in range(c)
-        ])
+        results = await asyncio.gather(
+            *[
+                stream_chat(
+                    client,
+                    server,
+                    [{"role": "user", "content": f"{seed}.{i} " + text_of(prompt_words, seed + i)}],
+                    max_tokens,
+                )
+                for i in range(c)
+            ]
+        )
         wall = time.perf_counter() - t0
     itls = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
     total = sum(r["tokens"] for r in results)
-    decode_rates = [(len(r["stamps"]) - 1) / (r["stamps"][-1] - r["stamps"][0])
-                    for r in results if len(r["stamps"]) > 1 and r["stamps"][-1] > r["stamps"][0]]
-    return {"concurrency": c, "wall_s": wall, "tokens": total, "agg_tok_s": total / wall,
-            "ttft_p50": pct([r["ttft"] for r in results], 0.5), "ttft_p99": pct([r["ttft"] for r in results], 0.99),
-            "itl_p50": pct(itls, 0.5), "itl_p99": pct(itls, 0.99),
-            "per_stream_tok_s": statistics.mean(decode_rates) if decode_rates else 0.0,
-            "ttfts": [r["ttft"] for r in results], "itls": itls}
+    decode_rates = [
+        (len(r["stamps"]) - 1) / (r["stamps"][-1] - r["stamps"][0])
+        for r in results
+        if len(r["stamps"]) > 1 and r["stamps"][-1] > r["stamps"][0]
+    ]
+    return {
+        "concurrency": c,
+        "wall_s": wall,
+        "tokens": total,
+        "agg_tok_s": total / wall,
+        "ttft_p50": pct([r["ttft"] for r in results], 0.5),
+        "ttft_p99": pct([r["ttft"] for r in results], 0.99),
+        "itl_p50": pct(itls, 0.5),
+        "itl_p99": pct(itls, 0.99),
+        "per_stream_tok_s": statistics.mean(decode_rates) if decode_rates else 0.0,
+        "ttfts": [r["ttft"] for r in results],
+        "itls": itls,
+    }
 
 
 def request_lines(log: str) -> list[dict]:
@@ -262,16 +362,23 @@ async def agent(server: Server, turns: int, system_words: int, max_tokens: int, 
                 last = list(history)
                 history.append({"role": "assistant", "content": r["text"]})
             if turns > 1:
-                busted = [{"role": "system", "content": "cold" + last[0]["content"][len("agent"):]}, *last[1:]]
+                busted = [{"role": "system", "content": "cold" + last[0]["content"][len("agent") :]}, *last[1:]]
                 cold.append((await stream_chat(client, server, busted, max_tokens))["ttft"])
     first = statistics.mean(ttfts[0])
     later = statistics.mean(x for t in range(1, turns) for x in ttfts[t])
-    out = {"turn1_ttft": first, "turnN_ttft": later, "speedup": first / later if later else float("nan"),
-           "by_turn": {t: statistics.mean(v) for t, v in ttfts.items()}}
+    out = {
+        "turn1_ttft": first,
+        "turnN_ttft": later,
+        "speedup": first / later if later else float("nan"),
+        "by_turn": {t: statistics.mean(v) for t, v in ttfts.items()},
+    }
     if cold:
         last_warm = statistics.mean(ttfts[turns - 1])
-        out.update(lastturn_ttft=last_warm, lastturn_cold_ttft=statistics.mean(cold),
-                   cold_speedup=statistics.mean(cold) / last_warm)
+        out.update(
+            lastturn_ttft=last_warm,
+            lastturn_cold_ttft=statistics.mean(cold),
+            cold_speedup=statistics.mean(cold) / last_warm,
+        )
     return out
 
 
@@ -280,8 +387,12 @@ async def joiner(server: Server, streams: int, long_words: int) -> dict:
     async with httpx.AsyncClient(timeout=None) as client:
         await warm(client, server)
         stamps: list[list[float]] = [[] for _ in range(streams)]
-        running = [asyncio.create_task(stream_chat(client, server, [{"role": "user", "content": text_of(20, i)}],
-                                                   100_000, stamps=stamps[i])) for i in range(streams)]
+        running = [
+            asyncio.create_task(
+                stream_chat(client, server, [{"role": "user", "content": text_of(20, i)}], 100_000, stamps=stamps[i])
+            )
+            for i in range(streams)
+        ]
         await asyncio.sleep(1.0)  # let them all start decoding
         t_join = time.perf_counter()
         long_r = await stream_chat(client, server, [{"role": "user", "content": text_of(long_words, 5)}], 4)
@@ -293,9 +404,13 @@ async def joiner(server: Server, streams: int, long_words: int) -> dict:
     gaps = [(a, b - a) for st in stamps for a, b in zip(st, st[1:])]
     before = [g for a, g in gaps if a + g < t_join]
     during = [g for a, g in gaps if a + g >= t_join and a <= t_first]
-    return {"max_itl_during_join": max(during) if during else float("nan"), "long_ttft": long_r["ttft"],
-            "itl_p50_before": pct(before, 0.5), "running_streams": streams,
-            "running_tokens": [len(st) for st in stamps]}
+    return {
+        "max_itl_during_join": max(during) if during else float("nan"),
+        "long_ttft": long_r["ttft"],
+        "itl_p50_before": pct(before, 0.5),
+        "running_streams": streams,
+        "running_tokens": [len(st) for st in stamps],
+    }
 
 
 async def stats(client: httpx.AsyncClient, server: Server) -> dict:
@@ -309,8 +424,13 @@ async def abort(server: Server, max_tokens: int, long_words: int) -> dict:
         await warm(client, server)
         for phase, words, after in (("decode", 20, 4), ("prefill", long_words, 0)):
             before = await stats(client, server)
-            body = {"model": server.model_name, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                    "messages": [{"role": "user", "content": f"abort {phase} " + text_of(words, 3)}]}
+            body = {
+                "model": server.model_name,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "messages": [{"role": "user", "content": f"abort {phase} " + text_of(words, 3)}],
+            }
             async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
                 if after:
                     n = 0
@@ -332,9 +452,11 @@ async def abort(server: Server, max_tokens: int, long_words: int) -> dict:
                     break
                 await asyncio.sleep(0.002)
             dt = time.perf_counter() - t0
-            out[phase] = {"seconds": dt if now else float("nan"),
-                          "steps": (now["steps"] - before["steps"]) if now else None,
-                          "prefill_chunks": (now["prefill_chunks"] - before["prefill_chunks"]) if now else None}
+            out[phase] = {
+                "seconds": dt if now else float("nan"),
+                "steps": (now["steps"] - before["steps"]) if now else None,
+                "prefill_chunks": (now["prefill_chunks"] - before["prefill_chunks"]) if now else None,
+            }
             # steps/chunks include those before the disconnect; report both raw counters
     return out
 
@@ -342,8 +464,12 @@ async def abort(server: Server, max_tokens: int, long_words: int) -> dict:
 def exit_under_load(server: Server, streams: int, max_tokens: int) -> float:
     async def go() -> float:
         async with httpx.AsyncClient(timeout=None) as client:
-            tasks = [asyncio.create_task(stream_chat(client, server, [{"role": "user", "content": text_of(20, i)}],
-                                                     max_tokens)) for i in range(streams)]
+            tasks = [
+                asyncio.create_task(
+                    stream_chat(client, server, [{"role": "user", "content": text_of(20, i)}], max_tokens)
+                )
+                for i in range(streams)
+            ]
             await asyncio.sleep(0.3)  # every stream admitted and decoding
             loop = asyncio.get_running_loop()
             dt = await loop.run_in_executor(None, server.stop)
@@ -370,8 +496,9 @@ def restart(kind: str, model: Path, args) -> dict:
         return r["ttft"], usage.get("prompt_tokens", 0), cached
 
     with tempfile.TemporaryDirectory() as ssd:
-        extra = (["--ssd-cache", ssd] if kind == "ours" else []) + \
-            (args.ours_args if kind == "ours" else args.mlx_lm_args).split()
+        extra = (["--ssd-cache", ssd] if kind == "ours" else []) + (
+            args.ours_args if kind == "ours" else args.mlx_lm_args
+        ).split()
         out = {}
         for phase in ("cold", "warm"):
             with Server(launch, model, free_port(), extra) as server:
@@ -396,8 +523,10 @@ def run_suite(kind: str, model: Path, args) -> dict:
         try:
             for c in args.concurrency:
                 try:
-                    runs = [asyncio.run(concurrent(server, c, args.max_tokens, args.prompt_words, seed=100 * r + c))
-                            for r in range(args.repeats)]
+                    runs = [
+                        asyncio.run(concurrent(server, c, args.max_tokens, args.prompt_words, seed=100 * r + c))
+                        for r in range(args.repeats)
+                    ]
                 except Exception as e:  # noqa: BLE001
                     out[f"c{c}_error"] = f"{type(e).__name__}: {e}"
                     print(f"  {kind} c={c}: {out[f'c{c}_error']}", file=sys.stderr, flush=True)
@@ -409,8 +538,11 @@ def run_suite(kind: str, model: Path, args) -> dict:
                     best["worker"] = stats.get("worker")
                     best["batch"] = stats.get("batch")  # scheduler counters, recent_opens
                 out[f"c{c}"] = best
-                print(f"  {kind} c={c}: " + json.dumps({k: v for k, v in best.items() if k not in ("ttfts", "itls")}),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {kind} c={c}: " + json.dumps({k: v for k, v in best.items() if k not in ("ttfts", "itls")}),
+                    file=sys.stderr,
+                    flush=True,
+                )
             extras = []
             if args.agent_turns:
                 extras.append(("agent", lambda: agent(server, args.agent_turns, args.system_words, 16)))
@@ -422,7 +554,7 @@ def run_suite(kind: str, model: Path, args) -> dict:
                 try:
                     out[name] = asyncio.run(make())
                     if kind == "ours" and name == "agent":  # the server's own TTFT breakdown per turn
-                        out[name]["server_lines"] = request_lines(server.tail(10**7))[-2 * args.agent_turns:]
+                        out[name]["server_lines"] = request_lines(server.tail(10**7))[-2 * args.agent_turns :]
                 except Exception as e:  # noqa: BLE001 - one failed workload must not lose the rest
                     out[f"{name}_error"] = f"{type(e).__name__}: {e}"
                 print(f"  {kind} {name}: {out.get(name, out.get(name + '_error'))}", file=sys.stderr, flush=True)
@@ -457,16 +589,29 @@ def ratio_table(ours: dict, ref: dict, args) -> str:
     if "agent" in ours and "agent" in ref:
         row("agent", "turn-1 TTFT s", ours["agent"]["turn1_ttft"], ref["agent"]["turn1_ttft"], lower_is_better=True)
         row("agent", "turn-N TTFT s", ours["agent"]["turnN_ttft"], ref["agent"]["turnN_ttft"], lower_is_better=True)
-        rows.append(f"| agent | turn-1 / turn-N TTFT | {ours['agent']['speedup']:.2f}x | "
-                    f"{ref['agent']['speedup']:.2f}x | |")
+        rows.append(
+            f"| agent | turn-1 / turn-N TTFT | {ours['agent']['speedup']:.2f}x | {ref['agent']['speedup']:.2f}x | |"
+        )
         if "cold_speedup" in ours["agent"] and "cold_speedup" in ref["agent"]:
-            row("agent", "last turn's prompt cold TTFT s", ours["agent"]["lastturn_cold_ttft"],
-                ref["agent"]["lastturn_cold_ttft"], lower_is_better=True)
-            rows.append(f"| agent | last turn: cold / warm TTFT (same prompt) | {ours['agent']['cold_speedup']:.2f}x | "
-                        f"{ref['agent']['cold_speedup']:.2f}x | |")
+            row(
+                "agent",
+                "last turn's prompt cold TTFT s",
+                ours["agent"]["lastturn_cold_ttft"],
+                ref["agent"]["lastturn_cold_ttft"],
+                lower_is_better=True,
+            )
+            rows.append(
+                f"| agent | last turn: cold / warm TTFT (same prompt) | {ours['agent']['cold_speedup']:.2f}x | "
+                f"{ref['agent']['cold_speedup']:.2f}x | |"
+            )
     if "joiner" in ours and "joiner" in ref:
-        row("long joiner", "max ITL of running streams s", ours["joiner"]["max_itl_during_join"],
-            ref["joiner"]["max_itl_during_join"], lower_is_better=True)
+        row(
+            "long joiner",
+            "max ITL of running streams s",
+            ours["joiner"]["max_itl_during_join"],
+            ref["joiner"]["max_itl_during_join"],
+            lower_is_better=True,
+        )
     if "abort" in ours:
         for phase, v in ours["abort"].items():
             rows.append(f"| abort ({phase}) | disconnect → row gone s (ours only) | {v['seconds']:.4g} | | |")
@@ -535,8 +680,15 @@ def versions() -> dict:
     except Exception:  # noqa: BLE001
         pass
     try:
-        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=10).stdout.strip() or None
+        info["gpu"] = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except Exception:  # noqa: BLE001
         info["gpu"] = None
     info["blas"] = blas_line()
@@ -548,8 +700,9 @@ def blas_line() -> str:
     asked in a fresh interpreter, because the preload must come before mlx is imported."""
     probe = "from model.blas import preload_optimized_blas; print(preload_optimized_blas().log_line())"
     try:
-        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                              cwd=ROOT).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT
+        ).stdout.strip()
     except Exception as e:  # noqa: BLE001
         return f"unknown ({type(e).__name__})"
 
@@ -569,18 +722,33 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=1500)
     p.add_argument("--joiner-words", type=int, default=3000)
     p.add_argument("--abort", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--restart-words", type=int, default=0,
-                   help="warm-restart workload: a prompt of this many words, cold then after a restart (0: off)")
+    p.add_argument(
+        "--restart-words",
+        type=int,
+        default=0,
+        help="warm-restart workload: a prompt of this many words, cold then after a restart (0: off)",
+    )
     p.add_argument("--exit-streams", type=int, default=8, help="streams in flight at SIGINT (0: exit idle)")
     p.add_argument("--ours-args", default="")
     p.add_argument("--mlx-lm-args", default="")
     p.add_argument("--only", choices=["ours", "mlx_lm"], default=None)
-    p.add_argument("--profile-out", type=Path, default=None,
-                   help="run our server under benchmarks/profile_serve.py; its per-thread profile lands here")
-    p.add_argument("--ours-switch-interval", type=float, default=None,
-                   help="experiment: start our server with sys.setswitchinterval(S) (GIL hand-off)")
-    p.add_argument("--mlx-lm-blas", action="store_true",
-                   help="start mlx_lm.server with the optimized BLAS our server preloads (Linux CPU)")
+    p.add_argument(
+        "--profile-out",
+        type=Path,
+        default=None,
+        help="run our server under benchmarks/profile_serve.py; its per-thread profile lands here",
+    )
+    p.add_argument(
+        "--ours-switch-interval",
+        type=float,
+        default=None,
+        help="experiment: start our server with sys.setswitchinterval(S) (GIL hand-off)",
+    )
+    p.add_argument(
+        "--mlx-lm-blas",
+        action="store_true",
+        help="start mlx_lm.server with the optimized BLAS our server preloads (Linux CPU)",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
     p.add_argument("--replot", type=Path, default=None, help="only redraw --plots from a saved --out JSON")
@@ -601,9 +769,17 @@ def main() -> None:
         if args.layers:
             shape["num_hidden_layers"] = args.layers
         model = fast_model_dir(Path(tmp.name) / "m", dtype=args.dtype, quant=args.quant, **shape)
-    results = {"date": time.strftime("%Y-%m-%d"), "versions": versions(), "model": str(args.synth or model),
-               "layers": args.layers, "dtype": args.dtype, "quant": args.quant, "max_tokens": args.max_tokens,
-               "prompt_words": args.prompt_words, "argv": sys.argv[1:]}
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": versions(),
+        "model": str(args.synth or model),
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "quant": args.quant,
+        "max_tokens": args.max_tokens,
+        "prompt_words": args.prompt_words,
+        "argv": sys.argv[1:],
+    }
     if args.mlx_lm_blas and "reference" in results["versions"]["blas"]:
         # Both servers would run MLX's bundled reference BLAS: a fair comparison still, but not
         # the one the flag names, and fp32 prefill ~10-30x slower than with OpenBLAS.
@@ -631,7 +807,8 @@ def main() -> None:
                 f"\n| restart ({a['prompt_tokens']} tok) | TTFT after restart s (ours: SSD tier) | "
                 f"{a['warm_ttft']:.4g} | {b['warm_ttft']:.4g} | {b['warm_ttft'] / a['warm_ttft']:.2f}x (speed-up) |"
                 f"\n| restart | ours warm vs ours cold | {a['warm_ttft']:.4g} | {a['cold_ttft']:.4g} (ours cold) | "
-                f"{a['speedup']:.2f}x (speed-up) |")
+                f"{a['speedup']:.2f}x (speed-up) |"
+            )
         print(results["table"])
     if args.plots:
         try:

@@ -100,16 +100,19 @@ def exact_section(model, vocab: int, gen: int = 24) -> dict:
     from model.params import SamplingParams
 
     lengths = (37, 70, 77, 100, 129, 200, 64, 5)
-    specs = [RowSpec(i, tuple((11 * n + 17 * j) % (vocab - 10) + 5 for j in range(n)), SamplingParams(), gen)
-             for i, n in enumerate(lengths)]
+    specs = [
+        RowSpec(i, tuple((11 * n + 17 * j) % (vocab - 10) + 5 for j in range(n)), SamplingParams(), gen)
+        for i, n in enumerate(lengths)
+    ]
     reference = generate_tokens(Engine(model, eos_token_ids=[], prefill_bucket=0), specs)
     bucketed = generate_tokens(Engine(model, eos_token_ids=[], prefill_bucket=64), specs)
     engine = Engine(model, eos_token_ids=[], prefill_bucket=64)
     for spec in specs:
         engine.open_row(spec)
     engine.prefill_group([s.row_id for s in specs])
-    grouped = decode_to_the_end(engine, {s.row_id: [engine.join(s.row_id).token] for s in specs},
-                                {s.row_id for s in specs})
+    grouped = decode_to_the_end(
+        engine, {s.row_id: [engine.join(s.row_id).token] for s in specs}, {s.row_id for s in specs}
+    )
     return {
         "lengths": lengths,
         "bucketed_equal": [bucketed[s.row_id] == reference[s.row_id] for s in specs],
@@ -131,9 +134,14 @@ def rowdiff_section(model, vocab: int) -> dict:
                 return layer, d
         return None
 
-    for name, ns, pad, dup in (("repeat_dup", (36, 63, 4), "repeat", True), ("repeat_nodup", (36, 63, 4), "repeat", False),
-                               ("zero_pad", (36, 63, 4), "zero", False), ("pair", (36, 4), "repeat", False),
-                               ("same_len", (36, 36), "repeat", False), ("wide", (36, 100, 200), "repeat", False)):
+    for name, ns, pad, dup in (
+        ("repeat_dup", (36, 63, 4), "repeat", True),
+        ("repeat_nodup", (36, 63, 4), "repeat", False),
+        ("zero_pad", (36, 63, 4), "zero", False),
+        ("pair", (36, 4), "repeat", False),
+        ("same_len", (36, 36), "repeat", False),
+        ("wide", (36, 100, 200), "repeat", False),
+    ):
         prompts = [[(11 * n + 17 * j) % (vocab - 10) + 5 for j in range(n)] for n in ns]
         width = -(-max(ns) // 64) * 64
         rows = [p + ([p[-1]] if pad == "repeat" else [0]) * (width - len(p)) for p in prompts]
@@ -185,9 +193,15 @@ def hit_section(model, vocab: int, gen: int = 24) -> dict:
             expected = generate_tokens(cold, [spec])[spec.row_id]
             opened, prefill_ms = _timed_prefill(hot, spec)
             got = generate_tokens(hot, [spec])[spec.row_id]
-            rows.append({"suffix": n, "cached": opened.cached_tokens, "first_prefill_ms": prefill_ms,
-                         "equal_to_cold": got == expected,
-                         "first_mismatch": _first_mismatch(got, expected)})
+            rows.append(
+                {
+                    "suffix": n,
+                    "cached": opened.cached_tokens,
+                    "first_prefill_ms": prefill_ms,
+                    "equal_to_cold": got == expected,
+                    "first_mismatch": _first_mismatch(got, expected),
+                }
+            )
         out[name] = rows
     return out
 
@@ -224,12 +238,12 @@ def hitshape_section(model, vocab: int) -> dict:
     """What a prefill after a prompt-cache hit pays the first time, split by which shape is new:
     the suffix length M (the GEMMs' rows), the attention's k length K, both, or neither (the
     same prompts again). The engine's defaults (on CUDA: unfused attention after a hit)."""
+    import os
+
     from actors.worker_api import RowSpec
     from cache.prompt_cache import PromptCache
     from model.engine import Engine, generate_tokens
     from model.params import SamplingParams
-
-    import os
 
     base = [(13 * j) % (vocab - 10) + 5 for j in range(1400)]
     hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 32))
@@ -252,7 +266,8 @@ def hitshape_section(model, vocab: int) -> dict:
 
     new_both = [(1000, n, n) for n in (23, 37, 50, 81)]
     out = {
-        "warm_up": warm, "warm_up_s": warm_up_s,
+        "warm_up": warm,
+        "warm_up_s": warm_up_s,
         "new_M_new_K": [one(*c) for c in new_both],
         "same_M_new_K": [one(p, 40, p) for p in (1010, 1060, 1110, 1160)],
         "new_M_same_K": [one(1100 - n, n, n + 1) for n in (24, 38, 52, 66)],
@@ -297,8 +312,12 @@ def capacity_section(model, vocab: int, steps: int = 600) -> dict:
             engine.close_row(rid)
         median = statistics.median(times)
         slow = [{"context": 200 + i, "ms": round(1e3 * dt, 1)} for i, dt in enumerate(times) if dt > 4 * median]
-        return {"rows": rows, "median_ms": round(1e3 * median, 2), "slow_steps": slow,
-                "slow_total_ms": round(sum(x["ms"] for x in slow), 1)}
+        return {
+            "rows": rows,
+            "median_ms": round(1e3 * median, 2),
+            "slow_steps": slow,
+            "slow_total_ms": round(sum(x["ms"] for x in slow), 1),
+        }
 
     out["b1"] = run(1, 1)
     out["b1_again"] = run(1, 2)

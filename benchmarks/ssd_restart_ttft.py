@@ -74,13 +74,22 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(
-            Path(tmp) / "m", hidden_size=args.hidden, num_hidden_layers=args.layers,
-            intermediate_size=4 * args.hidden, num_attention_heads=4, num_key_value_heads=2,
-            dtype=args.dtype, max_position_embeddings=max(8192, 2 * args.tokens),
+            Path(tmp) / "m",
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=4 * args.hidden,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            dtype=args.dtype,
+            max_position_embeddings=max(8192, 2 * args.tokens),
         )
         lm = load_model(model_dir)
-        identity = Identity(lm.name, model_fingerprint(model_dir),
-                            scheme_key(str(lm.kv_dtype).rsplit(".", 1)[-1]), tokenizer_hash(model_dir))
+        identity = Identity(
+            lm.name,
+            model_fingerprint(model_dir),
+            scheme_key(str(lm.kv_dtype).rsplit(".", 1)[-1]),
+            tokenizer_hash(model_dir),
+        )
         rng = np.random.default_rng(0)
         turn1 = tuple(int(t) for t in rng.integers(1, 500, args.tokens))
         ssd = Path(tmp) / "ssd"
@@ -96,7 +105,7 @@ def main() -> None:
             pass
         engine.join(2)
         engine.close_row(2, reusable=True)
-        (ns, tokens), = [k for k in cache.keys() if len(k[1]) >= args.tokens]
+        ((ns, tokens),) = [k for k in cache.keys() if len(k[1]) >= args.tokens]
         started = time.perf_counter()
         item = cache.snapshot(tokens, ns)
         snapshot_ms = (time.perf_counter() - started) * 1000
@@ -134,12 +143,18 @@ def main() -> None:
                 cold_times.append(tc)
 
     warm_s, cold_s = min(warm_times), min(cold_times)
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.dtype}; turn-2 prompt {len(turn2)} tokens "
-          f"({len(tokens)} restorable), prefill chunk {args.prefill_chunk}")
-    print(f"SSD entry: {size / 2**20:.1f} MiB; snapshot on the engine thread {snapshot_ms:.2f} ms; "
-          f"write {write_s * 1000:.0f} ms ({size / 2**20 / write_s:.0f} MiB/s, fsync included)")
-    print(f"start-up scan {min(scan_ms):.1f} ms; restore {min(restore_ms):.1f} ms "
-          f"(verify {'off' if args.no_verify else 'on'})")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, {args.dtype}; turn-2 prompt {len(turn2)} tokens "
+        f"({len(tokens)} restorable), prefill chunk {args.prefill_chunk}"
+    )
+    print(
+        f"SSD entry: {size / 2**20:.1f} MiB; snapshot on the engine thread {snapshot_ms:.2f} ms; "
+        f"write {write_s * 1000:.0f} ms ({size / 2**20 / write_s:.0f} MiB/s, fsync included)"
+    )
+    print(
+        f"start-up scan {min(scan_ms):.1f} ms; restore {min(restore_ms):.1f} ms "
+        f"(verify {'off' if args.no_verify else 'on'})"
+    )
     print(f"cold TTFT        {cold_s * 1000:8.1f} ms")
     print(f"warm-restart TTFT {warm_s * 1000:7.1f} ms")
     print(f"ratio cold/warm  {cold_s / warm_s:8.1f}x")

@@ -43,7 +43,12 @@ import numpy as np  # noqa: E402
 
 from actors.worker_api import RowSpec  # noqa: E402
 from cache.ssd_store import (  # noqa: E402
-    PIECE_BYTES, Identity, LayerMeta, SpillItem, SpillTensor, SsdStore,
+    PIECE_BYTES,
+    Identity,
+    LayerMeta,
+    SpillItem,
+    SpillTensor,
+    SsdStore,
 )
 from cache.tiered import TieredPromptCache, spill_item  # noqa: E402
 from model.engine import Engine  # noqa: E402
@@ -82,9 +87,15 @@ def main() -> None:
     args = ap.parse_args()
     print(BLAS)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(Path(tmp) / "m", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                    intermediate_size=4 * args.hidden, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=2 * args.context + 4 * args.steps)
+        model_dir = write_model_dir(
+            Path(tmp) / "m",
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=4 * args.hidden,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2 * args.context + 4 * args.steps,
+        )
         lm = load_model(model_dir)
         store = SsdStore(Path(tmp) / "ssd", Identity("m", "0" * 64, "f32", "0" * 64), max_bytes=64 << 30).open()
         cache = TieredPromptCache(8 << 30, store)
@@ -190,7 +201,7 @@ def main() -> None:
         commit_s = time.perf_counter() - t
 
         # The snapshot itself on the engine thread: zero-copy export vs a materialized copy.
-        (ns, tokens), = [k for k in cache.keys() if len(k[1]) >= args.context][:1]
+        ((ns, tokens),) = [k for k in cache.keys() if len(k[1]) >= args.context][:1]
         entry_caches = cache.find_exact(tokens, ns)
         t = time.perf_counter()
         item = spill_item(ns, tokens, entry_caches)
@@ -204,16 +215,26 @@ def main() -> None:
 
     ms = lambda s: s * 1000  # noqa: E731
     print(f"context {args.context} tokens, hidden {args.hidden}, {args.layers} layers, {args.steps} steps")
-    print(f"decode step, no writes:            p50 {ms(statistics.median(baseline)):6.2f} ms  p99 {ms(pct(baseline, .99)):6.2f} ms")
-    print(f"decode step, writer thread busy:   p50 {ms(statistics.median(contended)):6.2f} ms  p99 {ms(pct(contended, .99)):6.2f} ms"
-          f"  ({written[0]} pieces of {PIECE_BYTES >> 20} MiB written meanwhile)")
-    print(f"request arriving mid-write, gated writer thread: TTFT {ms(min(gated_ttft)):6.1f} ms vs "
-          f"{ms(min(idle_ttft)):6.1f} ms idle; its steps p50 {ms(statistics.median(gated_steps)):6.2f} ms vs "
-          f"{ms(statistics.median(idle_steps)):6.2f} ms")
-    print(f"one {PIECE_BYTES >> 20} MiB piece on the engine thread: p50 {ms(statistics.median(piece_times[:-1])):6.2f} ms  "
-          f"max {ms(max(piece_times)):6.2f} ms; commit (fsync+rename) {ms(commit_s):.1f} ms")
-    print(f"snapshot of the {entry_mib:.1f} MiB entry on the engine thread: zero-copy {zero_copy_ms:.2f} ms, "
-          f"materialized copy {copy_ms:.2f} ms")
+    print(
+        f"decode step, no writes:            p50 {ms(statistics.median(baseline)):6.2f} ms  p99 {ms(pct(baseline, 0.99)):6.2f} ms"
+    )
+    print(
+        f"decode step, writer thread busy:   p50 {ms(statistics.median(contended)):6.2f} ms  p99 {ms(pct(contended, 0.99)):6.2f} ms"
+        f"  ({written[0]} pieces of {PIECE_BYTES >> 20} MiB written meanwhile)"
+    )
+    print(
+        f"request arriving mid-write, gated writer thread: TTFT {ms(min(gated_ttft)):6.1f} ms vs "
+        f"{ms(min(idle_ttft)):6.1f} ms idle; its steps p50 {ms(statistics.median(gated_steps)):6.2f} ms vs "
+        f"{ms(statistics.median(idle_steps)):6.2f} ms"
+    )
+    print(
+        f"one {PIECE_BYTES >> 20} MiB piece on the engine thread: p50 {ms(statistics.median(piece_times[:-1])):6.2f} ms  "
+        f"max {ms(max(piece_times)):6.2f} ms; commit (fsync+rename) {ms(commit_s):.1f} ms"
+    )
+    print(
+        f"snapshot of the {entry_mib:.1f} MiB entry on the engine thread: zero-copy {zero_copy_ms:.2f} ms, "
+        f"materialized copy {copy_ms:.2f} ms"
+    )
     mx.clear_cache()
 
 

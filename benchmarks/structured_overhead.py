@@ -202,7 +202,9 @@ def main() -> None:
         for kind in ("small", "big") if args.vocab == "both" else (args.vocab,):
             r = run(kind, Path(tmp), args.steps, args.repeats)
             results[kind] = r
-            print(f"\n== vocab {r['vocab']} (grammar tokenizer prep {r['compiler_prep_ms']:.0f} ms), device {mx.default_device()}")
+            print(
+                f"\n== vocab {r['vocab']} (grammar tokenizer prep {r['compiler_prep_ms']:.0f} ms), device {mx.default_device()}"
+            )
             print(f"{'case':38s} {'ms/step':>8s} {'ms/token':>9s} {'grammar host us/row/step':>24s}")
             for case, m in r["cases"].items():
                 print(f"{case:38s} {m['ms_per_step']:8.3f} {m['ms_per_token']:9.3f} {m['mask_us_per_row_step']:24.1f}")

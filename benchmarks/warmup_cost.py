@@ -67,9 +67,15 @@ def main() -> None:
         _, join_s = timed(lambda: engine.join(b))
         firsts = [timed(engine.step)[1] for _ in range(3)]
         steady = [timed(engine.step)[1] for _ in range(8)]
-        ramp.append({"B": b, "prefill_ms": 1e3 * prefill_s, "join_ms": 1e3 * join_s,
-                     "first_steps_ms": [round(1e3 * x, 2) for x in firsts],
-                     "steady_ms": round(1e3 * statistics.median(steady), 2)})
+        ramp.append(
+            {
+                "B": b,
+                "prefill_ms": 1e3 * prefill_s,
+                "join_ms": 1e3 * join_s,
+                "first_steps_ms": [round(1e3 * x, 2) for x in firsts],
+                "steady_ms": round(1e3 * statistics.median(steady), 2),
+            }
+        )
         print(json.dumps(ramp[-1]), flush=True)
     result["ramp"] = ramp
     # Prefill at new lengths, then the same lengths again (solo rows, closed after prefill).
@@ -91,7 +97,9 @@ def main() -> None:
         ids = [20_000 + 1000 * len(burst) + i for i in range(args.burst)]
         for i, rid in enumerate(ids):
             n = base + 3 * i
-            engine.open_row(RowSpec(rid, tuple((5 * n + 7 * j) % (vocab - 10) + 5 for j in range(n)), SamplingParams(), 4))
+            engine.open_row(
+                RowSpec(rid, tuple((5 * n + 7 * j) % (vocab - 10) + 5 for j in range(n)), SamplingParams(), 4)
+            )
         if name.startswith("group"):
             _, prefill = timed(lambda: engine.prefill_group(ids))
             _, rest = timed(lambda: (engine.join_group(ids), engine.step()))

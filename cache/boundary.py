@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 MAX_PRIMER = 64  # a longer "tail" means the probe went wrong, not a template constant
 _DUMMY_TURN = ({"role": "assistant", "content": "OK"}, {"role": "user", "content": "OK"})
 
-_primers: "weakref.WeakKeyDictionary[Tokenizer, dict[tuple, int]]" = weakref.WeakKeyDictionary()
+_primers: weakref.WeakKeyDictionary[Tokenizer, dict[tuple, int]] = weakref.WeakKeyDictionary()
 
 
 def _mode(tools: Sequence[Any] | None, template_kwargs: Mapping[str, Any]) -> tuple:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -115,9 +115,7 @@ class PromptCache:
 
     # -- take --------------------------------------------------------------------------------
 
-    def take(
-        self, prompt: Sequence[int], namespace: str = "", min_tokens: int = 1
-    ) -> tuple[list[KVCache] | None, int]:
+    def take(self, prompt: Sequence[int], namespace: str = "", min_tokens: int = 1) -> tuple[list[KVCache] | None, int]:
         """Clones covering the longest usable prefix of `prompt`, and its length; (None, 0) on a
         miss. At most len(prompt) - 1 tokens are restored: the last one must be forwarded to get
         logits. A prefix shorter than `min_tokens` counts as a miss."""
@@ -169,8 +167,11 @@ class PromptCache:
         if not self.enabled or not key_tokens or not caches:
             return False
         if _coverage(caches) != len(key_tokens):
-            log.warning("prompt cache: refused a put whose KV covers %s tokens but whose key has %d",
-                        _coverage(caches), len(key_tokens))
+            log.warning(
+                "prompt cache: refused a put whose KV covers %s tokens but whose key has %d",
+                _coverage(caches),
+                len(key_tokens),
+            )
             return False
         entry = _Entry(
             key=_Key(namespace, key_tokens),

@@ -28,9 +28,9 @@ turns arrays into KV caches and back on the MLX thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import fcntl
-import concurrent.futures
 import hashlib
 import json
 import logging
@@ -39,8 +39,9 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -127,8 +128,10 @@ def tokenizer_hash(model_dir: Path) -> str:
     """sha256 of tokenizer.json (or of the sentencepiece / vocab files when there is none)."""
     model_dir = Path(model_dir)
     h = hashlib.sha256()
-    names = ["tokenizer.json"] if (model_dir / "tokenizer.json").exists() else sorted(
-        p.name for p in model_dir.iterdir() if p.name in ("tokenizer.model", "vocab.json", "merges.txt")
+    names = (
+        ["tokenizer.json"]
+        if (model_dir / "tokenizer.json").exists()
+        else sorted(p.name for p in model_dir.iterdir() if p.name in ("tokenizer.model", "vocab.json", "merges.txt"))
     )
     for name in names:
         h.update(name.encode() + b"\0")
@@ -283,7 +286,7 @@ class SsdStore:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def open(self) -> "SsdStore":
+    def open(self) -> SsdStore:
         """Take the directory lock, reap temp orphans, verify headers, build the index."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -355,10 +358,16 @@ class SsdStore:
             victims = self._evict_locked(keep=None)
         self._unlink_all(victims)
         if self.stats.reaped_temp or self.stats.quarantined:
-            log.info("SSD cache: reaped %d temp file(s), quarantined %d", self.stats.reaped_temp,
-                     self.stats.quarantined)
-        log.info("SSD cache %s: %d entries, %.1f MiB (cap %.1f GiB)", self.dir, len(self._entries),
-                 self._bytes / 2**20, self.max_bytes / 2**30)
+            log.info(
+                "SSD cache: reaped %d temp file(s), quarantined %d", self.stats.reaped_temp, self.stats.quarantined
+            )
+        log.info(
+            "SSD cache %s: %d entries, %.1f MiB (cap %.1f GiB)",
+            self.dir,
+            len(self._entries),
+            self._bytes / 2**20,
+            self.max_bytes / 2**30,
+        )
 
     # -- header ---------------------------------------------------------------------------------
 
@@ -385,8 +394,11 @@ class SsdStore:
         if header.get("format_version") != FORMAT_VERSION:
             raise SsdCorrupt(f"format version {header.get('format_version')}")
         ident = self.identity
-        for field, want in (("fingerprint", ident.fingerprint), ("scheme", ident.scheme),
-                            ("tokenizer_hash", ident.tokenizer_hash)):
+        for field, want in (
+            ("fingerprint", ident.fingerprint),
+            ("scheme", ident.scheme),
+            ("tokenizer_hash", ident.tokenizer_hash),
+        ):
             if header.get(field) != want:
                 raise SsdCorrupt(f"{field} mismatch")
         total = 0
@@ -395,8 +407,11 @@ class SsdStore:
             raise SsdCorrupt("tensor table mismatch")
         for name, t in tensors.items():
             entry = table[name]
-            if (entry.get("dtype") != t["dtype"] or list(entry.get("shape", ())) != list(t["shape"])
-                    or list(entry.get("data_offsets", ())) != [t["offset"], t["offset"] + t["nbytes"]]):
+            if (
+                entry.get("dtype") != t["dtype"]
+                or list(entry.get("shape", ())) != list(t["shape"])
+                or list(entry.get("data_offsets", ())) != [t["offset"], t["offset"] + t["nbytes"]]
+            ):
                 raise SsdCorrupt(f"tensor {name} table mismatch")
             if t["dtype"] not in STORAGE_DTYPES:
                 raise SsdCorrupt(f"tensor {name} dtype {t['dtype']}")
@@ -426,7 +441,11 @@ class SsdStore:
         if ids.size == 0:
             raise SsdCorrupt("empty token key")
         return IndexEntry(
-            path=path, namespace=namespace, ids=ids, nbytes=st.st_size, mtime=st.st_mtime,
+            path=path,
+            namespace=namespace,
+            ids=ids,
+            nbytes=st.st_size,
+            mtime=st.st_mtime,
             trimmable=all(layer["trimmable"] for layer in header["layers"]),
         )
 
@@ -570,7 +589,7 @@ class SsdStore:
 
     # -- store (a writer thread) ------------------------------------------------------------------
 
-    def begin(self, item: SpillItem) -> "SsdWriter | None":
+    def begin(self, item: SpillItem) -> SsdWriter | None:
         """Open a temp file for `item`; None when the store refuses it (nothing is written)."""
         if (
             not item.tokens
@@ -595,9 +614,7 @@ class SsdStore:
                     continue
                 same = other.length == n and np.array_equal(other.ids, entry.ids)
                 # A trimmable entry serves every strict prefix of itself: its ancestors only cost space.
-                ancestor = (
-                    trimmable and other.length < n and np.array_equal(entry.ids[: other.length], other.ids)
-                )
+                ancestor = trimmable and other.length < n and np.array_equal(entry.ids[: other.length], other.ids)
                 if same or ancestor:
                     victims.append(other)
                     self.stats.superseded += 1
@@ -652,7 +669,10 @@ class SsdWriter:
         offset = 0
         for t in item.tensors:
             self._tensors[t.name] = {
-                "dtype": t.dtype, "shape": list(t.shape), "offset": offset, "nbytes": t.nbytes,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": t.nbytes,
                 "hash": _HASH_PLACEHOLDER,
             }
             offset += t.nbytes
@@ -733,8 +753,12 @@ class SsdWriter:
             self.abort()
             return False
         entry = IndexEntry(
-            path=self.final, namespace=self.item.namespace, ids=np.asarray(self.item.tokens, dtype=np.int64),
-            nbytes=st.st_size, mtime=st.st_mtime, trimmable=self.item.trimmable,
+            path=self.final,
+            namespace=self.item.namespace,
+            ids=np.asarray(self.item.tokens, dtype=np.int64),
+            nbytes=st.st_size,
+            mtime=st.st_mtime,
+            trimmable=self.item.trimmable,
         )
         store._committed(entry, self.item.trimmable)
         return True

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -84,8 +84,9 @@ class _DirectImport:
             v = views[name]
             if not v.flags.writeable or v.flags.owndata or v.nbytes != arrays[name].nbytes:
                 return None
-        self.arrays = {name: a.view(mx.bfloat16) if tag == "BF16" else a for (name, tag, _), a in
-                       zip(specs, arrays.values())}
+        self.arrays = {
+            name: a.view(mx.bfloat16) if tag == "BF16" else a for (name, tag, _), a in zip(specs, arrays.values())
+        }
         return views
 
 
@@ -148,9 +149,7 @@ class TieredPromptCache(PromptCache):
 
     # -- take ----------------------------------------------------------------------------------
 
-    def take(
-        self, prompt: Sequence[int], namespace: str = "", min_tokens: int = 1
-    ) -> tuple[list[KVCache] | None, int]:
+    def take(self, prompt: Sequence[int], namespace: str = "", min_tokens: int = 1) -> tuple[list[KVCache] | None, int]:
         cap = len(prompt) - 1
         if self.ssd is not None and self.enabled and cap >= self.min_restore_tokens and len(self.ssd):
             ids = np.asarray(prompt, dtype=np.int64)
@@ -181,7 +180,11 @@ class TieredPromptCache(PromptCache):
                 cache = KVCache()
                 k_name, v_name = layer["tensors"]
                 cache.keys, cache.values = imported[k_name], imported[v_name]
-                if cache.keys.ndim != 4 or cache.keys.shape[2] != layer["offset"] or cache.values.shape[2] != layer["offset"]:
+                if (
+                    cache.keys.ndim != 4
+                    or cache.keys.shape[2] != layer["offset"]
+                    or cache.values.shape[2] != layer["offset"]
+                ):
                     raise ValueError("tensor shapes do not match the layer offset")
                 cache.offset = layer["offset"]
                 caches.append(cache)

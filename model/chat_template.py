@@ -36,7 +36,9 @@ def _raise_exception(message: Any) -> None:
     raise _TemplateRaised(str(message))
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's built-in tojson HTML-escapes <, >, & and ' which would corrupt prompts.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -126,7 +128,9 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
-            raise TemplateError(f"chat template syntax error at line {exc.lineno}: {_one_line(exc.message or '')}") from None
+            raise TemplateError(
+                f"chat template syntax error at line {exc.lineno}: {_one_line(exc.message or '')}"
+            ) from None
 
     def render(
         self,

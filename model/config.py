@@ -72,8 +72,7 @@ def load_config(model_dir: Path) -> ModelConfig:
     if quant is not None and not ("group_size" in quant and "bits" in quant):
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
         raise ModelLoadError(
-            f"{model_dir}: unsupported quantization {method!r} "
-            "(supported: mlx-community affine {group_size, bits})"
+            f"{model_dir}: unsupported quantization {method!r} (supported: mlx-community affine {{group_size, bits}})"
         )
     return ModelConfig(
         model_type=model_type,

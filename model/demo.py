@@ -38,7 +38,13 @@ DEMO_SCRIPT = (
 )
 
 _COMPLETE_MARKER = ".complete"
-_REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors",
+)
 
 
 def demo_model_dir(cache_dir: Path | None = None) -> Path:

@@ -221,7 +221,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def detokenizer_kind(decoder: Mapping[str, Any] | None) -> str:
-    """"spm", "spm_no_trim", "bpe" or "naive", by mlx-lm's rule."""
+    """ "spm", "spm_no_trim", "bpe" or "naive", by mlx-lm's rule."""
     spm = {"type": "Sequence", "decoders": _SPM_DECODER_STEPS + [_SPM_STRIP_STEP]}
     spm_no_trim = {"type": "Sequence", "decoders": list(_SPM_DECODER_STEPS)}
     if decoder is None:

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -225,8 +226,11 @@ class Engine:
             trimmable = self.prefill_bucket and all(c.is_trimmable() for c in row.caches)
             pad = _padding(len(chunk), self.prefill_bucket) if trimmable else 0
             width = len(chunk) + pad
-            unfused = (self.unfused_hit_prefill and row.restored > 0
-                       and 4 * self._heads * width * (row.processed + width) <= UNFUSED_SCORES_BYTES)
+            unfused = (
+                self.unfused_hit_prefill
+                and row.restored > 0
+                and 4 * self._heads * width * (row.processed + width) <= UNFUSED_SCORES_BYTES
+            )
             self.model(mx.array(chunk + chunk[-1:] * pad)[None], row.caches, unfused_attention=unfused)
             for c in row.caches:
                 c.trim(pad)
@@ -259,7 +263,9 @@ class Engine:
         group's forward, as after a solo chunk that runs past it."""
         row = self._rows[row_id]
         todo = len(row.prompt) - 1 - row.processed
-        return row.processed == 0 and 0 < todo <= self.prefill_chunk and (GROUP_SNAPSHOT_ROWS or row.snapshot_at is None)
+        return (
+            row.processed == 0 and 0 < todo <= self.prefill_chunk and (GROUP_SNAPSHOT_ROWS or row.snapshot_at is None)
+        )
 
     def prefill_group(self, row_ids: Sequence[int]) -> list[PrefillProgress]:
         """Prefill the groupable ones of these rows in one right-padded forward, then give each
@@ -274,7 +280,9 @@ class Engine:
             if self.groupable(row_id):
                 row = self._rows[row_id]
                 todo = len(row.prompt) - 1
-                clusters.setdefault(todo + _padding(todo, self.group_bucket) if self.group_bucket else 0, []).append(row)
+                clusters.setdefault(todo + _padding(todo, self.group_bucket) if self.group_bucket else 0, []).append(
+                    row
+                )
         for rows in clusters.values():
             if len(rows) == 1:
                 self.prefill(rows[0].row_id)
@@ -405,7 +413,9 @@ class Engine:
             for count, width in self.prefill_shapes(max_batch):
                 rows = ids[:count]
                 for rid in rows:  # prompt[:-1] is exactly `width` long: no padding
-                    self.open_row(RowSpec(rid, tuple(1 + (rid * 5 + i) % 11 for i in range(width + 1)), SamplingParams(), 1))
+                    self.open_row(
+                        RowSpec(rid, tuple(1 + (rid * 5 + i) % 11 for i in range(width + 1)), SamplingParams(), 1)
+                    )
                 if count > 1:
                     self.prefill_group(rows)
                 else:
@@ -629,9 +639,7 @@ class Engine:
             outs.append(self._record(row, token, lp, top))
         return outs
 
-    def _record(
-        self, row: _Row, token: int, lp: mx.array | None, top: tuple[mx.array, mx.array] | None
-    ) -> TokenOut:
+    def _record(self, row: _Row, token: int, lp: mx.array | None, top: tuple[mx.array, mx.array] | None) -> TokenOut:
         row.generated += 1
         row.last_token = token
         row.tokens.append(token)

@@ -22,8 +22,9 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -128,12 +129,14 @@ def _tool_call_lark(spec: dict[str, Any], specials: frozenset[tuple[str, int]], 
     calls = []
     for tool in tools:
         parameters = tool.get("parameters") or {"type": "object"}
-        calls.append({
-            "type": "object",
-            "properties": {"name": {"const": tool["name"]}, args_key: parameters},
-            "required": ["name", args_key],
-            "additionalProperties": False,
-        })
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool["name"]}, args_key: parameters},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if as_list:
         schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
@@ -312,6 +315,8 @@ def fill_masks(grammars: list[RowGrammar]) -> None:
         _executor = _ll.LLExecutor()
     words = grammars[0]._words.shape[0]
     buffer = np.zeros((len(grammars), words), dtype=np.int32)
-    _executor.unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(grammars)], buffer.ctypes.data, words * 4, len(grammars))
+    _executor.unsafe_compute_mask_ptr(
+        [(g._m, i) for i, g in enumerate(grammars)], buffer.ctypes.data, words * 4, len(grammars)
+    )
     for g, row in zip(grammars, buffer):
         g._prefilled = row

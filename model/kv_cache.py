@@ -10,16 +10,15 @@ buffers: cheap, and writes to either side never show through to the other.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 
 STEP = 256
 
 
-def causal_mask(
-    N: int, offset: int, left_padding: mx.array | None = None
-) -> mx.array:
+def causal_mask(N: int, offset: int, left_padding: mx.array | None = None) -> mx.array:
     rinds = mx.arange(offset + N)
     linds = mx.arange(offset, offset + N) if offset else rinds
     mask = linds[:, None] >= rinds[None]
@@ -67,7 +66,7 @@ class KVCache:
             return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         return self.keys, self.values
 
-    def row(self, i: int, length: int) -> "KVCache":
+    def row(self, i: int, length: int) -> KVCache:
         """Row i's first `length` positions as a one-row cache of its own (a copy)."""
         cache = KVCache()
         if self.keys is not None:
@@ -92,7 +91,7 @@ class KVCache:
         self.offset -= n
         return n
 
-    def clone(self) -> "KVCache":
+    def clone(self) -> KVCache:
         other = KVCache()
         if self.keys is not None:
             other.keys = self.keys[..., : self.offset, :]
@@ -127,7 +126,7 @@ class BatchKVCache:
         self._idx = 0
 
     @classmethod
-    def merge(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
+    def merge(cls, caches: Sequence[KVCache]) -> BatchKVCache:
         lengths = [c.offset for c in caches]
         max_length = max(lengths)
         if max_length == 0:
@@ -190,7 +189,7 @@ class BatchKVCache:
             self.left_padding = self.left_padding - min_pad
             self.pads = [p - min_pad for p in self.pads]
 
-    def extend(self, other: "BatchKVCache") -> None:
+    def extend(self, other: BatchKVCache) -> None:
         """Append `other`'s rows, right-justifying both so every row ends at the same slot."""
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
@@ -219,9 +218,7 @@ class BatchKVCache:
             return k, v, c.offset, c.left_padding + left
 
         self.pads = [p + max_idx - self._idx for p in self.pads] + [p + max_idx - other._idx for p in other.pads]
-        self.keys, self.values, self.offset, self.left_padding = map(
-            mx.concatenate, zip(pad(self), pad(other))
-        )
+        self.keys, self.values, self.offset, self.left_padding = map(mx.concatenate, zip(pad(self), pad(other)))
         self._idx = max_idx
 
     def extract(self, i: int) -> KVCache:

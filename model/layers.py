@@ -175,13 +175,20 @@ def _gemv_kernel() -> Any:
             and mx.cuda.is_available()
         ):
             kernel = mx.fast.cuda_kernel(
-                name="mlx_trio_gemv", input_names=["x", "w"], output_names=["y"], source=_GEMV_SOURCE,
+                name="mlx_trio_gemv",
+                input_names=["x", "w"],
+                output_names=["y"],
+                source=_GEMV_SOURCE,
                 header=_GEMV_HEADER,
             )
             _gemv_state["kernel"] = kernel
             flat = (mx.random.normal((1000 * 4096 + 4,), key=mx.random.key(9)) * 0.02).astype(mx.bfloat16)
-            for m, w in ((1, flat[:-4].reshape(1000, 4096)), (3, flat[4:].reshape(1000, 4096)),
-                         (GEMV_MAX_ROWS, flat[:-4].reshape(1000, 4096)), (2, flat[1:-3].reshape(1000, 4096))):
+            for m, w in (
+                (1, flat[:-4].reshape(1000, 4096)),
+                (3, flat[4:].reshape(1000, 4096)),
+                (GEMV_MAX_ROWS, flat[:-4].reshape(1000, 4096)),
+                (2, flat[1:-3].reshape(1000, 4096)),
+            ):
                 # against MLX's matmul before it is trusted: 16-, 8- and 2-byte aligned weights
                 x = mx.random.normal((m, 4096), key=mx.random.key(m)).astype(mx.bfloat16)
                 # (MLX's own matmul rejects a 2-byte-aligned view: compare with a fresh copy)
@@ -242,8 +249,11 @@ def tune_gemv(weights: list[mx.array]) -> dict[str, Any]:
                     times.append((time.perf_counter() - t0) / 10)
                 best[name] = min(times)
             table[(n, k, m)] = best["kernel"] < 0.95 * best["mlx"]
-            report[f"{n}x{k}_M{m}"] = {"kernel_us": 1e6 * best["kernel"], "mlx_us": 1e6 * best["mlx"],
-                                       "uses_kernel": table[(n, k, m)]}
+            report[f"{n}x{k}_M{m}"] = {
+                "kernel_us": 1e6 * best["kernel"],
+                "mlx_us": 1e6 * best["mlx"],
+                "uses_kernel": table[(n, k, m)],
+            }
     return report
 
 
@@ -309,8 +319,13 @@ class Llama3RoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return mx.fast.rope(
-            x, self.dims, traditional=self.traditional, base=None, scale=1.0,
-            offset=offset, freqs=self._freqs,
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=None,
+            scale=1.0,
+            offset=offset,
+            freqs=self._freqs,
         )
 
 
@@ -440,7 +455,7 @@ class fusion_disabled:
         _fusion_on[0] = True
 
 
-def fuse_projections(model: "DecoderModel") -> bool:
+def fuse_projections(model: DecoderModel) -> bool:
     """Concatenate each layer's q/k/v weights (and gate/up) into one [rows, K] array, and make
     the per-projection weights row views of it (no extra memory). Decode then runs one product
     per group: fewer kernels per step, and the small k/v products (far below bandwidth on
@@ -481,7 +496,7 @@ def fuse_projections(model: "DecoderModel") -> bool:
     return fused_any
 
 
-def _fusion_checks_out(layer: "DecoderLayer") -> bool:
+def _fusion_checks_out(layer: DecoderLayer) -> bool:
     """The fused products against the separate ones on layer 0: exactly equal for one row (the
     B = 1 path must stay mlx-lm's), close for several."""
     try:
@@ -593,7 +608,8 @@ def _structure(layer: nn.Module) -> tuple:
     out = []
     for name, module in layer.named_modules():
         plain = sorted(
-            (k, repr(v)) for k, v in vars(module).items()
+            (k, repr(v))
+            for k, v in vars(module).items()
             if k not in ("_training", "_no_grad") and isinstance(v, (bool, int, float, str, type(None), tuple))
         )
         out.append((name, type(module).__name__, tuple(plain)))
@@ -615,7 +631,7 @@ def _fusion_wanted() -> bool:
         return False
 
 
-def _layer_inputs(layer: "DecoderLayer") -> dict:
+def _layer_inputs(layer: DecoderLayer) -> dict:
     """What a compiled stage takes per layer: its parameters and its fused weights."""
     fused = {}
     for owner, key in ((layer.self_attn, "_qkv"), (layer.mlp, "_gate_up")):
@@ -624,18 +640,31 @@ def _layer_inputs(layer: "DecoderLayer") -> dict:
     return {"p": layer.parameters(), "f": fused}
 
 
-def _dense_weights(model: "DecoderModel") -> list[mx.array]:
+def _dense_weights(model: DecoderModel) -> list[mx.array]:
     """One of each distinct dense (bias-free) projection weight a decode step multiplies by."""
     out: dict[tuple[int, ...], mx.array] = {}
     layer = model.layers[0] if model.layers else None
-    mods = [] if layer is None else [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                                      layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                                      layer.mlp.down_proj]
+    mods = (
+        []
+        if layer is None
+        else [
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        ]
+    )
     if not model.args.tie_word_embeddings:
         mods.append(model.lm_head)
     weights = [m["weight"] for m in mods if type(m) is Linear and "bias" not in m]
-    weights += [o[k] for o, k in ((layer.self_attn, "_qkv"), (layer.mlp, "_gate_up")) if layer is not None
-                and o.get(k) is not None]
+    weights += [
+        o[k]
+        for o, k in ((layer.self_attn, "_qkv"), (layer.mlp, "_gate_up"))
+        if layer is not None and o.get(k) is not None
+    ]
     if model.args.tie_word_embeddings and type(model.model.embed_tokens) is nn.Embedding:
         weights.append(model.model.embed_tokens.weight)
     for w in weights:
@@ -661,7 +690,7 @@ class CompiledDecode:
     `enabled` is False and the caller uses the eager forward.
     """
 
-    def __init__(self, model: "DecoderModel") -> None:
+    def __init__(self, model: DecoderModel) -> None:
         self.model = model
         layers = model.layers
         self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
@@ -678,7 +707,7 @@ class CompiledDecode:
         self._mid = mx.compile(self._mid_fn)
         self._last = mx.compile(self._last_fn)
 
-    def _as(self, params: dict) -> "DecoderLayer":
+    def _as(self, params: dict) -> DecoderLayer:
         t = self._template
         t.update(params["p"])
         for owner, key in ((t.self_attn, "_qkv"), (t.mlp, "_gate_up")):

@@ -225,7 +225,11 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _linear_modules(plan: Plan) -> list[tuple[str, int, int]]:
     """(module path, out_features, in_features) for every Linear, in checkpoint order."""
-    h, q_out, kv_out = plan.hidden_size, plan.num_attention_heads * plan.head_dim, plan.num_key_value_heads * plan.head_dim
+    h, q_out, kv_out = (
+        plan.hidden_size,
+        plan.num_attention_heads * plan.head_dim,
+        plan.num_key_value_heads * plan.head_dim,
+    )
     modules = []
     for i in range(plan.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -253,6 +257,7 @@ def _random_tensors(plan: Plan, rng: np.random.Generator) -> dict[str, np.ndarra
     about one prompt in five settles into repeating one token; sharp attention keeps the output
     moving (measured: >= 21 distinct tokens in 32 over 64 seed/family/prompt runs).
     """
+
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
 
@@ -261,7 +266,9 @@ def _random_tensors(plan: Plan, rng: np.random.Generator) -> dict[str, np.ndarra
         return (1.0 + normal((size,), 0.05)).astype(np.float32)
 
     h = plan.hidden_size
-    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": _embedding_rows(plan, normal((plan.vocab_size, h), 1.0))}
+    tensors: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": _embedding_rows(plan, normal((plan.vocab_size, h), 1.0))
+    }
     residual_outputs = ("o_proj", "down_proj")
     for i in range(plan.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -435,8 +442,14 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _config(plan: Plan, *, rope_theta: float, rope_scaling: Mapping[str, Any] | None,
-            max_position_embeddings: int, explicit_head_dim: bool) -> dict[str, Any]:
+def _config(
+    plan: Plan,
+    *,
+    rope_theta: float,
+    rope_scaling: Mapping[str, Any] | None,
+    max_position_embeddings: int,
+    explicit_head_dim: bool,
+) -> dict[str, Any]:
     fam = plan.family
     config: dict[str, Any] = {
         "architectures": [fam.architecture],
@@ -522,13 +535,31 @@ def write_model_dir(
     Deterministic: the same arguments give the same bytes.
     """
     return _write(
-        path, _random_tensors, family=family, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-        intermediate_size=intermediate_size, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=head_dim, vocab_size=vocab_size, dtype=dtype,
-        quant=quant, group_size=group_size, tie_word_embeddings=tie_word_embeddings, shards=shards, seed=seed,
-        rope_scaling=rope_scaling, rope_theta=rope_theta, max_position_embeddings=max_position_embeddings,
-        tokenizer_kind=tokenizer_kind, template=template, tokenizer_vocab=tokenizer_vocab,
-        extra_added_tokens=extra_added_tokens, extra_config=extra_config, quant_overrides=quant_overrides,
+        path,
+        _random_tensors,
+        family=family,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        intermediate_size=intermediate_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        dtype=dtype,
+        quant=quant,
+        group_size=group_size,
+        tie_word_embeddings=tie_word_embeddings,
+        shards=shards,
+        seed=seed,
+        rope_scaling=rope_scaling,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+        tokenizer_kind=tokenizer_kind,
+        template=template,
+        tokenizer_vocab=tokenizer_vocab,
+        extra_added_tokens=extra_added_tokens,
+        extra_config=extra_config,
+        quant_overrides=quant_overrides,
         generation_defaults=generation_defaults,
     )
 

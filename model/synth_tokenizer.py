@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -29,7 +29,7 @@ _CORPUS = [
     "Language models predict the next token given the previous tokens in the sequence.",
     "Please summarise the following paragraph in two sentences, keeping the key facts.",
     "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "for i in range(10):\n    print(f\"value {i} = {i * i}\")\n",
+    'for i in range(10):\n    print(f"value {i} = {i * i}")\n',
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n        return f'Point({self.x}, {self.y})'\n",
     "import json\nwith open('data.json') as fh:\n    data = json.load(fh)\n",
     "function add(a, b) {\n  return a + b;\n}\nconsole.log(add(2, 3));\n",
@@ -393,7 +393,9 @@ def write_tokenizer_files(
     if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be in [{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}], got {vocab_size}")
 
-    tok = _build_byte_level_bpe(vocab_size, template) if kind == "bpe" else _build_sentencepiece_bpe(vocab_size, template)
+    tok = (
+        _build_byte_level_bpe(vocab_size, template) if kind == "bpe" else _build_sentencepiece_bpe(vocab_size, template)
+    )
     new_extras = [t for t in dict.fromkeys(extra_added_tokens) if tok.token_to_id(t) is None]
     if new_extras:
         tok.add_tokens(new_extras)
@@ -411,4 +413,6 @@ def write_tokenizer_files(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )

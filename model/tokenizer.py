@@ -121,7 +121,9 @@ class Tokenizer:
         config = dict(config or {})
         self._backend = backend
         self._templates: dict[str, ChatTemplate] = (
-            dict(chat_template) if isinstance(chat_template, Mapping) else ({"default": chat_template} if chat_template else {})
+            dict(chat_template)
+            if isinstance(chat_template, Mapping)
+            else ({"default": chat_template} if chat_template else {})
         )
         self._template_tokens = {
             name: text for name in _TEMPLATE_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None

@@ -236,8 +236,9 @@ class FakeTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return [1 + ord(c) % 250 for c in text]
 
-    def encode_chat(self, messages: list[dict[str, Any]], *, tools: Any = None,
-                    add_generation_prompt: bool = True, **kw: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, tools: Any = None, add_generation_prompt: bool = True, **kw: Any
+    ) -> list[int]:
         for m in messages:
             if m.get("content") == "RAISE":
                 raise ValueError("template refused the messages")
@@ -274,8 +275,9 @@ class SchedulerHarness:
         self._nursery = nursery
         self.receivers: dict[int, trio.MemoryReceiveChannel] = {}
 
-    def submit(self, row_id: int, prompt: tuple[int, ...], max_tokens: int = 4, lane: Lane = "batched",
-               *, collect: bool = True) -> RowLog:
+    def submit(
+        self, row_id: int, prompt: tuple[int, ...], max_tokens: int = 4, lane: Lane = "batched", *, collect: bool = True
+    ) -> RowLog:
         send, recv = trio.open_memory_channel(math.inf)
         spec = RowSpec(row_id, prompt, SamplingParams(seed=row_id), max_tokens)
         self.inbox.send_nowait(Enqueue(spec=spec, lane=lane, rows=send))
@@ -296,13 +298,24 @@ class SchedulerHarness:
 
 @asynccontextmanager
 async def scheduler_harness(
-    worker: FakeWorker, *, capacity: int = 8, group_prefill_tokens: int = 0, decoding_prefill_chunk: int = 0,
-    arrivals: Arrivals | None = None, arrival_window: float = 0.0,
+    worker: FakeWorker,
+    *,
+    capacity: int = 8,
+    group_prefill_tokens: int = 0,
+    decoding_prefill_chunk: int = 0,
+    arrivals: Arrivals | None = None,
+    arrival_window: float = 0.0,
 ):
     inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
-    scheduler = Scheduler(worker, capacity=capacity, inbox=inbox_recv, group_prefill_tokens=group_prefill_tokens,
-                          decoding_prefill_chunk=decoding_prefill_chunk, arrival_window=arrival_window,
-                          pending_arrivals=(lambda: arrivals.pending) if arrivals else (lambda: 0))
+    scheduler = Scheduler(
+        worker,
+        capacity=capacity,
+        inbox=inbox_recv,
+        group_prefill_tokens=group_prefill_tokens,
+        decoding_prefill_chunk=decoding_prefill_chunk,
+        arrival_window=arrival_window,
+        pending_arrivals=(lambda: arrivals.pending) if arrivals else (lambda: 0),
+    )
     if arrivals is not None:
         arrivals.on_settled = scheduler.nudge
     async with trio.open_nursery() as nursery:

@@ -149,7 +149,9 @@ async def real_server(
 ) -> AsyncIterator[RealServer]:
     worker = RecordingWorker(
         GpuWorker(
-            model_dir, prefill_chunk=prefill_chunk, prompt_cache_bytes=prompt_cache_bytes,
+            model_dir,
+            prefill_chunk=prefill_chunk,
+            prompt_cache_bytes=prompt_cache_bytes,
             eos_token_ids=eos_token_ids,
         )
     )
@@ -161,7 +163,9 @@ async def real_server(
 
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(batch=batch, prompt_cache_gb=prompt_cache_bytes / 2**30, **config),
+            nursery,
+            worker,
+            config=ServeConfig(batch=batch, prompt_cache_gb=prompt_cache_bytes / 2**30, **config),
             make_tokenizer=make_tokenizer,
         )
         yield RealServer(create_app(handles).test_client(), handles, worker, tokenizers[0])
@@ -213,7 +217,11 @@ async def complete_whole(server: RealServer, body: dict[str, Any], *, chat: bool
 
 
 async def stream(
-    server: RealServer, body: dict[str, Any], *, chat: bool = False, cut_after: int | None = None,
+    server: RealServer,
+    body: dict[str, Any],
+    *,
+    chat: bool = False,
+    cut_after: int | None = None,
     on_chunk: Callable[[Streamed], None] | None = None,
 ) -> Streamed:
     """Stream one request; with `cut_after`, disconnect after that many chunks (a client going

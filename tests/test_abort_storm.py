@@ -106,7 +106,8 @@ async def http_post(port: int, path: str, body: dict[str, Any]) -> tuple[trio.So
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     await stream.send_all(
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+        + data
     )
     return stream, _Reader(stream)
 
@@ -159,8 +160,9 @@ class SseParser:
                 result.usage = payload.get("usage")
 
 
-async def stream_completion(port: int, body: dict[str, Any], result: Result, scope: trio.CancelScope,
-                            cut_after: int | None = None) -> None:
+async def stream_completion(
+    port: int, body: dict[str, Any], result: Result, scope: trio.CancelScope, cut_after: int | None = None
+) -> None:
     """Stream one completion into `result`. Cancelling `scope` (or `cut_after` chunks) closes
     the socket mid-response: the server sees a real client disconnect."""
     stream, reader = await http_post(port, "/v1/completions", {**body, "stream": True})
@@ -226,8 +228,14 @@ def make_plans(server: RealServer, n: int, *, seed: int, shared: bool) -> list[P
     for i in range(n):
         text = prompt_text(i, shared=shared)
         mode = None if i % 2 == 0 else MODES[(i // 2) % len(MODES)]
-        plan = Plan(i, text, tuple(server.tokenizer.encode(text)), rng.randint(4, 16), mode,
-                    delay=i * 0.02 + rng.uniform(0, 0.02))
+        plan = Plan(
+            i,
+            text,
+            tuple(server.tokenizer.encode(text)),
+            rng.randint(4, 16),
+            mode,
+            delay=i * 0.02 + rng.uniform(0, 0.02),
+        )
         if mode == "decode":
             plan.max_tokens = rng.randint(10, 16)
             plan.cut_after = rng.randint(1, 4)
@@ -242,8 +250,7 @@ async def solo_references(server: RealServer, plans: list[Plan]) -> Any:
     """Each plan's greedy output alone (B=1) on the real engine, computed once before the storm,
     with the sampling parameters the server builds for {"temperature": 0}."""
     sampling = attrs.evolve(server.handles.sampling_defaults, temperature=0.0, seed=0)
-    specs = [RowSpec(row_id=10**9 + p.index, prompt=p.ids, sampling=sampling, max_tokens=p.max_tokens)
-             for p in plans]
+    specs = [RowSpec(row_id=10**9 + p.index, prompt=p.ids, sampling=sampling, max_tokens=p.max_tokens) for p in plans]
 
     def run(engine: Any) -> dict[int, list[int]]:
         out = {}
@@ -267,8 +274,13 @@ async def run_request(port: int, plan: Plan) -> None:
                 plan.scope.cancel()
 
             nursery.start_soon(canceller)
-        await stream_completion(port, {"prompt": plan.text, "max_tokens": plan.max_tokens, "temperature": 0},
-                                plan.result, plan.scope, cut_after=plan.cut_after)
+        await stream_completion(
+            port,
+            {"prompt": plan.text, "max_tokens": plan.max_tokens, "temperature": 0},
+            plan.result,
+            plan.scope,
+            cut_after=plan.cut_after,
+        )
         nursery.cancel_scope.cancel()
 
 
@@ -319,7 +331,7 @@ async def metric(server: RealServer, name: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith(name):
             key, value = line.rsplit(" ", 1)
-            out[key[len(name):]] = float(value)
+            out[key[len(name) :]] = float(value)
     return out
 
 
@@ -345,17 +357,27 @@ def cache_buffer_bytes(engine: Any) -> int:
     cache = engine.prompt_cache
     if cache is None:
         return 0
-    return sum(c.keys.nbytes + c.values.nbytes for e in cache._entries.values() for c in e.caches
-               if c.keys is not None)
+    return sum(c.keys.nbytes + c.values.nbytes for e in cache._entries.values() for c in e.caches if c.keys is not None)
 
 
 async def storm(
-    model_dir, *, n: int, seed: int, prompt_cache_bytes: int, shared: bool, chunk: int = CHUNK,
-    group_prefill: str = "off", together: int = 1,
+    model_dir,
+    *,
+    n: int,
+    seed: int,
+    prompt_cache_bytes: int,
+    shared: bool,
+    chunk: int = CHUNK,
+    group_prefill: str = "off",
+    together: int = 1,
 ) -> dict[str, Any]:
     with trio.fail_after(LIMIT_S):
         async with real_server(
-            model_dir, batch=8, prefill_chunk=chunk, prompt_cache_bytes=prompt_cache_bytes, group_prefill=group_prefill,
+            model_dir,
+            batch=8,
+            prefill_chunk=chunk,
+            prompt_cache_bytes=prompt_cache_bytes,
+            group_prefill=group_prefill,
         ) as server:
             async with trio.open_nursery() as http:
                 port = await serve_over_http(http, server)
@@ -368,8 +390,9 @@ async def storm(
                 # put nothing to the cache): MLX's active memory is the weights' baseline.
                 baseline = await active_memory(server)
                 warm = Plan(-1, "warm up " * 20, (), 4, None, 0.0)
-                await stream_completion(port, {"prompt": warm.text, "max_tokens": 4, "temperature": 0},
-                                        warm.result, trio.CancelScope())
+                await stream_completion(
+                    port, {"prompt": warm.text, "max_tokens": 4, "temperature": 0}, warm.result, trio.CancelScope()
+                )
                 await wait_until(server.worker.settled)
                 calls_before = len(server.worker.calls)
                 started = trio.current_time()
@@ -381,8 +404,12 @@ async def storm(
                 await wait_until(lambda: server.handles.scheduler.active_rows == 0)
                 await wait_until(server.worker.settled)  # every close_row job has returned
                 out = {
-                    "server": server, "plans": plans, "sampling": sampling, "storm_s": storm_s,
-                    "baseline": baseline, "calls_before": calls_before,
+                    "server": server,
+                    "plans": plans,
+                    "sampling": sampling,
+                    "storm_s": storm_s,
+                    "baseline": baseline,
+                    "calls_before": calls_before,
                     "stats": await server.stats(),
                     "health": await server.health(),
                     "aborts": await metric(server, "mlx_trio:request_aborts_total"),
@@ -393,8 +420,12 @@ async def storm(
                 # Still serving, exactly: a survivor's request again gives its reference.
                 again = Result()
                 first = next(p for p in plans if p.mode is None)
-                await stream_completion(port, {"prompt": first.text, "max_tokens": first.max_tokens,
-                                               "temperature": 0}, again, trio.CancelScope())
+                await stream_completion(
+                    port,
+                    {"prompt": first.text, "max_tokens": first.max_tokens, "temperature": 0},
+                    again,
+                    trio.CancelScope(),
+                )
                 out["again"] = (first, again)
                 # Drop the prompt cache's entries: then nothing at all may be left over.
                 await server.worker.run_exclusive(lambda e: e.prompt_cache.clear() if e.prompt_cache else None)
@@ -415,7 +446,9 @@ def expected_text(server: RealServer, tokens: list[int], finish_reason: str | No
     return detokenizer.text
 
 
-def check_storm(out: dict[str, Any], n: int, phases_cut: tuple[str, ...] = ("queued", "prefill", "decode")) -> dict[str, int]:
+def check_storm(
+    out: dict[str, Any], n: int, phases_cut: tuple[str, ...] = ("queued", "prefill", "decode")
+) -> dict[str, int]:
     server: RealServer = out["server"]
     plans: list[Plan] = out["plans"]
     by_row = server.worker.tokens_by_row()
@@ -479,8 +512,10 @@ async def test_abort_storm_200_requests_prompt_cache_off(model_dir):
     # KV memory back to the pre-storm baseline: the weights (allocator cache cleared).
     assert out["memory"] <= out["baseline"] + SLACK_BYTES, (out["memory"], out["baseline"])
     assert out["memory_cleared"] <= out["baseline"] + SLACK_BYTES
-    print(f"storm (cache off): {n} requests in {out['storm_s']:.1f} s; {summary}; "
-          f"MLX active memory {out['baseline']} -> {out['memory']} B")
+    print(
+        f"storm (cache off): {n} requests in {out['storm_s']:.1f} s; {summary}; "
+        f"MLX active memory {out['baseline']} -> {out['memory']} B"
+    )
 
 
 async def test_abort_storm_with_prompt_cache_stays_within_its_cap(model_dir):
@@ -497,8 +532,10 @@ async def test_abort_storm_with_prompt_cache_stays_within_its_cap(model_dir):
     assert pc["bytes"] <= held <= 4 * cap, (pc, held)
     assert out["memory"] <= out["baseline"] + held + SLACK_BYTES, (out["memory"], out["baseline"], held)
     assert out["memory_cleared"] <= out["baseline"] + SLACK_BYTES, (out["memory_cleared"], out["baseline"])
-    print(f"storm (cache on): {n} requests in {out['storm_s']:.1f} s; {summary}; cache {pc}, buffers held "
-          f"{held} B; MLX active memory {out['baseline']} -> {out['memory']} -> {out['memory_cleared']} B (cleared)")
+    print(
+        f"storm (cache on): {n} requests in {out['storm_s']:.1f} s; {summary}; cache {pc}, buffers held "
+        f"{held} B; MLX active memory {out['baseline']} -> {out['memory']} -> {out['memory_cleared']} B (cleared)"
+    )
 
 
 async def test_abort_storm_with_group_prefill(model_dir):
@@ -506,12 +543,21 @@ async def test_abort_storm_with_group_prefill(model_dir):
     wait staged: cuts land on staged rows too, and the engine still ends empty and exact."""
     n = 64
     out = await storm(
-        model_dir, n=n, seed=11, prompt_cache_bytes=0, shared=False, chunk=256, group_prefill="on", together=8,
+        model_dir,
+        n=n,
+        seed=11,
+        prompt_cache_bytes=0,
+        shared=False,
+        chunk=256,
+        group_prefill="on",
+        together=8,
     )
     # A staged row is cut only if the watcher polls inside its short window (0-8 per run; the
     # MockClock tests pin staged aborts down), so only queued and decode cuts are required here.
     summary = check_storm(out, n, phases_cut=("queued", "decode"))
     assert out["stats"]["batch"]["group_prefills"] > 0, out["stats"]["batch"]
     assert out["memory"] <= out["baseline"] + SLACK_BYTES, (out["memory"], out["baseline"])
-    print(f"storm (group prefill): {n} requests in {out['storm_s']:.1f} s; {summary}; "
-          f"{out['stats']['batch']['group_prefills']} group prefills")
+    print(
+        f"storm (group prefill): {n} requests in {out['storm_s']:.1f} s; {summary}; "
+        f"{out['stats']['batch']['group_prefills']} group prefills"
+    )

@@ -25,10 +25,17 @@ from tests.fakes import FakeTokenizer, FakeWorker
 
 def make_admission(*, max_safe=1000, waiting=0, max_queue=4, mode="batch"):
     sent, received = trio.open_memory_channel(math.inf)
-    ceiling = admission_ceiling(budget_bytes=PREFILL_TRANSIENT_BYTES + max_safe, weights_bytes=0,
-                                kv_bytes_per_token=1, context_length=10**9)
-    admission = Admission(ceiling=ceiling, mode=mode, max_queue=max_queue, waiting=lambda: waiting,
-                          scheduler=sent, seeds=SeedSource(clock_ms=lambda: 1234))
+    ceiling = admission_ceiling(
+        budget_bytes=PREFILL_TRANSIENT_BYTES + max_safe, weights_bytes=0, kv_bytes_per_token=1, context_length=10**9
+    )
+    admission = Admission(
+        ceiling=ceiling,
+        mode=mode,
+        max_queue=max_queue,
+        waiting=lambda: waiting,
+        scheduler=sent,
+        seeds=SeedSource(clock_ms=lambda: 1234),
+    )
     return admission, received
 
 
@@ -37,14 +44,23 @@ def request(n=10, max_tokens=100, **kw):
 
 
 def test_ceiling_subtracts_weights_and_prefill_transient_and_caps_at_positions():
-    c = admission_ceiling(budget_bytes=10_000_000_000, weights_bytes=2_000_000_000,
-                          kv_bytes_per_token=100_000, context_length=10**9)
+    c = admission_ceiling(
+        budget_bytes=10_000_000_000, weights_bytes=2_000_000_000, kv_bytes_per_token=100_000, context_length=10**9
+    )
     assert c.usable_bytes == 8_000_000_000 - 2048 * 550_000
     assert c.max_safe_context == c.usable_bytes // 100_000
-    assert admission_ceiling(budget_bytes=10**12, weights_bytes=0, kv_bytes_per_token=1,
-                             context_length=4096).max_safe_context == 4096
-    assert admission_ceiling(budget_bytes=1, weights_bytes=10**9, kv_bytes_per_token=1,
-                             context_length=4096).max_safe_context == 0
+    assert (
+        admission_ceiling(
+            budget_bytes=10**12, weights_bytes=0, kv_bytes_per_token=1, context_length=4096
+        ).max_safe_context
+        == 4096
+    )
+    assert (
+        admission_ceiling(
+            budget_bytes=1, weights_bytes=10**9, kv_bytes_per_token=1, context_length=4096
+        ).max_safe_context
+        == 0
+    )
 
 
 def test_budget_is_decimal_gb_or_three_quarters_of_memory():
@@ -80,9 +96,14 @@ async def test_decisions():
     assert isinstance(ok, Admitted) and ok.max_tokens == 40 and ok.lane == "batched"
     over = admission.decide(request(50, 1))
     assert isinstance(over, Rejected) and (over.status, over.type, over.code) == (
-        400, "memory_admission", "context_over_budget")
-    assert over.message == ("prompt is 50 tokens but the memory budget caps safe context at 50 — no room "
-                            "to generate; shorten the prompt or raise --memory-budget")
+        400,
+        "memory_admission",
+        "context_over_budget",
+    )
+    assert over.message == (
+        "prompt is 50 tokens but the memory budget caps safe context at 50 — no room "
+        "to generate; shorten the prompt or raise --memory-budget"
+    )
     seeded = admission.decide(request(explicit_seed=True, seed=7))
     assert seeded.lane == "serial" and seeded.seed == 7
     null_seed = admission.decide(request(explicit_seed=True, seed=None))
@@ -126,8 +147,12 @@ async def test_a_requester_gone_before_the_reply_gets_its_row_aborted():
 async def test_a_zero_ceiling_is_a_warning_not_a_refusal(autojump_clock, caplog):
     caplog.set_level(logging.WARNING)
     async with trio.open_nursery() as nursery:
-        handles = await start_actors(nursery, FakeWorker(), config=ServeConfig(memory_budget_gb=0.001),
-                                     make_tokenizer=lambda info: FakeTokenizer())
+        handles = await start_actors(
+            nursery,
+            FakeWorker(),
+            config=ServeConfig(memory_budget_gb=0.001),
+            make_tokenizer=lambda info: FakeTokenizer(),
+        )
         assert handles.ceiling.max_safe_context == 0
         assert any("every request will be refused" in r.message for r in caplog.records)
         nursery.cancel_scope.cancel()

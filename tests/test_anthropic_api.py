@@ -82,7 +82,9 @@ def body(content: str = "hi", **extra) -> dict:
 
 async def test_non_stream_message(autojump_clock):
     async with server() as (client, _, worker):
-        response = await client.post(MESSAGES, json=body(system="be brief"), headers={"anthropic-version": "2023-06-01"})
+        response = await client.post(
+            MESSAGES, json=body(system="be brief"), headers={"anthropic-version": "2023-06-01"}
+        )
         assert response.status_code == 200
         message = await response.get_json()
     MESSAGE.validate_python(message)
@@ -118,7 +120,9 @@ async def test_ping_events_keep_a_long_prefill_alive(autojump_clock):
     worker = FakeWorker(chunk=4, prefill_cost=3.0, join_cost=0.1, step_cost=0.1)
     async with server(worker) as (client, _, _):
         long = "x" * 40  # ~13 prefill chunks of 3 s: ~39 s before the first token
-        names = [name for name, _ in sse_events(await post_stream(client, MESSAGES, body(long, stream=True, max_tokens=2)))]
+        names = [
+            name for name, _ in sse_events(await post_stream(client, MESSAGES, body(long, stream=True, max_tokens=2)))
+        ]
     first_block = names.index("content_block_start")
     pings = names[:first_block].count("ping")
     assert pings >= 1 + int(36 / anthropic_routes.PING_INTERVAL_S)  # one at start, then one per quiet interval
@@ -131,7 +135,9 @@ async def test_stop_sequence_is_reported(autojump_clock):
         tokens = worker.expected(tuple(chat_prompt(("user", "hi"))), 10)
         stop = token_text(tokens[2]).strip()
         message = await (await client.post(MESSAGES, json=body(max_tokens=10, stop_sequences=[stop]))).get_json()
-        streamed = sse_events(await post_stream(client, MESSAGES, body(max_tokens=10, stop_sequences=[stop], stream=True)))
+        streamed = sse_events(
+            await post_stream(client, MESSAGES, body(max_tokens=10, stop_sequences=[stop], stream=True))
+        )
     assert message["stop_reason"] == "stop_sequence" and message["stop_sequence"] == stop
     assert message["content"][0]["text"] == "".join(token_text(t) for t in tokens[:2])
     assert streamed[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
@@ -170,18 +176,57 @@ async def error_of(response) -> dict:
 async def test_errors_use_the_anthropic_envelope(autojump_clock):
     async with server() as (client, _, _):
         cases = [
-            (await client.post(MESSAGES, data=b"{nope", headers={"Content-Type": "application/json"}), 400,
-             "invalid_request_error", "invalid JSON body"),
-            (await client.post(MESSAGES, json={"messages": []}), 400, "invalid_request_error",
-             "messages: at least one message is required"),
+            (
+                await client.post(MESSAGES, data=b"{nope", headers={"Content-Type": "application/json"}),
+                400,
+                "invalid_request_error",
+                "invalid JSON body",
+            ),
+            (
+                await client.post(MESSAGES, json={"messages": []}),
+                400,
+                "invalid_request_error",
+                "messages: at least one message is required",
+            ),
             (await client.post(MESSAGES, json=body(temperature="hot")), 400, "invalid_request_error", "temperature"),
             (await client.post(MESSAGES, json=body(max_tokens=0)), 400, "invalid_request_error", "max_tokens"),
-            (await client.post(MESSAGES, json={"messages": [{"role": "user", "content": [
-                {"type": "audio", "source": {"type": "base64", "data": "AAAA"}}]}]}), 400,
-             "invalid_request_error", "audio"),
-            (await client.post(MESSAGES, json={"messages": [{"role": "user", "content": [
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}), 400,
-             "invalid_request_error", "not supported"),
+            (
+                await client.post(
+                    MESSAGES,
+                    json={
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": [{"type": "audio", "source": {"type": "base64", "data": "AAAA"}}],
+                            }
+                        ]
+                    },
+                ),
+                400,
+                "invalid_request_error",
+                "audio",
+            ),
+            (
+                await client.post(
+                    MESSAGES,
+                    json={
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": [
+                                    {
+                                        "type": "image",
+                                        "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+                                    }
+                                ],
+                            }
+                        ]
+                    },
+                ),
+                400,
+                "invalid_request_error",
+                "not supported",
+            ),
             (await client.post(MESSAGES, json=body("RAISE")), 400, "invalid_request_error", "prompt build failed"),
             (await client.post(COUNT, json={"messages": "nope"}), 400, "invalid_request_error", "messages"),
             (await client.post("/v1/messages/nope", json={}), 404, "not_found_error", "not found"),
@@ -206,6 +251,7 @@ async def test_admission_errors_keep_their_status(autojump_clock):
 
     worker = FakeWorker(step_cost=1.0)
     async with server(worker, batch=1, max_queue=1) as (client, handles, _):
+
         async def occupy():
             assert (await client.post(MESSAGES, json=body(max_tokens=5))).status_code == 200
 

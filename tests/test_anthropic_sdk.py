@@ -145,20 +145,39 @@ def test_max_tokens_and_stop_sequences(text_server):
 
 def test_count_tokens_equals_the_prompt_tokens_in_usage(text_server):
     client = sdk(text_server)
-    request = {"model": "m", "system": [{"type": "text", "text": "You are terse."}], "messages": [
-        {"role": "user", "content": "Count these tokens, please."},
-        {"role": "assistant", "content": "Sure."},
-        {"role": "user", "content": [{"type": "text", "text": "Now."}]},
-    ], "tools": TOOLS}
+    request = {
+        "model": "m",
+        "system": [{"type": "text", "text": "You are terse."}],
+        "messages": [
+            {"role": "user", "content": "Count these tokens, please."},
+            {"role": "assistant", "content": "Sure."},
+            {"role": "user", "content": [{"type": "text", "text": "Now."}]},
+        ],
+        "tools": TOOLS,
+    }
     counted = client.messages.count_tokens(**request).input_tokens
     first = client.messages.create(max_tokens=8, **request).usage
     assert counted == first.input_tokens + (first.cache_read_input_tokens or 0)
-    assert counted == len(text_server.tokenizer.encode_chat(
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count these tokens, please."},
-         {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Now."}],
-        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA,
-                                                 "description": "Weather for a city"}}],
-    ))
+    assert counted == len(
+        text_server.tokenizer.encode_chat(
+            [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Count these tokens, please."},
+                {"role": "assistant", "content": "Sure."},
+                {"role": "user", "content": "Now."},
+            ],
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "parameters": WEATHER_SCHEMA,
+                        "description": "Weather for a city",
+                    },
+                }
+            ],
+        )
+    )
     # a repeat is served from the prompt cache: input_tokens excludes what was read from it
     again = client.messages.create(max_tokens=8, **request).usage
     assert again.cache_read_input_tokens and again.cache_read_input_tokens > 0
@@ -175,8 +194,14 @@ def test_stream_text_stream_and_raw_events_in_order(text_server):
 
     events = list(client.messages.create(model="m", max_tokens=64, messages=USER, stream=True))
     types = [event.type for event in events]
-    assert types == ["message_start", "content_block_start", *["content_block_delta"] * len(TEXT_SCRIPT),
-                     "content_block_stop", "message_delta", "message_stop"]
+    assert types == [
+        "message_start",
+        "content_block_start",
+        *["content_block_delta"] * len(TEXT_SCRIPT),
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert [e.delta.text for e in events if e.type == "content_block_delta"] == list(TEXT_SCRIPT)
     assert events[0].message.usage.input_tokens > 0
     assert events[-2].delta.stop_reason == "end_turn"
@@ -202,11 +227,16 @@ def test_tool_use(tool_server):
     assert streamed.content[1].input == {"city": "Paris"} and streamed.stop_reason == "tool_use"
 
     # the result goes back as a tool_result block: the prompt grows by the round trip
-    follow = client.messages.create(model="m", max_tokens=64, tools=TOOLS, messages=[
-        *USER,
-        {"role": "assistant", "content": [block.model_dump() for block in message.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}]},
-    ])
+    follow = client.messages.create(
+        model="m",
+        max_tokens=64,
+        tools=TOOLS,
+        messages=[
+            *USER,
+            {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}]},
+        ],
+    )
     assert follow.usage.input_tokens + (follow.usage.cache_read_input_tokens or 0) > message.usage.input_tokens
     # without tools in the request the markup is plain text
     plain = client.messages.create(model="m", max_tokens=64, messages=USER)
@@ -215,8 +245,9 @@ def test_tool_use(tool_server):
 
 def test_thinking(think_server):
     client = sdk(think_server)
-    message = client.messages.create(model="m", max_tokens=64, messages=USER,
-                                     thinking={"type": "enabled", "budget_tokens": 1024})
+    message = client.messages.create(
+        model="m", max_tokens=64, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
     assert [block.type for block in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == "Let me think." and message.content[0].signature == ""
     assert message.content[1].text == "The answer is 42."
@@ -226,26 +257,37 @@ def test_thinking(think_server):
     assert "thinking" in kinds and "text" in kinds
     assert final.content[0].thinking == "Let me think." and final.content[1].text == "The answer is 42."
     # prior thinking blocks are dropped on re-ingest (the prompt matches the one without them)
-    history = [*USER, {"role": "assistant", "content": [block.model_dump() for block in message.content]},
-               {"role": "user", "content": "ok"}]
+    history = [
+        *USER,
+        {"role": "assistant", "content": [block.model_dump() for block in message.content]},
+        {"role": "user", "content": "ok"},
+    ]
     without = [*USER, {"role": "assistant", "content": "The answer is 42."}, {"role": "user", "content": "ok"}]
-    assert (client.messages.count_tokens(model="m", messages=history).input_tokens
-            == client.messages.count_tokens(model="m", messages=without).input_tokens)
+    assert (
+        client.messages.count_tokens(model="m", messages=history).input_tokens
+        == client.messages.count_tokens(model="m", messages=without).input_tokens
+    )
 
 
 def test_errors_through_the_sdk(text_server):
     client = sdk(text_server)
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model="m", max_tokens=8, messages=[])
-    assert info.value.body == {"type": "error", "error": {
-        "type": "invalid_request_error", "message": "messages: at least one message is required"}}
+    assert info.value.body == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "messages: at least one message is required"},
+    }
     with pytest.raises(anthropic.BadRequestError, match="audio"):
-        client.messages.create(model="m", max_tokens=8, messages=[
-            {"role": "user", "content": [{"type": "audio", "source": {"type": "base64", "data": "AA"}}]}])
+        client.messages.create(
+            model="m",
+            max_tokens=8,
+            messages=[{"role": "user", "content": [{"type": "audio", "source": {"type": "base64", "data": "AA"}}]}],
+        )
     # anthropic-version is honoured leniently: absent or unknown is fine
     for headers in ({}, {"anthropic-version": "1999-01-01"}):
-        response = httpx.post(text_server.base + "/v1/messages", headers=headers, timeout=60,
-                              json={"max_tokens": 2, "messages": USER})
+        response = httpx.post(
+            text_server.base + "/v1/messages", headers=headers, timeout=60, json={"max_tokens": 2, "messages": USER}
+        )
         assert response.status_code == 200, response.text
 
 
@@ -256,8 +298,10 @@ def test_mid_stream_engine_failure_ends_with_error_and_closing_events(failing_se
     at = names.index("error")
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[at:] == ["error", "content_block_stop", "message_delta", "message_stop"]
-    assert events[at][1] == {"type": "error", "error": {
-        "type": "api_error", "message": "generation failed: injected engine failure"}}
+    assert events[at][1] == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "generation failed: injected engine failure"},
+    }
     # the SDK surfaces the error event as an exception
     failing_server.worker.fail_in = 2
     with pytest.raises(anthropic.APIStatusError, match="injected engine failure"):
@@ -265,4 +309,6 @@ def test_mid_stream_engine_failure_ends_with_error_and_closing_events(failing_se
             for _ in stream:
                 pass
     # and the server keeps serving
-    assert sdk(failing_server).messages.create(model="m", max_tokens=64, messages=USER).content[0].text == "".join(TEXT_SCRIPT)
+    assert sdk(failing_server).messages.create(model="m", max_tokens=64, messages=USER).content[0].text == "".join(
+        TEXT_SCRIPT
+    )

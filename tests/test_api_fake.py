@@ -78,11 +78,20 @@ async def test_unknown_route_is_json_404_and_wrong_method_json_405(autojump_cloc
 async def test_bad_input_is_400_in_the_openai_shape(autojump_clock):
     async with server() as (client, _, _):
         bad = [
-            (await client.post(CHAT, data=b"{not json", headers={"Content-Type": "application/json"}), "invalid JSON body"),
+            (
+                await client.post(CHAT, data=b"{not json", headers={"Content-Type": "application/json"}),
+                "invalid JSON body",
+            ),
             (await client.post(CHAT, data=b"[1, 2]"), "invalid JSON body"),
             (await client.post(CHAT, json={"messages": []}), "messages required"),
-            (await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), "temperature"),
-            (await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), "max_tokens"),
+            (
+                await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+                "temperature",
+            ),
+            (
+                await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+                "max_tokens",
+            ),
             (await client.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "seed": "7"}), "seed"),
             (await client.post(CHAT, json={"messages": [{"role": "user", "content": "RAISE"}]}), "prompt build failed"),
             (await client.post("/v1/completions", json={"prompt": ""}), "prompt (a non-empty string)"),
@@ -102,8 +111,10 @@ async def test_chat_non_stream(autojump_clock):
     assert choice["message"] == {"role": "assistant", "content": expected_text(worker, chat_prompt("hi"), 5)}
     assert choice["finish_reason"] == "length"
     assert result["usage"] == {
-        "prompt_tokens": len(chat_prompt("hi")), "completion_tokens": 5,
-        "total_tokens": len(chat_prompt("hi")) + 5, "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens": len(chat_prompt("hi")),
+        "completion_tokens": 5,
+        "total_tokens": len(chat_prompt("hi")) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
         "lane": "batched",
     }
 
@@ -152,8 +163,11 @@ async def test_completions_stream_and_whole(autojump_clock):
     async with server() as (client, _, worker):
         prompt_ids = FakeTokenizer().encode("once")
         whole = await (await client.post("/v1/completions", json={"prompt": "once", "max_tokens": 3})).get_json()
-        streamed = frames(await (await client.post(
-            "/v1/completions", json={"prompt": "once", "max_tokens": 3, "stream": True})).get_data())
+        streamed = frames(
+            await (
+                await client.post("/v1/completions", json={"prompt": "once", "max_tokens": 3, "stream": True})
+            ).get_data()
+        )
     assert whole["object"] == "text_completion"
     assert whole["choices"][0]["text"] == expected_text(worker, prompt_ids, 3)
     assert streamed[-1] == "[DONE]"
@@ -210,8 +224,9 @@ async def test_client_disconnect_aborts_only_that_row(autojump_clock):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(bystander)
-            async with client.request("/v1/completions", method="POST",
-                                      headers={"Content-Type": "application/json"}) as conn:
+            async with client.request(
+                "/v1/completions", method="POST", headers={"Content-Type": "application/json"}
+            ) as conn:
                 await conn.send(json.dumps({"prompt": "leaver", "max_tokens": 50, "stream": True}).encode())
                 await conn.send_complete()
                 for _ in range(3):
@@ -225,8 +240,7 @@ async def test_client_disconnect_aborts_only_that_row(autojump_clock):
         assert left_at <= closed_at <= left_at + worker.step_cost
         assert handles.admission.in_flight == 0
         assert handles.scheduler.counters.aborted_rows == 1
-        assert others["result"]["choices"][0]["text"] == expected_text(
-            worker, FakeTokenizer().encode("other"), 12)
+        assert others["result"]["choices"][0]["text"] == expected_text(worker, FakeTokenizer().encode("other"), 12)
         assert not worker.violations
 
 

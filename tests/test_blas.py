@@ -48,8 +48,9 @@ def _run(**env_over: str) -> dict:
     env.pop("MLX_TRIO_BLAS", None)
     env.pop("MLX_TRIO_DEVICE", None)
     env.update(env_over)
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:"))
     return json.loads(line[5:])

@@ -405,7 +405,9 @@ def test_llama31_template_variables_pass_through(llama3_dir):
 @pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]])
 @pytest.mark.parametrize("max_turns", [1, 2, 10])
 def test_loop_controls_namespace_tojson_and_strftime_match_transformers(chatml_dir, tools, max_turns):
-    ours, reference = _both(chatml_dir, messages=MULTI_TURN, template=LOOP_CONTROL_TEMPLATE, tools=tools, max_turns=max_turns)
+    ours, reference = _both(
+        chatml_dir, messages=MULTI_TURN, template=LOOP_CONTROL_TEMPLATE, tools=tools, max_turns=max_turns
+    )
     assert ours == reference
     assert ours.count("] ") == min(max_turns, 3)
     assert str(datetime.date.today().year) in ours

@@ -31,8 +31,10 @@ SHAPES = [
 def test_blocked_causal_attention_is_mlx_bit_for_bit(shape):
     B, hq, hk, L, kL, D = shape
     rng = np.random.default_rng(sum(shape))
-    q, k, v = (mx.array((rng.standard_normal((B, h, n, D)) * s).astype(np.float32))
-               for h, n, s in ((hq, L, 3.0), (hk, kL, 3.0), (hk, kL, 1.0)))
+    q, k, v = (
+        mx.array((rng.standard_normal((B, h, n, D)) * s).astype(np.float32))
+        for h, n, s in ((hq, L, 3.0), (hk, kL, 3.0), (hk, kL, 1.0))
+    )
     theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal")
     # forced block sizes, one block (the softmax split over CPU streams), and the automatic choice
     for block in (16, cpu_attention.BLOCK, 100, L, None):

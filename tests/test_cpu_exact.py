@@ -21,8 +21,28 @@ def _inputs() -> mx.array:
     # Every exponent band, both signs, and the edges of the polynomial's clamps.
     bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
     parts.append(bits.view(np.float32))
-    parts.append(np.array([0.0, -0.0, 88.0, -88.0, 88.0001, -88.0001, 87.9999, -87.9999, 1e-45, -1e-45,
-                           np.inf, -np.inf, np.nan, 3.4e38, -3.4e38], np.float32))
+    parts.append(
+        np.array(
+            [
+                0.0,
+                -0.0,
+                88.0,
+                -88.0,
+                88.0001,
+                -88.0001,
+                87.9999,
+                -87.9999,
+                1e-45,
+                -1e-45,
+                np.inf,
+                -np.inf,
+                np.nan,
+                3.4e38,
+                -3.4e38,
+            ],
+            np.float32,
+        )
+    )
     return mx.array(np.concatenate([p.astype(np.float32) for p in parts]))
 
 

@@ -192,7 +192,13 @@ def test_spm_decoder_without_strip_keeps_leading_space(tmp_path):
 
 def test_unrecognised_decoder_falls_back_to_naive_like_mlx_lm(tmp_path):
     path = make_tokenizer_dir(tmp_path, kind="bpe")
-    _rewrite_decoder(path, {"type": "Sequence", "decoders": [{"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]})
+    _rewrite_decoder(
+        path,
+        {
+            "type": "Sequence",
+            "decoders": [{"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}],
+        },
+    )
     tok = Tokenizer.from_dir(path)
     assert isinstance(tok.detokenizer(), NaiveStreamingDetokenizer)
     wrapper = mlx_lm_load(path)

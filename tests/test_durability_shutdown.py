@@ -32,10 +32,15 @@ async def run(worker, clients, *, timeout, signals_at, demote_idle_s=300.0):
 
     async def serve():
         out["result"] = await run_server(
-            worker, config=config, make_tokenizer=lambda info: FakeTokenizer(),
-            serve_http=fake_http([partial(c, note) for c in clients], graceful=timeout + HTTP_GRACE_MARGIN_S,
-                                 note=note),
-            shutdown=shutdown, flush_hooks=[hook], trace=note,
+            worker,
+            config=config,
+            make_tokenizer=lambda info: FakeTokenizer(),
+            serve_http=fake_http(
+                [partial(c, note) for c in clients], graceful=timeout + HTTP_GRACE_MARGIN_S, note=note
+            ),
+            shutdown=shutdown,
+            flush_hooks=[hook],
+            trace=note,
         )
 
     async with trio.open_nursery() as nursery:
@@ -57,8 +62,17 @@ async def test_shutdown_flushes_finished_rows_before_the_actors_stop(autojump_cl
     worker = SsdFakeWorker(store)  # join 1 s + 1 s per step: 5 tokens end at t=5
     events, result = await run(worker, [streamer(5)], timeout=30, signals_at=[2])
     times = times_of(events)
-    assert order_is(events, "signal", "admission closed", "stream ended", "http done", "durability flushed",
-                    "actors stopped", "flush", "returned")
+    assert order_is(
+        events,
+        "signal",
+        "admission closed",
+        "stream ended",
+        "http done",
+        "durability flushed",
+        "actors stopped",
+        "flush",
+        "returned",
+    )
     # The row's put (t=5) was marked, and the flush wrote it at once (no 1 s debounce): the
     # snapshot job ran on the still-running worker, then 5 store calls of 0.1 s.
     assert [t for t, _ in store.commits()] == [pytest.approx(5.5)]
@@ -105,6 +119,7 @@ def admin_client(requests):
         for method, path in requests:
             response = await http.open(path, method=method)
             note((path, response.status_code, json.loads(await response.get_data())))
+
     return client
 
 
@@ -130,15 +145,38 @@ async def test_admin_flush_route_and_stats_block(autojump_clock):
     notes = {what[0]: what[1:] for _, what in events if isinstance(what, tuple)}
     status, body = notes["/admin/cache/flush"]
     assert status == 200 and body["durable"] is True and body["flushedSnapshots"] == 1
-    assert set(body) == {"durable", "flushedSnapshots", "missingSnapshots", "pendingSnapshots", "pendingSpills",
-                         "pendingSpillBytes", "droppedSpills", "failedSpills", "elapsedMs", "entries",
-                         "longest_durable_prefix_tokens"}
+    assert set(body) == {
+        "durable",
+        "flushedSnapshots",
+        "missingSnapshots",
+        "pendingSnapshots",
+        "pendingSpills",
+        "pendingSpillBytes",
+        "droppedSpills",
+        "failedSpills",
+        "elapsedMs",
+        "entries",
+        "longest_durable_prefix_tokens",
+    }
     assert body["entries"] == 1 and body["longest_durable_prefix_tokens"] > 3
     status, stats = notes["/stats"]
     ssd = stats["ssd_cache"]
-    for key in ("dir", "entries", "bytes", "max_bytes", "restores", "spills", "restore_ms_last", "demotions",
-                "pending_snapshots", "pending_spills", "pending_spill_bytes", "dropped_spills", "failed_spills",
-                "longest_durable_prefix_tokens"):
+    for key in (
+        "dir",
+        "entries",
+        "bytes",
+        "max_bytes",
+        "restores",
+        "spills",
+        "restore_ms_last",
+        "demotions",
+        "pending_snapshots",
+        "pending_spills",
+        "pending_spill_bytes",
+        "dropped_spills",
+        "failed_spills",
+        "longest_durable_prefix_tokens",
+    ):
         assert key in ssd
     assert ssd["entries"] == 1 and ssd["pending_snapshots"] == 0
     status, body = notes["/admin/cache/flush (failing disk)"]

@@ -57,9 +57,23 @@ def test_sigint_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_model_factor
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "actors.serve", "--model", str(model_dir), "--port", str(port),
-         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--prompt-cache", "0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "actors.serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT),
+            "--prompt-cache",
+            "0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
@@ -68,7 +82,10 @@ def test_sigint_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_model_factor
         wait_healthy(base, proc)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         stream = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=MAX_TOKENS, stream=True,
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=MAX_TOKENS,
+            stream=True,
         )
         finish_reasons, chunks, after_signal, usage = [], 0, 0, None
         signalled_at = ended_at = None

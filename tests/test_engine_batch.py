@@ -180,7 +180,9 @@ def test_rows_closed_between_two_steps_leave_the_kv_in_one_filter_and_the_rest_s
             got[t.row_id].append(t.token)
     filters = []
     real_filter = kv_cache.BatchKVCache.filter
-    monkeypatch.setattr(kv_cache.BatchKVCache, "filter", lambda self, keep: (filters.append(list(keep)), real_filter(self, keep)))
+    monkeypatch.setattr(
+        kv_cache.BatchKVCache, "filter", lambda self, keep: (filters.append(list(keep)), real_filter(self, keep))
+    )
     for r in (1, 2, 4):
         engine.close_row(r)
     assert engine.batch_size == 2 and filters == []  # nothing copied yet

@@ -13,8 +13,10 @@ from model.params import SamplingParams
 
 def specs(n: int, max_tokens: int = 12) -> list[RowSpec]:
     # distinct lengths (so padding differs per row) and distinct contents
-    return [RowSpec(i, tuple((7 * i + 3 * j) % 200 + 4 for j in range(9 + 5 * i)), SamplingParams(), max_tokens)
-            for i in range(1, n + 1)]
+    return [
+        RowSpec(i, tuple((7 * i + 3 * j) % 200 + 4 for j in range(9 + 5 * i)), SamplingParams(), max_tokens)
+        for i in range(1, n + 1)
+    ]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

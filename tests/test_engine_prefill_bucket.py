@@ -30,8 +30,10 @@ class WidthRecorder:
 
 
 def prompts(n: int, base: int = 11) -> list[RowSpec]:
-    return [RowSpec(i, tuple((5 * i + 3 * j) % 200 + 4 for j in range(base + 7 * i)), SamplingParams(), 10)
-            for i in range(n)]
+    return [
+        RowSpec(i, tuple((5 * i + 3 * j) % 200 + 4 for j in range(base + 7 * i)), SamplingParams(), 10)
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -53,8 +55,9 @@ def test_bucketed_chunks_cache_hit_and_snapshot_match_exact(qwen3_dir):
     second = RowSpec(2, system + (12, 13, 14, 15, 16), SamplingParams(), 6)
 
     def run(bucket: int) -> tuple[dict[int, list[int]], int]:
-        engine = Engine(loaded.model, eos_token_ids=[], prefill_chunk=128, prefill_bucket=bucket,
-                        prompt_cache=PromptCache(1 << 30))
+        engine = Engine(
+            loaded.model, eos_token_ids=[], prefill_chunk=128, prefill_bucket=bucket, prompt_cache=PromptCache(1 << 30)
+        )
         out = generate_tokens(engine, [first])
         opened = engine.open_row(second)  # restores the snapshot at the boundary
         engine.close_row(second.row_id)
@@ -70,8 +73,10 @@ def test_bucketed_chunks_cache_hit_and_snapshot_match_exact(qwen3_dir):
 def test_bucketed_group_prefill_runs_one_forward_per_bucket_and_decodes_like_exact(tiny_model_factory, family):
     loaded = load_model(tiny_model_factory(family))
     # prompt[:-1] lengths 13, 18, 23, 28, 33 → buckets of 16: 16 | 32, 32, 32 | 48
-    rows = [RowSpec(i, tuple((7 * i + 3 * j) % 200 + 4 for j in range(9 + 5 * i)), SamplingParams(), 10)
-            for i in range(1, 6)]
+    rows = [
+        RowSpec(i, tuple((7 * i + 3 * j) % 200 + 4 for j in range(9 + 5 * i)), SamplingParams(), 10)
+        for i in range(1, 6)
+    ]
     expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], prefill_bucket=0), rows)
     recorder = WidthRecorder(loaded.model)
     engine = Engine(recorder, eos_token_ids=[], group_bucket=16, compile_decode=False)

@@ -17,11 +17,15 @@ from model.params import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 4, 2, 5, 17, 16), (2, 8, 8, 7, 7, 32), (1, 6, 2, 1, 9, 16), (1, 6, 3, 12, 40, 8)])
+@pytest.mark.parametrize(
+    "shape", [(1, 4, 2, 5, 17, 16), (2, 8, 8, 7, 7, 32), (1, 6, 2, 1, 9, 16), (1, 6, 3, 12, 40, 8)]
+)
 def test_unfused_attention_is_bit_identical_to_the_fused_call(shape, dtype):
     B, H, Hk, L, K, D = shape
-    q, k, v = (mx.random.normal(s, key=mx.random.key(i)).astype(dtype)
-               for i, s in enumerate([(B, H, L, D), (B, Hk, K, D), (B, Hk, K, D)]))
+    q, k, v = (
+        mx.random.normal(s, key=mx.random.key(i)).astype(dtype)
+        for i, s in enumerate([(B, H, L, D), (B, Hk, K, D), (B, Hk, K, D)])
+    )
     fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal")
     assert mx.array_equal(layers.unfused_causal_attention(q, k, v, D**-0.5), fused).item()
 

@@ -53,7 +53,11 @@ VIRTUAL_LIMIT_S = 3600.0
 REAL_LIMIT_S = 60.0
 
 CHAT, TEXT, MESSAGES, COUNT, RESPONSES, FLUSH = (
-    "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
     "/admin/cache/flush",
 )
 
@@ -62,12 +66,21 @@ CHAT, TEXT, MESSAGES, COUNT, RESPONSES, FLUSH = (
 # after encoding.
 
 RAW = {
-    "@@NAN@@": b"NaN", "@@INF@@": b"-Infinity", "@@E400@@": b"1e400", "@@NEGE400@@": b"-1e400",
+    "@@NAN@@": b"NaN",
+    "@@INF@@": b"-Infinity",
+    "@@E400@@": b"1e400",
+    "@@NEGE400@@": b"-1e400",
     "@@BIGINT@@": b"1" + b"0" * 5000,  # past Python's 4300-digit int limit
-    "@@SURROGATE@@": b'"\\ud800x"', "@@LOWSURROGATE@@": b'"\\udfff"', "@@PAIR@@": b'"\\ud83d\\ude00"',
-    "@@BADUTF8@@": b'"\xff\xfe"', "@@OVERLONG@@": b'"\xc0\xaf"', "@@TRUNCUTF8@@": b'"\xe2\x82"',
+    "@@SURROGATE@@": b'"\\ud800x"',
+    "@@LOWSURROGATE@@": b'"\\udfff"',
+    "@@PAIR@@": b'"\\ud83d\\ude00"',
+    "@@BADUTF8@@": b'"\xff\xfe"',
+    "@@OVERLONG@@": b'"\xc0\xaf"',
+    "@@TRUNCUTF8@@": b'"\xe2\x82"',
     "@@DEEP@@": b"[" * 3000 + b"]" * 3000,
-    "@@TINY@@": b"5e-324", "@@NEGZERO@@": b"-0.0", "@@HUGEFLOAT@@": b"1.7976931348623157e308",
+    "@@TINY@@": b"5e-324",
+    "@@NEGZERO@@": b"-0.0",
+    "@@HUGEFLOAT@@": b"1.7976931348623157e308",
 }
 PREV = "@@PREV@@"  # previous_response_id: swapped for the newest response id the server gave
 
@@ -89,21 +102,41 @@ leaf = (
     | st.sampled_from(sorted(RAW))
 )
 json_value = st.recursive(
-    leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    leaf,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=10,
 )
 small_number = st.integers(min_value=-3, max_value=300) | st.floats(min_value=-5, max_value=5, allow_nan=False)
 unit = st.floats(min_value=0, max_value=1)
 count = st.integers(min_value=0, max_value=300)
-text = st.text(max_size=24) | st.sampled_from([
-    "", "RAISE", "<|im_end|>", "<think>", "</think>", "<tool_call>", "\u0000", "\U0001F600", "\u2028", "a" * 300,
-    "{{ raise_exception('x') }}", "{% for %}",
-])
-schema = st.sampled_from([
-    {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
-    {"type": "object"}, {"type": "array", "items": {"type": "integer"}}, {"enum": ["a", "b"]},
-    {"type": "string", "pattern": "[a-z]+"}, {"type": "bogus"}, {"$ref": "#/nope"}, {},
-])
+text = st.text(max_size=24) | st.sampled_from(
+    [
+        "",
+        "RAISE",
+        "<|im_end|>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "\u0000",
+        "\U0001f600",
+        "\u2028",
+        "a" * 300,
+        "{{ raise_exception('x') }}",
+        "{% for %}",
+    ]
+)
+schema = st.sampled_from(
+    [
+        {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+        {"type": "object"},
+        {"type": "array", "items": {"type": "integer"}},
+        {"enum": ["a", "b"]},
+        {"type": "string", "pattern": "[a-z]+"},
+        {"type": "bogus"},
+        {"$ref": "#/nope"},
+        {},
+    ]
+)
 
 
 def field(plausible: st.SearchStrategy) -> st.SearchStrategy:
@@ -128,7 +161,8 @@ def objects(required: dict, optional: dict) -> st.SearchStrategy:
     one_wrong = st.tuples(plausible, st.tuples(st.sampled_from(keys), json_value)).map(spoil)
     one_missing = st.tuples(plausible, st.sampled_from(sorted(required) or keys)).map(drop)
     chaotic = st.fixed_dictionaries(
-        {k: field(v) for k, v in required.items()}, optional={k: field(v) for k, v in optional.items()})
+        {k: field(v) for k, v in required.items()}, optional={k: field(v) for k, v in optional.items()}
+    )
     return st.one_of(plausible, plausible, one_wrong, one_missing, chaotic)
 
 
@@ -143,19 +177,32 @@ message = st.fixed_dictionaries(
     optional={
         "content": field(text | st.lists(content_part, max_size=3)),
         "name": json_value,
-        "tool_calls": field(st.lists(st.fixed_dictionaries({
-            "id": field(text), "type": field(st.just("function")),
-            "function": field(st.fixed_dictionaries({"name": field(text), "arguments": field(text)})),
-        }), max_size=2)),
+        "tool_calls": field(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "id": field(text),
+                        "type": field(st.just("function")),
+                        "function": field(st.fixed_dictionaries({"name": field(text), "arguments": field(text)})),
+                    }
+                ),
+                max_size=2,
+            )
+        ),
         "tool_call_id": json_value,
         "reasoning_content": json_value,
     },
 )
-tool = st.fixed_dictionaries({
-    "type": field(st.just("function")),
-    "function": field(st.fixed_dictionaries(
-        {"name": field(text)}, optional={"description": json_value, "parameters": field(schema)})),
-})
+tool = st.fixed_dictionaries(
+    {
+        "type": field(st.just("function")),
+        "function": field(
+            st.fixed_dictionaries(
+                {"name": field(text)}, optional={"description": json_value, "parameters": field(schema)}
+            )
+        ),
+    }
+)
 
 # Plausible values per field: each is sometimes replaced by any JSON at all (`field`).
 SAMPLING = {
@@ -189,57 +236,85 @@ CHAT_ONLY = {
     "max_completion_tokens": st.integers(min_value=1, max_value=300),
     "tools": st.lists(tool, max_size=2),
     "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_value,
-    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}]) | st.fixed_dictionaries(
-        {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": text, "schema": schema})
-         | json_value}),
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}])
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries({"name": text, "schema": schema}) | json_value,
+        }
+    ),
     "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"]),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), leaf, max_size=2),
 }
 TEXT_ONLY = {"echo": json_value, "suffix": json_value, "best_of": json_value}
 plain_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": text})
 
-chat_object = objects({"messages": st.lists(plain_message, min_size=1, max_size=3) | st.lists(message, max_size=3)},
-                      {**COMMON, **CHAT_ONLY})
-text_object = objects({"prompt": st.text(min_size=1, max_size=24) | st.lists(st.integers(-5, 300), max_size=6)},
-                      {**COMMON, **TEXT_ONLY})
+chat_object = objects(
+    {"messages": st.lists(plain_message, min_size=1, max_size=3) | st.lists(message, max_size=3)},
+    {**COMMON, **CHAT_ONLY},
+)
+text_object = objects(
+    {"prompt": st.text(min_size=1, max_size=24) | st.lists(st.integers(-5, 300), max_size=6)}, {**COMMON, **TEXT_ONLY}
+)
 
 # Anthropic Messages / count_tokens
 
 a_text = st.fixed_dictionaries({"type": st.just("text"), "text": field(text)}, optional={"cache_control": json_value})
-a_image = st.fixed_dictionaries({"type": st.just("image"), "source": field(st.one_of(
-    st.fixed_dictionaries({"type": st.just("base64"), "media_type": field(st.sampled_from(["image/png", "x"])),
-                           "data": field(text)}),
-    st.fixed_dictionaries({"type": st.just("url"), "url": field(text)}),
-))})
+a_image = st.fixed_dictionaries(
+    {
+        "type": st.just("image"),
+        "source": field(
+            st.one_of(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.just("base64"),
+                        "media_type": field(st.sampled_from(["image/png", "x"])),
+                        "data": field(text),
+                    }
+                ),
+                st.fixed_dictionaries({"type": st.just("url"), "url": field(text)}),
+            )
+        ),
+    }
+)
 a_tool_use = st.fixed_dictionaries(
-    {"type": st.just("tool_use"), "id": field(text), "name": field(text), "input": field(st.just({"x": "y"}))})
+    {"type": st.just("tool_use"), "id": field(text), "name": field(text), "input": field(st.just({"x": "y"}))}
+)
 a_tool_result = st.fixed_dictionaries(
     {"type": st.just("tool_result"), "tool_use_id": field(text)},
-    optional={"content": field(text | st.lists(a_text, max_size=2)), "is_error": json_value})
+    optional={"content": field(text | st.lists(a_text, max_size=2)), "is_error": json_value},
+)
 a_thinking = st.fixed_dictionaries(
     {"type": st.sampled_from(["thinking", "redacted_thinking"])},
-    optional={"thinking": field(text), "signature": field(text), "data": json_value})
+    optional={"thinking": field(text), "signature": field(text), "data": json_value},
+)
 a_odd = st.fixed_dictionaries(
     {"type": field(st.sampled_from(["audio", "input_audio", "document", "bogus", ""]))},
-    optional={"text": json_value, "source": json_value})
+    optional={"text": json_value, "source": json_value},
+)
 a_block = st.one_of(a_text, a_text, a_image, a_tool_use, a_tool_result, a_thinking, a_odd)
-a_message = st.fixed_dictionaries({
-    "role": field(st.sampled_from(["user", "assistant", "user", "system", "bogus"])),
-    "content": field(text | st.lists(a_block, max_size=3)),
-})
+a_message = st.fixed_dictionaries(
+    {
+        "role": field(st.sampled_from(["user", "assistant", "user", "system", "bogus"])),
+        "content": field(text | st.lists(a_block, max_size=3)),
+    }
+)
 a_plain = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": text})
 a_tool = st.fixed_dictionaries(
     {"name": field(text), "input_schema": field(schema)},
-    optional={"description": field(text), "type": field(st.sampled_from(["custom", "web_search_20250305"]))})
+    optional={"description": field(text), "type": field(st.sampled_from(["custom", "web_search_20250305"]))},
+)
 A_PROMPT = {
     "model": text,
     "system": text | st.lists(a_text, max_size=2),
     "tools": st.lists(a_tool, max_size=2),
     "tool_choice": st.fixed_dictionaries(
         {"type": st.sampled_from(["auto", "any", "tool", "none", "bogus"])},
-        optional={"name": text, "disable_parallel_tool_use": st.booleans()}),
+        optional={"name": text, "disable_parallel_tool_use": st.booleans()},
+    ),
     "thinking": st.fixed_dictionaries(
-        {"type": st.sampled_from(["enabled", "disabled", "bogus"])}, optional={"budget_tokens": count}),
+        {"type": st.sampled_from(["enabled", "disabled", "bogus"])}, optional={"budget_tokens": count}
+    ),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), leaf, max_size=2),
     "metadata": st.fixed_dictionaries({}, optional={"user_id": text}),
 }
@@ -257,27 +332,52 @@ count_object = objects({"messages": a_messages, "model": text}, {k: v for k, v i
 # OpenAI Responses
 
 r_part = st.fixed_dictionaries(
-    {"type": field(st.sampled_from(
-        ["input_text", "output_text", "text", "refusal", "input_image", "input_audio", "summary_text", "bogus"]))},
-    optional={"text": field(text), "refusal": field(text), "image_url": field(text), "file_id": json_value,
-              "input_audio": json_value, "annotations": json_value})
+    {
+        "type": field(
+            st.sampled_from(
+                ["input_text", "output_text", "text", "refusal", "input_image", "input_audio", "summary_text", "bogus"]
+            )
+        )
+    },
+    optional={
+        "text": field(text),
+        "refusal": field(text),
+        "image_url": field(text),
+        "file_id": json_value,
+        "input_audio": json_value,
+        "annotations": json_value,
+    },
+)
 r_message = st.fixed_dictionaries(
     {"role": field(st.sampled_from(["user", "assistant", "system", "developer", "bogus"]))},
-    optional={"type": field(st.just("message")), "content": field(text | st.lists(r_part, max_size=3)),
-              "id": json_value, "status": json_value})
+    optional={
+        "type": field(st.just("message")),
+        "content": field(text | st.lists(r_part, max_size=3)),
+        "id": json_value,
+        "status": json_value,
+    },
+)
 r_call = st.fixed_dictionaries(
     {"type": st.just("function_call"), "name": field(text), "arguments": field(text)},
-    optional={"call_id": field(text), "id": json_value})
+    optional={"call_id": field(text), "id": json_value},
+)
 r_output = st.fixed_dictionaries(
-    {"type": st.just("function_call_output"), "call_id": field(text),
-     "output": field(text | st.lists(r_part, max_size=2))})
+    {
+        "type": st.just("function_call_output"),
+        "call_id": field(text),
+        "output": field(text | st.lists(r_part, max_size=2)),
+    }
+)
 r_other = st.fixed_dictionaries(
     {"type": field(st.sampled_from(["reasoning", "item_reference", "web_search_call", "bogus"]))},
-    optional={"id": json_value, "summary": json_value})
+    optional={"id": json_value, "summary": json_value},
+)
 r_item = st.one_of(r_message, r_message, r_message, r_call, r_output, r_other)
 r_tool = st.one_of(
-    st.fixed_dictionaries({"type": field(st.just("function")), "name": field(text)},
-                          optional={"description": field(text), "parameters": field(schema), "strict": json_value}),
+    st.fixed_dictionaries(
+        {"type": field(st.just("function")), "name": field(text)},
+        optional={"description": field(text), "parameters": field(schema), "strict": json_value},
+    ),
     st.fixed_dictionaries({"type": st.sampled_from(["web_search", "file_search", "bogus"])}),
 )
 R_FIELDS = {
@@ -289,16 +389,26 @@ R_FIELDS = {
     "stream": st.booleans(),
     "max_output_tokens": st.integers(min_value=1, max_value=300),
     "tools": st.lists(r_tool, max_size=2),
-    "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
-        {"type": st.just("function"), "name": text}),
-    "reasoning": st.fixed_dictionaries({}, optional={
-        "effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"]),
-        "summary": st.sampled_from(["auto", "concise", "detailed"])}),
-    "text": st.fixed_dictionaries({"format": st.one_of(
-        st.just({"type": "text"}), st.just({"type": "json_object"}),
-        st.fixed_dictionaries({"type": st.just("json_schema"), "name": text, "schema": schema},
-                              optional={"strict": st.booleans()}),
-    )}),
+    "tool_choice": st.sampled_from(["auto", "none", "required"])
+    | st.fixed_dictionaries({"type": st.just("function"), "name": text}),
+    "reasoning": st.fixed_dictionaries(
+        {},
+        optional={
+            "effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"]),
+            "summary": st.sampled_from(["auto", "concise", "detailed"]),
+        },
+    ),
+    "text": st.fixed_dictionaries(
+        {
+            "format": st.one_of(
+                st.just({"type": "text"}),
+                st.just({"type": "json_object"}),
+                st.fixed_dictionaries(
+                    {"type": st.just("json_schema"), "name": text, "schema": schema}, optional={"strict": st.booleans()}
+                ),
+            )
+        }
+    ),
     "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
     "parallel_tool_calls": st.booleans(),
     "truncation": st.sampled_from(["auto", "disabled"]),
@@ -312,8 +422,12 @@ responses_object = objects({"input": text | st.lists(r_item, max_size=3)}, R_FIE
 # /admin/cache/flush reads no body: anything at all must still get the flush result.
 flush_object = st.one_of(st.just({}), st.dictionaries(st.text(max_size=8), json_value, max_size=4))
 
-CONTENT_TYPES = ["application/json"] * 8 + ["text/plain", "application/x-www-form-urlencoded",
-                                            "application/json; charset=latin-1", ""]
+CONTENT_TYPES = ["application/json"] * 8 + [
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "application/json; charset=latin-1",
+    "",
+]
 
 
 def encoded(objects: st.SearchStrategy) -> st.SearchStrategy[tuple[str, bytes]]:
@@ -321,17 +435,41 @@ def encoded(objects: st.SearchStrategy) -> st.SearchStrategy[tuple[str, bytes]]:
     short, or one with junk bytes spliced in."""
     as_json = objects.map(lambda o: raw_bytes(json.dumps(o).encode()))
     truncated = st.tuples(as_json, st.floats(min_value=0, max_value=1)).map(
-        lambda pair: pair[0][: int(len(pair[0]) * pair[1])])
+        lambda pair: pair[0][: int(len(pair[0]) * pair[1])]
+    )
     spliced = st.tuples(as_json, st.floats(min_value=0, max_value=1), st.binary(min_size=1, max_size=4)).map(
-        lambda t: t[0][: int(len(t[0]) * t[1])] + t[2] + t[0][int(len(t[0]) * t[1]):])
+        lambda t: t[0][: int(len(t[0]) * t[1])] + t[2] + t[0][int(len(t[0]) * t[1]) :]
+    )
     body = st.one_of(
-        as_json, as_json, as_json, as_json, as_json, as_json, as_json, as_json,
+        as_json,
+        as_json,
+        as_json,
+        as_json,
+        as_json,
+        as_json,
+        as_json,
+        as_json,
         json_value.map(lambda v: raw_bytes(json.dumps(v).encode())),
         st.binary(max_size=64),
         truncated,
         spliced,
-        st.sampled_from([b"", b"null", b"[]", b"{}", b'{"messages": NaN}', b"\xef\xbb\xbf{}", b'{"a":1}' * 3,
-                         b'{"a":1,"a":2}', b"  {} ", b"\x00", b"true", b'"{}"', b"1e400"]),
+        st.sampled_from(
+            [
+                b"",
+                b"null",
+                b"[]",
+                b"{}",
+                b'{"messages": NaN}',
+                b"\xef\xbb\xbf{}",
+                b'{"a":1}' * 3,
+                b'{"a":1,"a":2}',
+                b"  {} ",
+                b"\x00",
+                b"true",
+                b'"{}"',
+                b"1e400",
+            ]
+        ),
     )
     return st.tuples(st.sampled_from(CONTENT_TYPES), body)
 
@@ -339,8 +477,13 @@ def encoded(objects: st.SearchStrategy) -> st.SearchStrategy[tuple[str, bytes]]:
 # --- checking answers ------------------------------------------------------------------------------
 
 ANTHROPIC_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
 }
 
 
@@ -480,9 +623,7 @@ async def server():
     worker = FakeWorker(prefill_cost=0.01, join_cost=0.01, step_cost=0.01)
     worker.info = attrs.evolve(worker.info, context_length=CONTEXT)
     async with trio.open_nursery() as nursery:
-        handles = await start_actors(
-            nursery, worker, config=ServeConfig(), make_tokenizer=lambda info: FakeTokenizer()
-        )
+        handles = await start_actors(nursery, worker, config=ServeConfig(), make_tokenizer=lambda info: FakeTokenizer())
         yield create_app(handles).test_client(), handles, worker
         nursery.cancel_scope.cancel()
 
@@ -512,8 +653,9 @@ def send_all(path: str, bodies: list[tuple[str, bytes]]) -> list[int]:
                 try:
                     new_id = check_answer(path, response.status_code, response.content_type or "", raw)
                 except Exception as exc:
-                    raise AssertionError(f"POST {path} {content_type!r} {data[:2000]!r}\n-> "
-                                         f"{response.status_code} {raw[:2000]!r}") from exc
+                    raise AssertionError(
+                        f"POST {path} {content_type!r} {data[:2000]!r}\n-> {response.status_code} {raw[:2000]!r}"
+                    ) from exc
                 previous = new_id or previous
                 statuses.append(response.status_code)
             if not real_time:
@@ -534,7 +676,10 @@ def send_all(path: str, bodies: list[tuple[str, bytes]]) -> list[int]:
 # No shrinking: a batch of 20 bodies shrinks for many minutes, and the failure message already
 # names the one body (and the answer) that broke the check.
 FUZZ = settings(
-    max_examples=EXAMPLES, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 
@@ -580,21 +725,54 @@ def test_fuzz_admin_cache_flush(bodies):
 
 
 HOSTILE = [
-    b"\xff" * 10, b"[" * 50_000, b"{" * 50_000, b'{"max_tokens": 1e400}', b'{"prompt": "\\udc00"}',
-    b'{"messages": [{"role": "user", "content": "\\ud800"}]}', b'{"input": "\xc3\x28"}',
-    b'{"max_tokens": ' + b"9" * 5000 + b"}", b'{"messages": "' + b"x" * 100_000 + b'"}',
-    json.dumps({"messages": [{"role": "user", "content": "x"}], "prompt": "x", "input": "x", "max_tokens": 10**30,
-                "max_output_tokens": 10**30, "seed": -(2**80), "stream": True}).encode(),
-    json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 50}], "input": "y" * 1000,
-                "prompt": "y" * 1000, "stop": ["a"] * 100, "stop_sequences": ["a"] * 100, "max_tokens": 3}).encode(),
+    b"\xff" * 10,
+    b"[" * 50_000,
+    b"{" * 50_000,
+    b'{"max_tokens": 1e400}',
+    b'{"prompt": "\\udc00"}',
+    b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    b'{"input": "\xc3\x28"}',
+    b'{"max_tokens": ' + b"9" * 5000 + b"}",
+    b'{"messages": "' + b"x" * 100_000 + b'"}',
+    json.dumps(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "prompt": "x",
+            "input": "x",
+            "max_tokens": 10**30,
+            "max_output_tokens": 10**30,
+            "seed": -(2**80),
+            "stream": True,
+        }
+    ).encode(),
+    json.dumps(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 50}],
+            "input": "y" * 1000,
+            "prompt": "y" * 1000,
+            "stop": ["a"] * 100,
+            "stop_sequences": ["a"] * 100,
+            "max_tokens": 3,
+        }
+    ).encode(),
     # Unhashable values where a translator looks a string up in a set of known types.
-    json.dumps({"messages": [{"role": "user", "content": [{"type": ["text"]}, {"type": {"a": 1}}]}],
-                "input": [{"type": "message", "role": ["user"], "content": [{"type": ["input_text"], "text": "x"}]}],
-                "max_tokens": 3}).encode(),
-    json.dumps({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": [{"type": []}]}]}],
-                "input": [{"type": {}}], "max_tokens": 3}).encode(),
-    json.dumps({"messages": [{"role": "user", "content": "x"}], "input": [{"role": {}, "content": "x"}],
-                "max_tokens": 3}).encode(),
+    json.dumps(
+        {
+            "messages": [{"role": "user", "content": [{"type": ["text"]}, {"type": {"a": 1}}]}],
+            "input": [{"type": "message", "role": ["user"], "content": [{"type": ["input_text"], "text": "x"}]}],
+            "max_tokens": 3,
+        }
+    ).encode(),
+    json.dumps(
+        {
+            "messages": [{"role": "user", "content": [{"type": "tool_result", "content": [{"type": []}]}]}],
+            "input": [{"type": {}}],
+            "max_tokens": 3,
+        }
+    ).encode(),
+    json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "input": [{"role": {}, "content": "x"}], "max_tokens": 3}
+    ).encode(),
 ]
 
 
@@ -607,8 +785,9 @@ def test_responses_continuation_chain_under_fuzzed_fields():
     """PREV really is replaced by a stored id: a continuation of a continuation succeeds."""
     first = json.dumps({"input": "hi", "max_output_tokens": 3}).encode()
     follow = json.dumps({"input": "again", "previous_response_id": PREV, "max_output_tokens": 3}).encode()
-    statuses = send_all(RESPONSES, [("application/json", first), ("application/json", follow),
-                                    ("application/json", follow)])
+    statuses = send_all(
+        RESPONSES, [("application/json", first), ("application/json", follow), ("application/json", follow)]
+    )
     assert statuses == [200, 200, 200]
 
 

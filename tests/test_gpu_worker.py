@@ -61,7 +61,9 @@ async def test_cancelled_caller_does_not_interrupt_the_job(qwen3_dir):
 async def test_load_error_surfaces_from_start(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt9"}')
     worker = GpuWorker(tmp_path)
-    with pytest.RaisesGroup(pytest.RaisesExc(ModelLoadError, match="unsupported model_type 'gpt9'"), flatten_subgroups=True):
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(ModelLoadError, match="unsupported model_type 'gpt9'"), flatten_subgroups=True
+    ):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
 

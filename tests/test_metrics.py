@@ -67,13 +67,23 @@ async def test_exposition_has_the_vllm_style_names(autojump_clock):
         samples = await scrape(client)
     names = {key.split("{")[0] for key in samples}
     for name in [
-        "mlx_trio:num_requests_running", "mlx_trio:num_requests_waiting", "mlx_trio:prompt_tokens_total",
-        "mlx_trio:generation_tokens_total", "mlx_trio:request_success_total", "mlx_trio:requests_total",
-        "mlx_trio:time_to_first_token_seconds_bucket", "mlx_trio:inter_token_latency_seconds_bucket",
-        "mlx_trio:e2e_request_latency_seconds_bucket", "mlx_trio:request_queue_time_seconds_bucket",
-        "mlx_trio:prefix_cache_queries_total", "mlx_trio:prefix_cache_hits_total",
-        "mlx_trio:prompt_cache_hits_total", "mlx_trio:prompt_cache_misses_total", "mlx_trio:prompt_cache_bytes",
-        "mlx_trio:admission_rejections_total", "mlx_trio:engine_healthy",
+        "mlx_trio:num_requests_running",
+        "mlx_trio:num_requests_waiting",
+        "mlx_trio:prompt_tokens_total",
+        "mlx_trio:generation_tokens_total",
+        "mlx_trio:request_success_total",
+        "mlx_trio:requests_total",
+        "mlx_trio:time_to_first_token_seconds_bucket",
+        "mlx_trio:inter_token_latency_seconds_bucket",
+        "mlx_trio:e2e_request_latency_seconds_bucket",
+        "mlx_trio:request_queue_time_seconds_bucket",
+        "mlx_trio:prefix_cache_queries_total",
+        "mlx_trio:prefix_cache_hits_total",
+        "mlx_trio:prompt_cache_hits_total",
+        "mlx_trio:prompt_cache_misses_total",
+        "mlx_trio:prompt_cache_bytes",
+        "mlx_trio:admission_rejections_total",
+        "mlx_trio:engine_healthy",
     ]:
         assert name in names, name
     assert not any(n.startswith("mlx_trio:ssd_cache") for n in names)  # no SSD tier: no series
@@ -114,8 +124,9 @@ async def test_finish_reasons_stop_and_error(autojump_clock):
 
 async def test_client_abort_mid_decode(autojump_clock):
     async with server(FakeWorker(step_cost=1.0)) as (client, metrics, handles):
-        await leave_mid_stream(client, CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 50},
-                               after_chunks=3)
+        await leave_mid_stream(
+            client, CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 50}, after_chunks=3
+        )
         await trio.sleep(2)
         assert handles.scheduler.counters.aborted_rows == 1
     assert value(metrics, "mlx_trio:request_aborts_total", phase="decode", cause="client") == 1
@@ -151,17 +162,19 @@ async def test_running_and_waiting_gauges_and_rejections(autojump_clock):
             nursery.start_soon(partial(client.post, TEXT, json={"prompt": "b", "max_tokens": 5}))
             await trio.sleep(0.5)
             samples = await scrape(client)
-            assert samples['mlx_trio:num_requests_running{}'] == 1
-            assert samples['mlx_trio:num_requests_waiting{}'] == 1
-            assert samples['mlx_trio:num_requests_in_flight{}'] == 2
+            assert samples["mlx_trio:num_requests_running{}"] == 1
+            assert samples["mlx_trio:num_requests_waiting{}"] == 1
+            assert samples["mlx_trio:num_requests_in_flight{}"] == 2
             refused = await client.post(TEXT, json={"prompt": "c"})
             assert refused.status_code == 503
         samples = await scrape(client)
     assert samples['mlx_trio:admission_rejections_total{"reason": "queue_full"}'] == 1
     assert samples['mlx_trio:requests_total{"finish_reason": "none", "route": "/v1/completions", "status": "503"}'] == 1
-    assert samples['mlx_trio:requests_total{"finish_reason": "length", "route": "/v1/completions", "status": "200"}'] == 2
-    assert samples['mlx_trio:generation_tokens_total{}'] == 10  # the refused request counted no tokens
-    assert samples['mlx_trio:num_requests_running{}'] == 0
+    assert (
+        samples['mlx_trio:requests_total{"finish_reason": "length", "route": "/v1/completions", "status": "200"}'] == 2
+    )
+    assert samples["mlx_trio:generation_tokens_total{}"] == 10  # the refused request counted no tokens
+    assert samples["mlx_trio:num_requests_running{}"] == 0
 
 
 async def test_unknown_paths_share_one_route_label(autojump_clock):
@@ -170,8 +183,12 @@ async def test_unknown_paths_share_one_route_label(autojump_clock):
             await client.get(path)
         await client.get("/v1/models/fake-model")
     assert value(metrics, "mlx_trio:requests_total", route="unmatched", status="404", finish_reason="none") == 3
-    assert value(metrics, "mlx_trio:requests_total", route="/v1/models/<path:model_id>", status="200",
-                 finish_reason="none") == 1
+    assert (
+        value(
+            metrics, "mlx_trio:requests_total", route="/v1/models/<path:model_id>", status="200", finish_reason="none"
+        )
+        == 1
+    )
 
 
 async def test_each_app_has_its_own_registry(autojump_clock):
@@ -188,8 +205,18 @@ async def test_each_app_has_its_own_registry(autojump_clock):
 def test_stats_collector_tolerates_absent_blocks_and_reads_the_ssd_tier():
     stats = {
         "batch": {"active_rows": 2, "pending_rows": 3, "kv_bytes": 50, "kv_budget_bytes": 200},
-        "ssd_cache": {"dir": "/x", "restores": 4, "spills": 7, "dropped_spills": 1, "failed_spills": 2,
-                      "restore_failures": 1, "demotions": 5, "entries": 9, "bytes": 1000, "pending_spills": 0},
+        "ssd_cache": {
+            "dir": "/x",
+            "restores": 4,
+            "spills": 7,
+            "dropped_spills": 1,
+            "failed_spills": 2,
+            "restore_failures": 1,
+            "demotions": 5,
+            "entries": 9,
+            "bytes": 1000,
+            "pending_spills": 0,
+        },
     }
     metrics = Metrics(stats=lambda: stats, healthy=lambda: True)
     get = metrics.registry.get_sample_value
@@ -212,9 +239,19 @@ def test_stats_collector_tolerates_absent_blocks_and_reads_the_ssd_tier():
 
 def test_observer_api_can_be_called_directly():
     metrics = Metrics()
-    metrics.observe_request(route="/v1/messages", status=200, finish_reason="stop", generation=True, ttft=0.5,
-                            e2e=2.0, queue_time=0.1, prompt_tokens=10, cached_tokens=4, generated_tokens=3,
-                            itl=[0.2, 0.3])
+    metrics.observe_request(
+        route="/v1/messages",
+        status=200,
+        finish_reason="stop",
+        generation=True,
+        ttft=0.5,
+        e2e=2.0,
+        queue_time=0.1,
+        prompt_tokens=10,
+        cached_tokens=4,
+        generated_tokens=3,
+        itl=[0.2, 0.3],
+    )
     get = metrics.registry.get_sample_value
     assert get("mlx_trio:prefix_cache_hits_total") == 4 and get("mlx_trio:inter_token_latency_seconds_count") == 2
     assert get("mlx_trio:request_queue_time_seconds_sum") == pytest.approx(0.1)

@@ -33,7 +33,10 @@ def ours(model_dir, prompts, *, prefill_chunk=2048, sampling=SamplingParams()):
 def reference(model_dir, prompts, *, prefill_chunk=2048, **kw):
     model, _ = mlx_lm_load_model(model_dir)
     return [
-        [tok for tok, _ in generate_step(mx.array(p), model, max_tokens=N_TOKENS, prefill_step_size=prefill_chunk, **kw)]
+        [
+            tok
+            for tok, _ in generate_step(mx.array(p), model, max_tokens=N_TOKENS, prefill_step_size=prefill_chunk, **kw)
+        ]
         for p in prompts
     ]
 
@@ -67,7 +70,9 @@ def test_sharded_and_overridden_quantization_match(tiny_model_factory):
     sharded = tiny_model_factory("llama", shards=3)
     assert ours(sharded, PROMPTS[:1]) == reference(sharded, PROMPTS[:1])
     mixed = tiny_model_factory(
-        "qwen3", quant="q4", hidden_size=128,
+        "qwen3",
+        quant="q4",
+        hidden_size=128,
         quant_overrides={"model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8}},
     )
     assert ours(mixed, PROMPTS[:2]) == reference(mixed, PROMPTS[:2])

@@ -29,14 +29,29 @@ from tests.live_http import serve_in_thread  # noqa: E402
 WEATHER_ARGS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 # Reasoning, prose, then one hermes call: every stage of the pipeline in one reply.
 HERMES_SCRIPT = (
-    "<think>", "The user", " wants weather.", "</think>",
-    "Let me check", "<tool_call>", WEATHER_ARGS, "</tool_call>",
+    "<think>",
+    "The user",
+    " wants weather.",
+    "</think>",
+    "Let me check",
+    "<tool_call>",
+    WEATHER_ARGS,
+    "</tool_call>",
 )
 MALFORMED_SCRIPT = ("Sure:", "<tool_call>", "{not json", "</tool_call>")
 # Served with a template that leaves `<think>` open and teaches qwen3-coder's XML call format.
 CODER_SCRIPT = (
-    "Hmm,", " pondering.", "</think>", "Calling.", "<tool_call>", "<function=get_weather>",
-    "<parameter=city>", "Paris", "</parameter>", "</function>", "</tool_call>",
+    "Hmm,",
+    " pondering.",
+    "</think>",
+    "Calling.",
+    "<tool_call>",
+    "<function=get_weather>",
+    "<parameter=city>",
+    "Paris",
+    "</parameter>",
+    "</function>",
+    "</tool_call>",
 )
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
 
@@ -52,14 +67,16 @@ CODER_TEMPLATE = """\
 {%- endif %}
 """
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -192,8 +209,15 @@ def test_tool_call_with_reasoning_stream(hermes):
     kinds = []
     for chunk in chunks[1:-1]:
         delta = chunk.choices[0].delta
-        kinds += [k for k, v in (("reasoning", (delta.model_extra or {}).get("reasoning")),
-                                 ("content", delta.content), ("tool_calls", delta.tool_calls)) if v]
+        kinds += [
+            k
+            for k, v in (
+                ("reasoning", (delta.model_extra or {}).get("reasoning")),
+                ("content", delta.content),
+                ("tool_calls", delta.tool_calls),
+            )
+            if v
+        ]
     assert kinds == sorted(kinds, key=["reasoning", "content", "tool_calls"].index) and kinds[-1] == "tool_calls"
 
 
@@ -274,16 +298,33 @@ def test_tool_result_turn_is_templated(hermes):
     messages = [
         {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "input_text", "text": "brief."}]},
         *USER,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
     ]
     result = chat(hermes, messages=messages, tools=TOOLS)
     templated = [
         {"role": "system", "content": "Be brief."},
         *USER,
-        {"role": "assistant", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
     ]
     assert result.usage.prompt_tokens == len(hermes.tokenizer.encode_chat(templated, tools=TOOLS))
@@ -377,12 +418,22 @@ def test_llama3_json_tool_call(llama):
 
 def test_every_sampling_field_runs_on_the_real_engine(hermes):
     result = chat(
-        hermes, temperature=0.7, top_p=0.9, seed=3, max_tokens=20,
+        hermes,
+        temperature=0.7,
+        top_p=0.9,
+        seed=3,
+        max_tokens=20,
         extra_body={
-            "top_k": 5, "min_p": 0.05, "xtc_probability": 0.5, "xtc_threshold": 0.1,
-            "repetition_penalty": 1.1, "repetition_context_size": 8,
-            "presence_penalty": 0.1, "presence_context_size": 8,
-            "frequency_penalty": 0.1, "frequency_context_size": 8,
+            "top_k": 5,
+            "min_p": 0.05,
+            "xtc_probability": 0.5,
+            "xtc_threshold": 0.1,
+            "repetition_penalty": 1.1,
+            "repetition_context_size": 8,
+            "presence_penalty": 0.1,
+            "presence_context_size": 8,
+            "frequency_penalty": 0.1,
+            "frequency_context_size": 8,
         },
         logit_bias={"3": 0.5},
     )
@@ -392,10 +443,19 @@ def test_every_sampling_field_runs_on_the_real_engine(hermes):
 
 def test_extreme_but_valid_values_are_not_500(hermes):
     body = {
-        "messages": USER, "temperature": 1e300, "top_k": 2**70, "seed": 2**70, "max_tokens": 2**70,
-        "repetition_penalty": 1.5, "repetition_context_size": 2**70, "presence_penalty": 1e30,
-        "presence_context_size": 2**70, "frequency_penalty": -1e30, "frequency_context_size": 2**70,
-        "logit_bias": {"0": -1e30}, "top_logprobs": 11,
+        "messages": USER,
+        "temperature": 1e300,
+        "top_k": 2**70,
+        "seed": 2**70,
+        "max_tokens": 2**70,
+        "repetition_penalty": 1.5,
+        "repetition_context_size": 2**70,
+        "presence_penalty": 1e30,
+        "presence_context_size": 2**70,
+        "frequency_penalty": -1e30,
+        "frequency_context_size": 2**70,
+        "logit_bias": {"0": -1e30},
+        "top_logprobs": 11,
     }
     response = hermes.raw("/v1/chat/completions", body)
     assert response.status_code == 200, response.text

@@ -46,7 +46,10 @@ async def server(sampling_defaults: SamplingParams = SamplingParams(), **config)
     tokenizer = RecordingTokenizer()
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: tokenizer,
+            nursery,
+            worker,
+            config=ServeConfig(**config),
+            make_tokenizer=lambda info: tokenizer,
             sampling_defaults=sampling_defaults,
         )
         yield create_app(handles).test_client(), worker, tokenizer
@@ -82,12 +85,24 @@ INVALID = [
     (CHAT, chat(repetition_penalty=-1), "repetition_penalty must be a non-negative float", "repetition_penalty"),
     (CHAT, chat(presence_penalty="x"), "presence_penalty must be a float", "presence_penalty"),
     (CHAT, chat(frequency_penalty=[1]), "frequency_penalty must be a float", "frequency_penalty"),
-    (CHAT, chat(repetition_context_size=-1), "repetition_context_size must be a non-negative integer",
-     "repetition_context_size"),
-    (CHAT, chat(presence_context_size=2.5), "presence_context_size must be a non-negative integer",
-     "presence_context_size"),
-    (CHAT, chat(frequency_context_size="20"), "frequency_context_size must be a non-negative integer",
-     "frequency_context_size"),
+    (
+        CHAT,
+        chat(repetition_context_size=-1),
+        "repetition_context_size must be a non-negative integer",
+        "repetition_context_size",
+    ),
+    (
+        CHAT,
+        chat(presence_context_size=2.5),
+        "presence_context_size must be a non-negative integer",
+        "presence_context_size",
+    ),
+    (
+        CHAT,
+        chat(frequency_context_size="20"),
+        "frequency_context_size must be a non-negative integer",
+        "frequency_context_size",
+    ),
     # logit_bias
     (CHAT, chat(logit_bias=[1, 2]), "logit_bias must be a dict of int to float", "logit_bias"),
     (CHAT, chat(logit_bias={"abc": 1}), "logit_bias must be a dict of int to float", "logit_bias"),
@@ -100,8 +115,7 @@ INVALID = [
     # length, stop, stream
     (CHAT, chat(max_tokens=0), "max_tokens must be a positive integer", "max_tokens"),
     (CHAT, chat(max_tokens="5"), "max_tokens must be a positive integer", "max_tokens"),
-    (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens must be a positive integer",
-     "max_completion_tokens"),
+    (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens must be a positive integer", "max_completion_tokens"),
     (TEXT, {"prompt": "x", "max_tokens": 1.5}, "max_tokens must be a positive integer", "max_tokens"),
     (CHAT, chat(stop=5), "stop must be a string or an array of strings", "stop"),
     (CHAT, chat(stop={"a": 1}), "stop must be a string or an array of strings", "stop"),
@@ -122,15 +136,23 @@ INVALID = [
     (CHAT, chat(reasoning_effort=3), REASONING_EFFORT_MESSAGE, "reasoning_effort"),
     (CHAT, chat(reasoning_effort=True), REASONING_EFFORT_MESSAGE, "reasoning_effort"),
     (CHAT, chat(chat_template_kwargs="x"), "chat_template_kwargs must be an object", "chat_template_kwargs"),
-    (CHAT, chat(chat_template_kwargs={"enable_thinking": "yes"}),
-     "chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs"),
-    (CHAT, chat(chat_template_kwargs={"preserve_thinking": 1}),
-     "chat_template_kwargs.preserve_thinking must be a boolean", "chat_template_kwargs"),
+    (
+        CHAT,
+        chat(chat_template_kwargs={"enable_thinking": "yes"}),
+        "chat_template_kwargs.enable_thinking must be a boolean",
+        "chat_template_kwargs",
+    ),
+    (
+        CHAT,
+        chat(chat_template_kwargs={"preserve_thinking": 1}),
+        "chat_template_kwargs.preserve_thinking must be a boolean",
+        "chat_template_kwargs",
+    ),
     # tools
     (CHAT, chat(tools="get_weather"), "tools must be an array of tool definitions", "tools"),
     (CHAT, chat(tools=[1]), "tools[0] must be an object", "tools"),
     (CHAT, chat(tools=[{"type": "function"}]), 'tools[0] must be {"type": "function"', "tools"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": 5}}]), 'tools[0] must be', "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": 5}}]), "tools[0] must be", "tools"),
     (CHAT, chat(tool_choice=5), "tool_choice must be 'none', 'auto', 'required' or an object", "tool_choice"),
     (CHAT, chat(tool_choice="sometimes"), "tool_choice must be", "tool_choice"),
     # messages
@@ -140,27 +162,67 @@ INVALID = [
     (CHAT, chat(messages=["hi"]), "messages[0] must be an object", "messages"),
     (CHAT, chat(messages=[{"content": "hi"}]), "messages[0].role must be one of", "messages"),
     (CHAT, chat(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role must be one of", "messages"),
-    (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content must be a string or an array",
-     "messages"),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": 5}]),
+        "messages[0].content must be a string or an array",
+        "messages",
+    ),
     (CHAT, chat(messages=[{"role": "user", "content": [5]}]), "parts must be objects", "messages"),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     "image_url content parts are not supported", "messages"),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
-     "input_audio content parts are not supported", "messages"),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]),
-     "video_url content parts are not supported", "messages"),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "mystery"}]}]),
-     "unsupported content part type 'mystery'", "messages"),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
-     "messages[0].content text parts need a string 'text'", "messages"),
-    (CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]),
-     "tool_calls is only allowed on assistant messages", "messages"),
-    (CHAT, chat(messages=[*USER, {"role": "assistant", "tool_calls": {"a": 1}}]),
-     "messages[1].tool_calls must be an array", "messages"),
-    (CHAT, chat(messages=[*USER, {"role": "assistant", "tool_calls": [{"function": {}}]}]),
-     "messages[1].tool_calls[0] must be", "messages"),
-    (CHAT, chat(messages=[*USER, {"role": "tool", "tool_call_id": 5, "content": "x"}]),
-     "messages[1].tool_call_id must be a string", "messages"),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        "image_url content parts are not supported",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
+        "input_audio content parts are not supported",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]),
+        "video_url content parts are not supported",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "mystery"}]}]),
+        "unsupported content part type 'mystery'",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        "messages[0].content text parts need a string 'text'",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]),
+        "tool_calls is only allowed on assistant messages",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[*USER, {"role": "assistant", "tool_calls": {"a": 1}}]),
+        "messages[1].tool_calls must be an array",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[*USER, {"role": "assistant", "tool_calls": [{"function": {}}]}]),
+        "messages[1].tool_calls[0] must be",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[*USER, {"role": "tool", "tool_call_id": 5, "content": "x"}]),
+        "messages[1].tool_call_id must be a string",
+        "messages",
+    ),
     (CHAT, chat(messages=[{"role": "user", "content": "RAISE"}]), "prompt build failed", None),
     # /v1/completions prompt
     (TEXT, {"prompt": ""}, "prompt (a non-empty string)", "prompt"),
@@ -196,11 +258,35 @@ async def test_invalid_json_and_non_object_bodies(autojump_clock):
 
 WEIRD_VALUES = [None, True, False, 0, -1, 1, 2.5, 1e300, -1e300, 2**70, "", "x", "1", [], [1], ["a", 1], {}, {"a": 1}]
 FIELDS = [
-    "temperature", "top_p", "top_k", "min_p", "xtc_probability", "xtc_threshold", "seed",
-    "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
-    "frequency_penalty", "frequency_context_size", "logit_bias", "max_tokens", "max_completion_tokens",
-    "stop", "stream", "logprobs", "top_logprobs", "tools", "tool_choice", "chat_template_kwargs",
-    "reasoning_effort", "n", "user", "stream_options", "response_format", "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "xtc_probability",
+    "xtc_threshold",
+    "seed",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "logit_bias",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "n",
+    "user",
+    "stream_options",
+    "response_format",
+    "model",
 ]
 
 
@@ -233,10 +319,23 @@ async def test_no_field_value_gives_a_500(autojump_clock):
 async def test_valid_fields_reach_the_row_sampling_params(autojump_clock):
     async with server() as (client, worker, _):
         body = chat(
-            temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, xtc_probability=0.5, xtc_threshold=0.2,
-            repetition_penalty=1.1, repetition_context_size=30, presence_penalty=-0.5, presence_context_size=10,
-            frequency_penalty=0.25, frequency_context_size=5, logit_bias={"7": -100, "3": 2.5, "07": 1},
-            logprobs=True, top_logprobs=4, max_completion_tokens=3, max_tokens=9,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.05,
+            xtc_probability=0.5,
+            xtc_threshold=0.2,
+            repetition_penalty=1.1,
+            repetition_context_size=30,
+            presence_penalty=-0.5,
+            presence_context_size=10,
+            frequency_penalty=0.25,
+            frequency_context_size=5,
+            logit_bias={"7": -100, "3": 2.5, "07": 1},
+            logprobs=True,
+            top_logprobs=4,
+            max_completion_tokens=3,
+            max_tokens=9,
         )
         response = await client.post(CHAT, json=body)
         assert response.status_code == 200
@@ -285,8 +384,12 @@ async def test_request_beats_server_defaults_field_by_field(autojump_clock):
 async def test_no_think_turn_caps_a_hot_default_temperature(autojump_clock):
     hot = SamplingParams(temperature=1.0)
     async with server(sampling_defaults=hot) as (client, worker, _):
-        for fields in ({"reasoning_effort": "none"}, {}, {"reasoning_effort": "none", "temperature": 1.2},
-                       {"chat_template_kwargs": {"enable_thinking": False}}):
+        for fields in (
+            {"reasoning_effort": "none"},
+            {},
+            {"reasoning_effort": "none", "temperature": 1.2},
+            {"chat_template_kwargs": {"enable_thinking": False}},
+        ):
             assert (await client.post(CHAT, json=chat(**fields))).status_code == 200
         temperatures = [spec.sampling.temperature for spec in worker.specs.values()]
         assert temperatures == [0.7, 1.0, 1.2, 0.7]  # an explicit temperature is never capped
@@ -297,10 +400,14 @@ async def test_messages_are_normalized_before_templating(autojump_clock):
         messages = [
             {"role": "developer", "content": "rules"},
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}, "c"]},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
-                {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
-            ]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                    {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "42"}]},
             {"role": "user", "content": None},
         ]
@@ -320,17 +427,30 @@ async def test_messages_are_normalized_before_templating(autojump_clock):
     ("fields", "tools", "kwargs"),
     [
         ({}, None, {}),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, [{"type": "function", "function": {"name": "f"}}], {}),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            [{"type": "function", "function": {"name": "f"}}],
+            {},
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, None, {}),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-         [{"type": "function", "function": {"name": "f"}}], {}),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+            [{"type": "function", "function": {"name": "f"}}],
+            {},
+        ),
         ({"tools": []}, None, {}),
         ({"reasoning_effort": "none"}, None, {"enable_thinking": False}),
         ({"reasoning_effort": "xhigh"}, None, {"enable_thinking": True}),
-        ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}, None,
-         {"enable_thinking": False}),
-        ({"chat_template_kwargs": {"enable_thinking": True, "preserve_thinking": False, "other": 1}}, None,
-         {"enable_thinking": True, "preserve_thinking": False}),
+        (
+            {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
+            None,
+            {"enable_thinking": False},
+        ),
+        (
+            {"chat_template_kwargs": {"enable_thinking": True, "preserve_thinking": False, "other": 1}},
+            None,
+            {"enable_thinking": True, "preserve_thinking": False},
+        ),
     ],
 )
 async def test_tools_and_thinking_reach_the_template(autojump_clock, fields, tools, kwargs):

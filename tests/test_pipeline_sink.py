@@ -34,7 +34,6 @@ class FakeDetokenizer:
         self._pending += self._decoder.decode(b"", final=True)
 
 
-
 def stream(pieces, **options):
     """Push every piece; return the sink and the events of each push."""
     sink = CompletionSink(FakeDetokenizer(pieces), **options)
@@ -115,10 +114,36 @@ def test_finish_twice_is_a_bug():
 # --- split invariance ------------------------------------------------------------------------
 
 _FRAGMENTS = [
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>",
-    '{"name": "f", "arguments": {"x": "é"}}', "<function=g>", "<parameter=k>", "\n7\n",
-    "</parameter>", "</function>", "f[ARGS]", '{"y": 2}', "<", "</", "think", "tool", ">",
-    "STOP", "ST", "OP", "END", "a", " ", "\n", "é", "{", "[", "]",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "<|python_tag|>",
+    '{"name": "f", "arguments": {"x": "é"}}',
+    "<function=g>",
+    "<parameter=k>",
+    "\n7\n",
+    "</parameter>",
+    "</function>",
+    "f[ARGS]",
+    '{"y": 2}',
+    "<",
+    "</",
+    "think",
+    "tool",
+    ">",
+    "STOP",
+    "ST",
+    "OP",
+    "END",
+    "a",
+    " ",
+    "\n",
+    "é",
+    "{",
+    "[",
+    "]",
 ]
 
 _CONFIGS = [

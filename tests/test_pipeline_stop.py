@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from test_pipeline_sink import stream, texts
 
 from api.pipeline.stop import StopMatcher
-from test_pipeline_sink import stream, texts
 
 
 def test_stop_string_split_across_tokens_is_never_emitted():
@@ -18,9 +18,7 @@ def test_stop_string_split_across_tokens_is_never_emitted():
 
 
 def test_stop_string_inside_reasoning_stops_generation():
-    sink, per_push = stream(
-        ["<think>", "plan ", "EN", "D more</think>", "answer"], stop=["END"], think=True
-    )
+    sink, per_push = stream(["<think>", "plan ", "EN", "D more</think>", "answer"], stop=["END"], think=True)
     assert sink.stopped and len(per_push) == 4
     sink.finish(reason="stop")
     assert (sink.reasoning, sink.content) == ("plan ", "")

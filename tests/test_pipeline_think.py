@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.generate import TextStateMachine
+from test_pipeline_sink import stream, texts
 
 from api.pipeline.think import ThinkSplitter, prompt_ends_in_open_think
-from test_pipeline_sink import stream, texts
 
 
 def split_all(pieces, *, starts_in_reasoning=False):
@@ -36,9 +36,7 @@ def test_tags_split_across_tokens_are_recognised_and_never_leak():
 def test_prompt_that_ends_in_open_think_starts_in_reasoning():
     prompt = "<|im_start|>assistant\n<think>\n"
     assert prompt_ends_in_open_think(prompt)
-    sink, per_push = stream(
-        ["step one", "</think>", "done"], starts_in_reasoning=prompt_ends_in_open_think(prompt)
-    )
+    sink, per_push = stream(["step one", "</think>", "done"], starts_in_reasoning=prompt_ends_in_open_think(prompt))
     assert [(e.kind, e.text) for e in per_push[0]] == [("reasoning", "step one")]
     sink.finish(reason="eos")
     assert (sink.reasoning, sink.content) == ("step one", "done")

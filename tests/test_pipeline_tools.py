@@ -10,11 +10,11 @@ import pytest
 from mlx_lm.tokenizer_utils import _infer_tool_parser
 from mlx_lm.tool_parsers import json_tools as mlx_json_tools
 from mlx_lm.tool_parsers import mistral as mlx_mistral
+from test_pipeline_sink import calls_of, stream, texts
 
 from api.pipeline.tools import detect_tool_format, make_tool_router
 from api.pipeline.tools.hermes import parse_hermes_body
 from api.pipeline.tools.mistral import parse_mistral_body
-from test_pipeline_sink import calls_of, stream, texts
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
@@ -118,7 +118,7 @@ CODER_CALL = (
     "<parameter=limit>\n3\n</parameter>\n"
     "<parameter=ratio>\n0.5\n</parameter>\n"
     "<parameter=exact>\ntrue\n</parameter>\n"
-    "<parameter=filters>\n{\"size\": [41, 42]}\n</parameter>\n"
+    '<parameter=filters>\n{"size": [41, 42]}\n</parameter>\n'
     "<parameter=code>\n007\n</parameter>\n"
     "<parameter=missing>\nnull\n</parameter>\n"
     "<parameter=weird>\nNaN\n</parameter>\n"
@@ -231,7 +231,7 @@ def test_malformed_mistral_markup_is_content():
 # --- format choice ----------------------------------------------------------------------------
 
 TEMPLATES = {
-    "hermes": "{%- for tool_call in message.tool_calls %}<tool_call>\\n{\"name\": \"{{ tool_call.name }}\"}",
+    "hermes": '{%- for tool_call in message.tool_calls %}<tool_call>\\n{"name": "{{ tool_call.name }}"}',
     "qwen3_coder": "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}",
     "mistral": "{{- '[TOOL_CALLS]' + tool_call.name + '[ARGS]' }}",
 }
@@ -256,7 +256,7 @@ def test_detection_of_llama3_and_family_fallbacks():
 
 def test_detection_of_a_plain_llama3_template_without_meta_wording():
     # e.g. model/synth_tokenizer.py's llama3 template: header tokens plus {"name", "parameters"}.
-    template = "<|start_header_id|>assistant<|end_header_id|>{{ '{\"name\": \"' + call.name + '\", \"parameters\": ' }}"
+    template = '<|start_header_id|>assistant<|end_header_id|>{{ \'{"name": "\' + call.name + \'", "parameters": \' }}'
     assert detect_tool_format(template, None) == "llama3_json"
     assert detect_tool_format("<|start_header_id|>{{ messages }}", None) is None  # no call format taught
 

@@ -223,9 +223,7 @@ def test_stats_count_hits_and_misses():
     pc.put([1, 2, 3], kv([1, 2, 3]))
     pc.take([1, 2, 3, 4])
     pc.take([9, 9, 9])
-    assert pc.stats() == {
-        "entries": 1, "bytes": 3 * BYTES_PER_TOKEN, "max_bytes": 1 << 20, "hits": 1, "misses": 2
-    }
+    assert pc.stats() == {"entries": 1, "bytes": 3 * BYTES_PER_TOKEN, "max_bytes": 1 << 20, "hits": 1, "misses": 2}
 
 
 @pytest.mark.parametrize("cut", [1, 2])

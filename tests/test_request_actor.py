@@ -49,8 +49,9 @@ async def _admitted_actor(max_tokens: int = 1000) -> tuple[RequestActor, trio.Me
     submits_send, submits_recv = trio.open_memory_channel[Submit](1)
     control_send, _control_recv = trio.open_memory_channel(math.inf)
     ports = RequestPorts(submits=submits_send, control=control_send, admission=_Admission())
-    actor = RequestActor(ports, GenerationRequest(prompt=(1, 2, 3), sampling=SamplingParams(), max_tokens=max_tokens),
-                         _Sink())
+    actor = RequestActor(
+        ports, GenerationRequest(prompt=(1, 2, 3), sampling=SamplingParams(), max_tokens=max_tokens), _Sink()
+    )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(actor.admit)
         submit = await submits_recv.receive()

@@ -59,11 +59,23 @@ async def test_one_line_per_request_with_its_generation(autojump_clock, lines, c
     [chat, models] = lines()
     prompt_tokens = len(FakeTokenizer().encode_chat(body["messages"]))
     assert chat == {
-        "id": "abc-123", "method": "POST", "route": CHAT, "status": 200, "client": None,
-        "duration_ms": chat["duration_ms"], "lane": "batched", "prompt_tokens": prompt_tokens,
-        "cached_tokens": 0, "generated_tokens": 3, "arrive_ms": chat["arrive_ms"], "queue_ms": 0.0,
-        "prefill_ms": chat["prefill_ms"], "ttft_ms": chat["ttft_ms"],
-        "finish_reason": "length", "client_abort": False, "_level": logging.INFO,
+        "id": "abc-123",
+        "method": "POST",
+        "route": CHAT,
+        "status": 200,
+        "client": None,
+        "duration_ms": chat["duration_ms"],
+        "lane": "batched",
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": 0,
+        "generated_tokens": 3,
+        "arrive_ms": chat["arrive_ms"],
+        "queue_ms": 0.0,
+        "prefill_ms": chat["prefill_ms"],
+        "ttft_ms": chat["ttft_ms"],
+        "finish_reason": "length",
+        "client_abort": False,
+        "_level": logging.INFO,
     }
     assert chat["prefill_ms"] > 0
     assert chat["ttft_ms"] == pytest.approx(chat["arrive_ms"] + chat["queue_ms"] + chat["prefill_ms"])
@@ -82,7 +94,9 @@ async def test_log_prompts_adds_the_templated_prompt(autojump_clock, lines):
 
 async def test_a_client_that_leaves_is_logged_as_an_abort(autojump_clock, lines):
     async with server(FakeWorker(step_cost=1.0)) as (client, _):
-        async with client.request("/v1/completions", method="POST", headers={"Content-Type": "application/json"}) as conn:
+        async with client.request(
+            "/v1/completions", method="POST", headers={"Content-Type": "application/json"}
+        ) as conn:
             await conn.send(json.dumps({"prompt": "x", "max_tokens": 50, "stream": True}).encode())
             await conn.send_complete()
             for _ in range(3):

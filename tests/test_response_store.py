@@ -16,8 +16,7 @@ class Clock:
 
 
 def put(store: ResponseStore, rid: str, text: str = "x") -> bool:
-    return store.put(rid, input=[{"role": "user", "content": text}], output=[], instructions=None,
-                     response={"id": rid})
+    return store.put(rid, input=[{"role": "user", "content": text}], output=[], instructions=None, response={"id": rid})
 
 
 def test_defaults_are_one_hour_and_32_mib():

@@ -52,9 +52,7 @@ async def create(client, **body) -> dict:
 
 
 def text_of(response: dict) -> str:
-    return "".join(
-        part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"]
-    )
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
 
 
 async def test_non_stream_response(autojump_clock):
@@ -68,8 +66,11 @@ async def test_non_stream_response(autojump_clock):
     assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "completed"
     assert text_of(result) == expected_text(worker, prompt, 4)
     assert result["usage"] == {
-        "input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": len(prompt) + 4,
+        "input_tokens": len(prompt),
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": 4,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": len(prompt) + 4,
     }
 
 
@@ -82,13 +83,23 @@ async def test_eos_is_completed(autojump_clock):
 
 async def test_stream_events_in_order(autojump_clock):
     async with server() as (client, _, worker):
-        events = sse_events(await post_stream(client, RESPONSES, {"input": "hi", "stream": True, "max_output_tokens": 3}))
+        events = sse_events(
+            await post_stream(client, RESPONSES, {"input": "hi", "stream": True, "max_output_tokens": 3})
+        )
         types = [e["type"] for e in events]
-        assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                             "response.content_part.added"]
+        assert types[:4] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+        ]
         assert set(types[4:-4]) == {"response.output_text.delta"}
-        assert types[-4:] == ["response.output_text.done", "response.content_part.done",
-                              "response.output_item.done", "response.completed"]
+        assert types[-4:] == [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
         assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
         deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
         assert deltas == expected_text(worker, prompt_of(("user", "hi")), 3)
@@ -112,9 +123,16 @@ async def test_previous_response_id_continues_the_conversation(autojump_clock):
     prompts = [spec.prompt for spec in worker.specs.values()]
     assert prompts[1] == tuple(prompt_of(("system", "sys"), ("user", "hi"), ("assistant", said1), ("user", "more")))
     # instructions carry forward unless replaced
-    assert prompts[2] == tuple(prompt_of(
-        ("system", "new sys"), ("user", "hi"), ("assistant", said1), ("user", "more"),
-        ("assistant", said2), ("user", "again")))
+    assert prompts[2] == tuple(
+        prompt_of(
+            ("system", "new sys"),
+            ("user", "hi"),
+            ("assistant", said1),
+            ("user", "more"),
+            ("assistant", said2),
+            ("user", "again"),
+        )
+    )
     assert second["previous_response_id"] == first["id"] and second["instructions"] == "sys"
     assert third["instructions"] == "new sys"
 
@@ -150,7 +168,10 @@ async def test_store_false_is_not_kept_and_delete_removes(autojump_clock):
 async def test_bad_input_is_400_in_the_responses_shape(autojump_clock):
     async with server() as (client, _, _):
         cases = [
-            (await client.post(RESPONSES, data=b"{nope", headers={"Content-Type": "application/json"}), "invalid JSON body"),
+            (
+                await client.post(RESPONSES, data=b"{nope", headers={"Content-Type": "application/json"}),
+                "invalid JSON body",
+            ),
             (await client.post(RESPONSES, json={}), "input"),
             (await client.post(RESPONSES, json={"input": [{"type": "mystery"}]}), "mystery"),
             (await client.post(RESPONSES, json={"input": "x", "temperature": -1}), "temperature"),
@@ -165,11 +186,18 @@ async def test_bad_input_is_400_in_the_responses_shape(autojump_clock):
 async def test_mid_stream_failure_ends_with_error_then_completed(autojump_clock):
     worker = FakeWorker(fail_step_at=3, prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     async with server(worker) as (client, handles, _):
-        events = sse_events(await post_stream(client, RESPONSES, {"input": "hi", "stream": True, "max_output_tokens": 10}))
+        events = sse_events(
+            await post_stream(client, RESPONSES, {"input": "hi", "stream": True, "max_output_tokens": 10})
+        )
         types = [e["type"] for e in events]
         error_at = types.index("error")
-        assert types[error_at:] == ["error", "response.output_text.done", "response.content_part.done",
-                                    "response.output_item.done", "response.completed"]
+        assert types[error_at:] == [
+            "error",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
         assert events[error_at]["code"] == "server_error" and "generation failed" in events[error_at]["message"]
         final = events[-1]["response"]
         assert final["status"] == "failed" and final["error"]["code"] == "server_error"

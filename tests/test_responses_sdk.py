@@ -63,9 +63,12 @@ def test_create_non_stream(text_server):
     assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
     assert response.instructions == "Be brief."
     usage = response.usage
-    assert usage.input_tokens == prompt_len(text_server, [{"role": "system", "content": "Be brief."},
-                                                          {"role": "user", "content": QUESTION}])
-    assert usage.output_tokens == len(TEXT_SCRIPT) + 1 and usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.input_tokens == prompt_len(
+        text_server, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    )
+    assert (
+        usage.output_tokens == len(TEXT_SCRIPT) + 1 and usage.total_tokens == usage.input_tokens + usage.output_tokens
+    )
     assert usage.output_tokens_details.reasoning_tokens == 0
     short = sdk(text_server).responses.create(model="m", input=QUESTION, max_output_tokens=2)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
@@ -76,9 +79,14 @@ def test_stream_events_in_order(text_server):
     events = list(sdk(text_server).responses.create(model="m", input=QUESTION, stream=True))
     types = [event.type for event in events]
     assert types == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
         *["response.output_text.delta"] * len(TEXT_SCRIPT),
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
         "response.completed",
     ]
     assert [event.sequence_number for event in events] == list(range(len(events)))
@@ -104,8 +112,15 @@ def test_function_call_round_trip(tool_server):
 
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
     # stateless: the whole history in `input`
-    replay = client.responses.create(model="m", tools=TOOLS, input=[
-        {"role": "user", "content": QUESTION}, *[item.model_dump(exclude_none=True) for item in first.output], output])
+    replay = client.responses.create(
+        model="m",
+        tools=TOOLS,
+        input=[
+            {"role": "user", "content": QUESTION},
+            *[item.model_dump(exclude_none=True) for item in first.output],
+            output,
+        ],
+    )
     # stateful: only the tool output, continuing from the stored response
     resumed = client.responses.create(model="m", tools=TOOLS, previous_response_id=first.id, input=[output])
     assert replay.usage.input_tokens == resumed.usage.input_tokens > first.usage.input_tokens
@@ -124,9 +139,15 @@ def test_previous_response_id_continuation(text_server):
     first = client.responses.create(model="m", input="Hi there.", instructions="Be brief.")
     second = client.responses.create(model="m", input="Tell me more.", previous_response_id=first.id)
     said = "".join(TEXT_SCRIPT)
-    assert second.usage.input_tokens == prompt_len(text_server, [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there."},
-        {"role": "assistant", "content": said}, {"role": "user", "content": "Tell me more."}])
+    assert second.usage.input_tokens == prompt_len(
+        text_server,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi there."},
+            {"role": "assistant", "content": said},
+            {"role": "user", "content": "Tell me more."},
+        ],
+    )
     assert second.instructions == "Be brief." and second.previous_response_id == first.id
     # a streamed continuation is stored too, so it can be continued again
     with client.responses.stream(model="m", input="Again.", previous_response_id=second.id) as stream:
@@ -175,9 +196,14 @@ def test_reasoning_output(think_server):
     assert reasoning == "Let me think."
     # continuing drops the reasoning item: the prompt holds only the answer
     follow = client.responses.create(model="m", input="ok", previous_response_id=response.id)
-    assert follow.usage.input_tokens == prompt_len(think_server, [
-        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The answer is 42."},
-        {"role": "user", "content": "ok"}])
+    assert follow.usage.input_tokens == prompt_len(
+        think_server,
+        [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "The answer is 42."},
+            {"role": "user", "content": "ok"},
+        ],
+    )
 
 
 def test_mid_stream_engine_failure_ends_with_error_and_completed(failing_server):
@@ -185,8 +211,13 @@ def test_mid_stream_engine_failure_ends_with_error_and_completed(failing_server)
     events = list(sdk(failing_server).responses.create(model="m", input=QUESTION, stream=True))
     types = [event.type for event in events]
     at = types.index("error")
-    assert types[at:] == ["error", "response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.completed"]
+    assert types[at:] == [
+        "error",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert events[at].code == "server_error" and "injected engine failure" in events[at].message
     final = events[-1].response
     assert final.status == "failed" and final.error.code == "server_error"

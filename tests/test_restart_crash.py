@@ -65,8 +65,7 @@ def test_kill_9_during_writes_never_serves_a_corrupt_entry(qwen3_dir, tmp_path):
             sent += new
             if it % 4 != 3:
                 # Forced writes: the admin flush writes both puts back to back, now.
-                threading.Thread(target=_post_quietly, args=(server.base + "/admin/cache/flush",),
-                                 daemon=True).start()
+                threading.Thread(target=_post_quietly, args=(server.base + "/admin/cache/flush",), daemon=True).start()
                 time.sleep(rng.uniform(0.02, 0.2))
             else:
                 # Background write-behind: the durability debounce fires 1 s after the put.
@@ -89,8 +88,10 @@ def test_kill_9_during_writes_never_serves_a_corrupt_entry(qwen3_dir, tmp_path):
     finally:
         server.kill()
     assert list(ssd.glob(f"*/{QUARANTINE}/*")) == []  # nothing was ever found corrupt
-    print(f"\n{ITERATIONS} kill -9 iterations: {mid_write_kills} landed mid-file, {reaped} temp files reaped, "
-          f"{restores} restores from disk, {final['entries']} entries survived")
+    print(
+        f"\n{ITERATIONS} kill -9 iterations: {mid_write_kills} landed mid-file, {reaped} temp files reaped, "
+        f"{restores} restores from disk, {final['entries']} entries survived"
+    )
     assert mid_write_kills >= 3 and reaped >= mid_write_kills  # the kills really hit writes
     assert restores >= 5  # and the disk tier really served later iterations
 

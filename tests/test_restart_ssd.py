@@ -29,9 +29,22 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "actors.serve", "--model", str(model_dir), "--port", str(self.port),
-             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "actors.serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                "--shutdown-timeout",
+                str(SHUTDOWN_TIMEOUT),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env={**os.environ, **(env or {})},
         )
         self.lines: list[str] = []
@@ -52,8 +65,9 @@ class Server:
         return "".join(self.lines)
 
     def chat(self, messages: list[dict], max_tokens: int = 8) -> dict:
-        r = self.client.post("/v1/chat/completions",
-                             json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        r = self.client.post(
+            "/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -94,8 +108,10 @@ def test_ctrl_c_then_restart_restores_the_conversation_from_disk(qwen3_dir, tmp_
             reply = server.chat(messages)
             if turn:
                 assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the RAM tier
-            messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": f"follow-up {turn}"}]
+            messages += [
+                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"follow-up {turn}"},
+            ]
         assert server.stop() == 0
     finally:
         server.kill()
@@ -126,9 +142,23 @@ def test_ctrl_c_then_restart_restores_the_conversation_from_disk(qwen3_dir, tmp_
 
 def test_ssd_cache_requires_the_ram_tier(qwen3_dir, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.serve", "--model", str(qwen3_dir), "--port", str(free_port()),
-         "--prompt-cache", "0", "--ssd-cache", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "actors.serve",
+            "--model",
+            str(qwen3_dir),
+            "--port",
+            str(free_port()),
+            "--prompt-cache",
+            "0",
+            "--ssd-cache",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2 and "--ssd-cache requires the RAM prompt cache" in proc.stderr + proc.stdout
 
@@ -137,10 +167,21 @@ def test_ssd_cache_requires_the_ram_tier(qwen3_dir, tmp_path):
 def test_flags_parse(flag):
     from actors.serve import parse_args
 
-    args = parse_args(["--ssd-cache", "/x", "--ssd-cache-max", "4", "--ssd-spill-queue", "0",
-                       "--ssd-demote-idle", "0", flag])
+    args = parse_args(
+        ["--ssd-cache", "/x", "--ssd-cache-max", "4", "--ssd-spill-queue", "0", "--ssd-demote-idle", "0", flag]
+    )
     assert (args.ssd_cache, args.ssd_cache_max, args.ssd_spill_queue, args.ssd_demote_idle, args.ssd_verify) == (
-        "/x", 4.0, 0.0, 0.0, False)
+        "/x",
+        4.0,
+        0.0,
+        0.0,
+        False,
+    )
     defaults = parse_args([])
-    assert (defaults.ssd_cache, defaults.ssd_cache_max, defaults.ssd_spill_queue, defaults.ssd_demote_idle,
-            defaults.ssd_verify) == (None, 32.0, 2.0, 300.0, True)
+    assert (
+        defaults.ssd_cache,
+        defaults.ssd_cache_max,
+        defaults.ssd_spill_queue,
+        defaults.ssd_demote_idle,
+        defaults.ssd_verify,
+    ) == (None, 32.0, 2.0, 300.0, True)

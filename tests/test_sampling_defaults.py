@@ -11,7 +11,11 @@ from model.params import SamplingParams
 
 def info(**generation) -> ModelInfo:
     return ModelInfo(
-        name="m", context_length=4096, weights_bytes=1, kv_bytes_per_token=1, eos_token_ids=frozenset({0}),
+        name="m",
+        context_length=4096,
+        weights_bytes=1,
+        kv_bytes_per_token=1,
+        eos_token_ids=frozenset({0}),
         generation_defaults=tuple(generation.items()),
     )
 

@@ -68,7 +68,7 @@ async def test_joiner_prefill_interleaves_with_running_steps(autojump_clock):
     assert max(gaps) <= worker.prefill_cost + worker.step_cost
     names = [c for _, c, arg in worker.calls if arg == 2 or c == "step"]
     first_prefill = names.index("prefill")
-    assert names[first_prefill:first_prefill + 8] == ["prefill", "step"] * 4
+    assert names[first_prefill : first_prefill + 8] == ["prefill", "step"] * 4
     assert running.tokens == worker.expected(prompt(1), 12)
     assert joiner.tokens == worker.expected(prompt(17, salt=5), 3)
     assert not worker.violations
@@ -90,7 +90,7 @@ async def test_a_joiner_prefills_in_smaller_chunks_only_while_others_decode(auto
     # Each 2-token chunk is followed by a step of the running row: it waits one chunk at most.
     names = [c for _, c, arg in worker.calls if arg == 3 or c == "step"]
     first_prefill = names.index("prefill")
-    assert names[first_prefill:first_prefill + 8] == ["prefill", "step"] * 4
+    assert names[first_prefill : first_prefill + 8] == ["prefill", "step"] * 4
     gaps = [b - a for a, b in zip(running.token_times, running.token_times[1:])]
     assert max(gaps) <= worker.prefill_cost + worker.step_cost
     assert joiner.tokens == worker.expected(prompt(9, salt=5), 3)
@@ -222,6 +222,7 @@ async def test_serial_row_drains_the_batch_and_runs_alone(autojump_clock):
     worker = FakeWorker()
     logs = {}
     async with scheduler_harness(worker, capacity=4) as h:
+
         async def steady_batch_traffic():
             for i in range(1, 13):
                 logs[i] = h.submit(i, prompt(1, salt=i), max_tokens=3)

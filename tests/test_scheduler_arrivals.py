@@ -130,8 +130,9 @@ async def test_running_streams_keep_stepping_while_the_head_is_held(autojump_clo
 async def test_no_hold_without_group_prefill_or_window(autojump_clock):
     for group_tokens, window in ((0, WINDOW), (16, 0.0)):
         worker, arrivals, start = FakeWorker(chunk=4), Arrivals(), trio.current_time()
-        async with scheduler_harness(worker, group_prefill_tokens=group_tokens, arrivals=arrivals,
-                                     arrival_window=window) as h:
+        async with scheduler_harness(
+            worker, group_prefill_tokens=group_tokens, arrivals=arrivals, arrival_window=window
+        ) as h:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(arrive, h, arrivals, 2, 0.2)
                 await trio.sleep(0)

@@ -27,8 +27,12 @@ async def test_a_burst_is_prefilled_in_one_call_and_joins_in_order(autojump_cloc
         rows = [h.submit(i, prompt(4, salt=i), max_tokens=3) for i in (1, 2, 3)]
         await trio.sleep(20)
     assert calls(worker)[:6] == [
-        ("open_row", 1), ("open_row", 2), ("open_row", 3), ("prefill_group", (1, 2, 3)),
-        ("join_group", (1, 2, 3)), ("step", (1, 2, 3)),
+        ("open_row", 1),
+        ("open_row", 2),
+        ("open_row", 3),
+        ("prefill_group", (1, 2, 3)),
+        ("join_group", (1, 2, 3)),
+        ("step", (1, 2, 3)),
     ]
     for i, row in zip((1, 2, 3), rows):
         assert row.tokens == worker.expected(prompt(4, salt=i), 3)
@@ -76,8 +80,13 @@ async def test_rows_left_staged_by_the_worker_are_never_dropped(autojump_clock):
     # the joiner while 3 waits staged, and a later turn's group check must leave it there.
     worker = FakeWorker(chunk=4)
     async with scheduler_harness(worker, group_prefill_tokens=20) as h:
-        specs = {1: prompt(4, salt=1), 2: prompt(7, salt=2), 3: prompt(7, salt=3), 4: prompt(4, salt=4),
-                 5: prompt(4, salt=5)}
+        specs = {
+            1: prompt(4, salt=1),
+            2: prompt(7, salt=2),
+            3: prompt(7, salt=3),
+            4: prompt(4, salt=4),
+            5: prompt(4, salt=5),
+        }
         rows = {i: h.submit(i, p, max_tokens=2) for i, p in specs.items()}
         await trio.sleep(80)
     assert ("prefill_group", (1, 2, 3)) in calls(worker)
@@ -95,8 +104,9 @@ async def test_a_row_aborted_while_staged_never_joins(autojump_clock):
         h.inbox.send_nowait(Abort(3))
         await trio.sleep(30)
     assert ("join_group", (1, 2)) in calls(worker)
-    assert not any(name.startswith("join") and 3 in (arg if isinstance(arg, tuple) else (arg,))
-                   for name, arg in calls(worker))
+    assert not any(
+        name.startswith("join") and 3 in (arg if isinstance(arg, tuple) else (arg,)) for name, arg in calls(worker)
+    )
     assert 3 in worker.closed and worker.closed[3][1] is False  # closed, not reusable
     assert rows[3].tokens == []
     for i in (1, 2):

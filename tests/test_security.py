@@ -57,7 +57,9 @@ def test_loopback_detection():
 
 def test_origin_parsing():
     assert parse_origins(["https://a.example/, https://b.example", "https://a.example"]) == (
-        "https://a.example", "https://b.example")
+        "https://a.example",
+        "https://b.example",
+    )
     assert parse_origins("*") == ("*",) and parse_origins([]) == ()
 
 
@@ -114,8 +116,12 @@ async def test_api_key_accepted_as_bearer_or_x_api_key(autojump_clock):
             response = await client.post("/v1/chat/completions", json=CHAT_BODY, headers=headers)
             assert response.status_code == 200
             assert (await client.post("/v1/messages", json=MESSAGES_BODY, headers=headers)).status_code == 200
-        for headers in ({"Authorization": "Bearer wrong"}, {"x-api-key": KEY + "x"}, {"Authorization": f"Basic {KEY}"},
-                        {"Authorization": KEY}):
+        for headers in (
+            {"Authorization": "Bearer wrong"},
+            {"x-api-key": KEY + "x"},
+            {"Authorization": f"Basic {KEY}"},
+            {"Authorization": KEY},
+        ):
             assert (await client.get("/v1/models", headers=headers)).status_code == 401, headers
 
 
@@ -206,8 +212,11 @@ async def test_zero_means_no_cap(autojump_clock):
 # --- CORS ------------------------------------------------------------------------------------
 
 ORIGIN = "https://app.example"
-PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization, content-type"}
+PREFLIGHT = {
+    "Origin": ORIGIN,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
 
 
 async def test_cors_is_off_by_default(autojump_clock):
@@ -308,12 +317,16 @@ HOSTILE = [
 async def test_hostile_bodies_are_400_in_each_api_shape(autojump_clock):
     async with server() as (client, _):
         for data in HOSTILE:
-            for path, shape in (("/v1/chat/completions", openai_error), ("/v1/completions", openai_error),
-                                ("/v1/responses", openai_error), ("/v1/messages", anthropic_error)):
+            for path, shape in (
+                ("/v1/chat/completions", openai_error),
+                ("/v1/completions", openai_error),
+                ("/v1/responses", openai_error),
+                ("/v1/messages", anthropic_error),
+            ):
                 response = await client.post(path, data=data, headers={"Content-Type": "application/json"})
                 assert response.status_code == 400, (path, data[:40])
                 await shape(response)
-        ok = await client.post("/v1/completions", json={"prompt": "\U0001F600 ok", "max_tokens": 1})
+        ok = await client.post("/v1/completions", json={"prompt": "\U0001f600 ok", "max_tokens": 1})
         assert ok.status_code == 200  # a real astral character (a valid surrogate pair) is fine
 
 
@@ -324,12 +337,29 @@ def test_flags_and_environment(monkeypatch):
     from actors import serve
 
     args = serve.parse_args([])
-    assert (args.api_key, args.admin_token, args.cors_origins, args.max_body_mb, args.log_prompts,
-            args.idle_timeout) == (None, None, [], 16.0, False, 5.0)
+    assert (
+        args.api_key,
+        args.admin_token,
+        args.cors_origins,
+        args.max_body_mb,
+        args.log_prompts,
+        args.idle_timeout,
+    ) == (None, None, [], 16.0, False, 5.0)
     monkeypatch.setenv("MLX_TRIO_API_KEY", "from-env")
     monkeypatch.setenv("MLX_TRIO_ADMIN_TOKEN", "admin-env")
-    args = serve.parse_args(["--cors-origin", "https://a,https://b", "--cors-origin", "*", "--max-body-mb", "0",
-                             "--log-prompts", "--idle-timeout", "30"])
+    args = serve.parse_args(
+        [
+            "--cors-origin",
+            "https://a,https://b",
+            "--cors-origin",
+            "*",
+            "--max-body-mb",
+            "0",
+            "--log-prompts",
+            "--idle-timeout",
+            "30",
+        ]
+    )
     assert args.api_key == "from-env" and args.admin_token == "admin-env"
     assert parse_origins(args.cors_origins) == ("https://a", "https://b", "*")
     assert args.max_body_mb == 0 and args.log_prompts and args.idle_timeout == 30

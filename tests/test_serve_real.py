@@ -140,7 +140,7 @@ async def test_aborting_half_mid_stream_leaves_the_rest_exact_and_the_server_hea
         assert len(produced) < 400  # it left long before its max_tokens
         [close] = [c for c in calls if c.name == "close_row" and c.row_id == leaver_row]
         # ... mid-stream: the keepers were still decoding after it was closed.
-        keeper_steps_after = [c for c in calls[close.seq:] if c.name == "step" and len(c.result) >= 2]
+        keeper_steps_after = [c for c in calls[close.seq :] if c.name == "step" and len(c.result) >= 2]
         assert keeper_steps_after, f"leaver {i} was not aborted while the keepers ran"
     for i in range(4):
         assert kept[i].finish_reason == "length" and kept[i].done
@@ -240,9 +240,7 @@ async def test_long_prompt_joiner_interleaves_its_chunks_with_decode_steps(model
     assert len(long_ids) - 1 > 10 * chunk and len(chunks) == -(-(len(long_ids) - 1) // chunk)
     # ... and between any two decode steps at most one forward (a chunk or a join) ran.
     steps = [c.seq for c in calls if c.name == "step"]
-    between = [
-        [c.name for c in calls[a + 1 : b] if c.name in ("prefill", "join")] for a, b in zip(steps, steps[1:])
-    ]
+    between = [[c.name for c in calls[a + 1 : b] if c.name in ("prefill", "join")] for a, b in zip(steps, steps[1:])]
     assert max(len(b) for b in between) <= 1, [b for b in between if len(b) > 1]
     # While the long joiner prefilled, the three streams kept stepping after every chunk.
     during = [c for c in calls[chunks[0].seq : join.seq] if c.name == "step"]
@@ -288,8 +286,9 @@ async def test_ten_turn_agent_chat_hits_the_prompt_cache_and_matches_a_cold_serv
         (prev_messages, prev), (_, now) = warm_turns[turn - 1], warm_turns[turn]
         cached = now.usage["prompt_tokens_details"]["cached_tokens"]
         prev_prompt = warm.tokenizer.encode_chat(prev_messages, add_generation_prompt=True)
-        stable = min(stable_prefix_length(warm.tokenizer, prev_messages, prompt_tokens=prev_prompt),
-                     len(prev_prompt) - 1)
+        stable = min(
+            stable_prefix_length(warm.tokenizer, prev_messages, prompt_tokens=prev_prompt), len(prev_prompt) - 1
+        )
         assert stable >= MIN_CACHE_TOKENS
         assert cached >= stable, f"turn {turn + 1}: cached {cached} < previous stable prefix {stable}"
         assert cached >= prev.usage["prompt_tokens"], f"turn {turn + 1} did not reuse the previous prompt"

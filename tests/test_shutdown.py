@@ -22,6 +22,7 @@ def fake_http(clients, *, graceful, note):
             await shutdown_trigger()
             note("listeners closed")
             connections.cancel_scope.deadline = trio.current_time() + graceful
+
     return serve_http
 
 
@@ -38,12 +39,20 @@ async def run(worker, clients, *, timeout, signals_at):
     shutdown = Shutdown()
     config = ServeConfig(shutdown_timeout=timeout)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(
-            run_server, worker, config=config, make_tokenizer=lambda info: FakeTokenizer(),
-            serve_http=fake_http([partial(c, note) for c in clients], graceful=timeout + HTTP_GRACE_MARGIN_S,
-                                 note=note),
-            shutdown=shutdown, flush_hooks=[flush], trace=note,
-        ))
+        nursery.start_soon(
+            partial(
+                run_server,
+                worker,
+                config=config,
+                make_tokenizer=lambda info: FakeTokenizer(),
+                serve_http=fake_http(
+                    [partial(c, note) for c in clients], graceful=timeout + HTTP_GRACE_MARGIN_S, note=note
+                ),
+                shutdown=shutdown,
+                flush_hooks=[flush],
+                trace=note,
+            )
+        )
         for at in signals_at:
             await trio.sleep_until(at)
             note("signal")
@@ -58,6 +67,7 @@ def streamer(max_tokens):
         frames = [f.removeprefix("data: ") for f in (await response.get_data()).decode().split("\n\n") if f]
         final = json.loads(frames[-2])
         note(("stream ended", frames[-1], final["choices"][0]["finish_reason"], final["usage"]["completion_tokens"]))
+
     return client
 
 
@@ -84,8 +94,17 @@ async def test_clean_shutdown_finishes_in_flight_then_flushes(autojump_clock):
     ended = next(what for _, what in events if what[0] == "stream ended")
     assert ended == ("stream ended", "[DONE]", "length", 5)  # finished in full
     assert ("late request", 503) in [what for _, what in events]
-    assert order_is(events, "signal", "admission closed", "stream ended", "http done", "actors stopped",
-                    "flush", "flushed", "returned")
+    assert order_is(
+        events,
+        "signal",
+        "admission closed",
+        "stream ended",
+        "http done",
+        "actors stopped",
+        "flush",
+        "flushed",
+        "returned",
+    )
     assert times["stream ended"] == 5 and times["returned"] == 5.5
 
 
@@ -96,8 +115,9 @@ async def test_timed_out_shutdown_cuts_streams_cleanly_then_flushes(autojump_clo
     _, done, reason, tokens = next(what for _, what in events if what[0] == "stream ended")
     assert (done, reason) == ("[DONE]", "length") and tokens < 100  # a final chunk, not a cut
     assert times["stream ended"] == 5  # signal + --shutdown-timeout
-    assert order_is(events, "signal", "admission closed", "stream ended", "http done", "actors stopped",
-                    "flush", "returned")
+    assert order_is(
+        events, "signal", "admission closed", "stream ended", "http done", "actors stopped", "flush", "returned"
+    )
     # Nothing waits for the aborted row's step boundary: the actors stop as soon as HTTP is done.
     assert times["http done"] == times["actors stopped"] == 5
     assert not worker.violations

@@ -49,11 +49,25 @@ def model_dir(tiny_model_factory):
 def start_server(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
     """The server's stderr goes to a file (a pipe nobody drains could block its logging)."""
     log_path = tmp_path / "server.log"
-    args = [sys.executable, "-m", "actors.serve", "--model", str(model_dir), "--port", "0", "--batch", "8",
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--ssd-cache", str(tmp_path / "ssd")]
+    args = [
+        sys.executable,
+        "-m",
+        "actors.serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--batch",
+        "8",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        "--ssd-cache",
+        str(tmp_path / "ssd"),
+    ]
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(args, cwd=ROOT, stderr=log_file, stdout=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(
+            args, cwd=ROOT, stderr=log_file, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
     deadline = time.monotonic() + STARTUP_LIMIT_S
     while time.monotonic() < deadline and proc.poll() is None:
         match = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log_path.read_text())
@@ -126,9 +140,11 @@ def log_tail(log: str, lines: int = 40) -> str:
 
 def check_exit(code: int, log: str, allowed: tuple[int, ...]) -> None:
     if code == -signal.SIGABRT and "terminate called without an active exception" in log:
-        pytest.fail("the process aborted at interpreter exit (SIGABRT, 'terminate called without an active "
-                    "exception'): MLX streams of the GPU-worker thread were not destroyed before it ended "
-                    "(mx.clear_streams() at the end of actors/gpu_worker.py's thread)\n" + log_tail(log))
+        pytest.fail(
+            "the process aborted at interpreter exit (SIGABRT, 'terminate called without an active "
+            "exception'): MLX streams of the GPU-worker thread were not destroyed before it ended "
+            "(mx.clear_streams() at the end of actors/gpu_worker.py's thread)\n" + log_tail(log)
+        )
     assert code in allowed, (code, log_tail(log))
 
 
@@ -141,13 +157,19 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
     try:
         # One chat turn to its end first: its prompt-cache entry is what the shutdown flush
         # must make durable (the busy engine keeps the write-behind from running before).
-        warm = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "remember this " * 40}], "max_tokens": 4})
+        warm = httpx.post(
+            f"{base}/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "remember this " * 40}], "max_tokens": 4},
+        )
         assert warm.status_code == 200, warm.text
         streams, threads = start_streams(base)
         # All 32 admitted (200 and headers sent), 8 of them decoding, 24 queued behind them.
-        wait_for(lambda: all(s.status is not None for s in streams) and sum(s.chunks > 0 for s in streams) >= 8,
-                 60, "32 streams admitted and 8 decoding")
+        wait_for(
+            lambda: all(s.status is not None for s in streams) and sum(s.chunks > 0 for s in streams) >= 8,
+            60,
+            "32 streams admitted and 8 decoding",
+        )
         batch = stats(base)["batch"]
         assert batch["active_rows"] == 8 and batch["pending_rows"] == STREAMS - 8, batch
         chunks_before = {s.index: s.chunks for s in streams}
@@ -182,16 +204,21 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
     assert log.index("HTTP server stopped") < match.start() < log.index("bye")
     assert list((tmp_path / "ssd").rglob("*.mlxkv")), "the warm-up's prompt-cache entry is not on disk"
     assert exited_s <= SHUTDOWN_TIMEOUT_S + 6.0, exited_s  # ~the deadline, the flush, teardown
-    print(f"SIGINT with {STREAMS} streams: streams ended {max(s.ended_at for s in streams) - signalled:.2f} s, "
-          f"exit 0 after {exited_s:.2f} s; {match.group(0)}")
+    print(
+        f"SIGINT with {STREAMS} streams: streams ended {max(s.ended_at for s in streams) - signalled:.2f} s, "
+        f"exit 0 after {exited_s:.2f} s; {match.group(0)}"
+    )
 
 
 def test_a_second_sigint_exits_at_once(model_dir, tmp_path):
     proc, base, log_path = start_server(model_dir, tmp_path)
     try:
         streams, threads = start_streams(base)
-        wait_for(lambda: all(s.status is not None for s in streams) and sum(s.chunks > 0 for s in streams) >= 8,
-                 60, "32 streams admitted and 8 decoding")
+        wait_for(
+            lambda: all(s.status is not None for s in streams) and sum(s.chunks > 0 for s in streams) >= 8,
+            60,
+            "32 streams admitted and 8 decoding",
+        )
         proc.send_signal(signal.SIGINT)
         time.sleep(0.2)  # the graceful shutdown has begun; streams still run
         assert proc.poll() is None
@@ -215,5 +242,7 @@ def test_a_second_sigint_exits_at_once(model_dir, tmp_path):
     check_exit(code, log, (0, 1))
     assert all(not t.is_alive() for t in threads)  # no client left hanging on a dead server
     assert all(s.ended_at is not None and s.ended_at - second <= 3.0 for s in streams)
-    print(f"second SIGINT: exit {code} after {exited_s:.2f} s; "
-          f"{sum(s.done for s in streams)} streams got [DONE], {sum(s.error is not None for s in streams)} were cut")
+    print(
+        f"second SIGINT: exit {code} after {exited_s:.2f} s; "
+        f"{sum(s.done for s in streams)} streams got [DONE], {sum(s.error is not None for s in streams)} were cut"
+    )

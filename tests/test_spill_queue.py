@@ -49,8 +49,13 @@ async def test_writes_serially_and_reports_each_outcome(autojump_clock):
 async def test_pieces_wait_for_idle_and_never_overlap_a_busy_engine(autojump_clock):
     store = FakeStore()
     busy_until = 3.0
-    q = SpillQueue(store, cap_bytes=10**6, idle=lambda: trio.current_time() >= busy_until,
-                   run_blocking=store.run_blocking, poll_s=0.05)
+    q = SpillQueue(
+        store,
+        cap_bytes=10**6,
+        idle=lambda: trio.current_time() >= busy_until,
+        run_blocking=store.run_blocking,
+        poll_s=0.05,
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(q.run)
         ok = await q.submit(item(5))
@@ -66,8 +71,13 @@ async def test_pieces_wait_for_idle_and_never_overlap_a_busy_engine(autojump_clo
 async def test_idle_gate_rechecks_before_every_piece(autojump_clock):
     store = FakeStore()
     # idle for the first piece's gate (t=0.1), a request arrives (busy 0.15 .. 2.0), idle again
-    q = SpillQueue(store, cap_bytes=10**6, idle=lambda: not (0.15 <= trio.current_time() < 2.0),
-                   run_blocking=store.run_blocking, poll_s=0.05)
+    q = SpillQueue(
+        store,
+        cap_bytes=10**6,
+        idle=lambda: not (0.15 <= trio.current_time() < 2.0),
+        run_blocking=store.run_blocking,
+        poll_s=0.05,
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(q.run)
         await q.submit(item(5))

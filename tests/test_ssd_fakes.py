@@ -7,7 +7,8 @@ every timestamp is exact (a real thread would let autojump fire timers early; tr
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -29,7 +30,7 @@ class FakeItem:
 
 
 class FakeWriter:
-    def __init__(self, store: "FakeStore", item: FakeItem) -> None:
+    def __init__(self, store: FakeStore, item: FakeItem) -> None:
         self.store, self.item = store, item
         self.left = item.pieces
 
@@ -63,8 +64,9 @@ class FakeStore:
         self.fail_tokens: set[tuple[int, ...]] = set()
         self.verify = True
         self.dir = "/fake"
-        self.stats = attrs.make_class("Stats", {k: attrs.field(default=0) for k in (
-            "writes", "restore_failures", "quarantined", "reaped_temp")})()
+        self.stats = attrs.make_class(
+            "Stats", {k: attrs.field(default=0) for k in ("writes", "restore_failures", "quarantined", "reaped_temp")}
+        )()
 
     async def run_blocking(self, fn: Any, *args: Any) -> Any:
         await trio.sleep(self.call_cost)
@@ -109,8 +111,7 @@ class FakePort:
         self.restore_ms_last = 0.0
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self.ram), "bytes": sum(self.ram.values()), "max_bytes": 10**9, "hits": 0,
-                "misses": 0}
+        return {"entries": len(self.ram), "bytes": sum(self.ram.values()), "max_bytes": 10**9, "hits": 0, "misses": 0}
 
     def put(self, tokens: Sequence[int], namespace: str = "", nbytes: int = 100) -> None:
         key = (namespace, tuple(tokens))

@@ -39,8 +39,9 @@ def loaded(qwen3_dir):
 
 
 def identity_of(lm) -> Identity:
-    return Identity(lm.name, model_fingerprint(lm.path), scheme_key(str(lm.kv_dtype).rsplit(".", 1)[-1]),
-                    tokenizer_hash(lm.path))
+    return Identity(
+        lm.name, model_fingerprint(lm.path), scheme_key(str(lm.kv_dtype).rsplit(".", 1)[-1]), tokenizer_hash(lm.path)
+    )
 
 
 def open_store(root: Path, lm, **kw) -> SsdStore:
@@ -63,9 +64,10 @@ def write_item(store: SsdStore, item: SpillItem) -> bool:
 def store_prompt(lm, store, prompt=PROMPT, max_tokens=6, namespace=""):
     """Run `prompt` on a tiered engine, write its RAM entry to `store`; (entry tokens, output)."""
     engine, cache = tiered_engine(lm, store)
-    out = generate_tokens(engine, [RowSpec(1, prompt, SamplingParams(), max_tokens, namespace=namespace)],
-                          reusable=True)[1]
-    (ns, tokens), = cache.keys()
+    out = generate_tokens(
+        engine, [RowSpec(1, prompt, SamplingParams(), max_tokens, namespace=namespace)], reusable=True
+    )[1]
+    ((ns, tokens),) = cache.keys()
     assert write_item(store, cache.snapshot(tokens, ns))
     return tokens, out
 
@@ -181,7 +183,7 @@ def test_ssd_wins_only_with_a_strictly_longer_prefix(loaded, tmp_path):
     store = open_store(tmp_path, loaded)
     engine, cache = tiered_engine(loaded, store)
     first = generate_tokens(engine, [RowSpec(1, PROMPT, SamplingParams(), 6)], reusable=True)[1]
-    (ns, tokens), = cache.keys()
+    ((ns, tokens),) = cache.keys()
     assert write_item(store, cache.snapshot(tokens, ns))
     # The same entry in RAM and on disk: equal usable prefixes → the RAM tier serves, no disk read.
     turn2 = PROMPT + tuple(first) + (5, 6)
@@ -208,7 +210,7 @@ def test_untrimmable_entries_are_used_only_at_their_exact_length(loaded, tmp_pat
     store = open_store(tmp_path, loaded)
     engine, cache = tiered_engine(loaded, store)
     generate_tokens(engine, [RowSpec(1, PROMPT, SamplingParams(), 1)], reusable=True)
-    (ns, tokens), = cache.keys()
+    ((ns, tokens),) = cache.keys()
     item = cache.snapshot(tokens, ns)
     item.layers = [LayerMeta(layer.kind, layer.offset, False, layer.tensors) for layer in item.layers]
     assert write_item(store, item)
@@ -329,8 +331,9 @@ def test_restored_kv_is_bit_identical_whether_read_into_mlx_memory_or_copied(
     store = open_store(tmp_path, lm)
     tokens, _ = store_prompt(lm, store)
     truth = TieredPromptCache(1 << 30, None)  # the same run's KV, kept in RAM only
-    generate_tokens(Engine(lm.model, eos_token_ids=[], prompt_cache=truth),
-                    [RowSpec(1, PROMPT, SamplingParams(), 6)], reusable=True)
+    generate_tokens(
+        Engine(lm.model, eos_token_ids=[], prompt_cache=truth), [RowSpec(1, PROMPT, SamplingParams(), 6)], reusable=True
+    )
     expected, n = truth.take(list(tokens) + [3])
     assert n == len(tokens)
     store.close()
@@ -339,7 +342,9 @@ def test_restored_kv_is_bit_identical_whether_read_into_mlx_memory_or_copied(
         monkeypatch.setattr(tiered, "_views_alias", lambda: False)
     used = []
     real_call = tiered._DirectImport.__call__
-    monkeypatch.setattr(tiered._DirectImport, "__call__", lambda self, specs: used.append(r := real_call(self, specs)) or r)
+    monkeypatch.setattr(
+        tiered._DirectImport, "__call__", lambda self, specs: used.append(r := real_call(self, specs)) or r
+    )
     store = open_store(tmp_path, lm)
     restored, n = TieredPromptCache(1 << 30, store).take(list(tokens) + [3])
     assert n == len(tokens) and restored is not None

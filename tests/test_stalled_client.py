@@ -52,11 +52,22 @@ SERVER = textwrap.dedent(
 
 def start_server(log_path: Path) -> tuple[subprocess.Popen, int]:
     """The server's stderr goes to a file (a pipe nobody drains could block its logging)."""
-    args = [sys.executable, "-c", SERVER, str(WATCHDOG_SLACK_S), "--port", "0",
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--prompt-cache", "0"]
+    args = [
+        sys.executable,
+        "-c",
+        SERVER,
+        str(WATCHDOG_SLACK_S),
+        "--port",
+        "0",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        "--prompt-cache",
+        "0",
+    ]
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(args, cwd=ROOT, stderr=log_file, stdout=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(
+            args, cwd=ROOT, stderr=log_file, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
     deadline = time.monotonic() + STARTUP_LIMIT_S
     while time.monotonic() < deadline and proc.poll() is None:
         match = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log_path.read_text())

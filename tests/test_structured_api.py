@@ -28,7 +28,9 @@ def test_no_fields_and_text_mean_no_constraint():
 
 def test_response_format_kinds():
     assert c({"response_format": {"type": "json_object"}}) == Constraint("json_object")
-    got = c({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}})
+    got = c(
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}}
+    )
     assert got.kind == "json_schema" and json.loads(got.spec) == SCHEMA and got.strict
     got = c({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}})
     assert not got.strict
@@ -69,7 +71,8 @@ def test_precedence():
 def test_responses_text_format():
     fmt = {"type": "json_schema", "name": "x", "schema": SCHEMA, "strict": True}
     assert structured.response_format_from_text_format(fmt) == {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
     }
     got = c({"text": {"format": fmt}})
     assert got.kind == "json_schema" and got.strict
@@ -89,7 +92,12 @@ def test_forced_tool_call():
     assert [t["name"] for t in json.loads(got.spec)["tools"]] == ["f", "g"]
     assert json.loads(got.spec)["format"] == "llama3_json"
     # Responses' flat tool shape
-    got = c({"tools": [{"type": "function", "name": "h", "parameters": SCHEMA}], "tool_choice": {"type": "function", "name": "h"}})
+    got = c(
+        {
+            "tools": [{"type": "function", "name": "h", "parameters": SCHEMA}],
+            "tool_choice": {"type": "function", "name": "h"},
+        }
+    )
     assert json.loads(got.spec)["tools"][0]["name"] == "h"
     assert c({"tools": tools, "tool_choice": "required"}, tool_format="qwen3_coder") is None  # not constrainable
     with pytest.raises(ApiError) as e:
@@ -107,7 +115,15 @@ def test_tool_call_grammar_per_format():
     "body, needle",
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}}, "objectx"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "[["}}}}, "regex"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "string", "pattern": "[["}},
+                }
+            },
+            "regex",
+        ),
         ({"guided_regex": "a(b"}, "unclosed group"),
         ({"guided_grammar": "root ::= missing"}, "missing"),
         ({"guided_json": "{not json"}, "not valid JSON"),

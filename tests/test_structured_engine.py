@@ -194,7 +194,7 @@ def test_logprobs_under_a_grammar_are_of_the_masked_distribution(qwen):
     first = engine.join(1)
     assert first.logprob is not None and first.logprob > -20  # renormalized over the allowed ids
     allowed = [t for t in first.top_logprobs if t.logprob > -1e9]
-    assert allowed and abs(sum(2.718281828 ** t.logprob for t in allowed) - 1) < 1e-3 or len(allowed) == 3
+    assert allowed and abs(sum(2.718281828**t.logprob for t in allowed) - 1) < 1e-3 or len(allowed) == 3
     for t in allowed:  # every id with probability mass starts one of the choices
         piece = qwen.tok.decode([t.token])
         assert piece and ("yes".startswith(piece) or "no".startswith(piece)), piece
@@ -232,9 +232,20 @@ def test_row_grammar_observe_is_positional_and_idempotent(qwen):
 
 
 def test_tool_call_constraint_uses_special_token_markers(qwen):
-    spec_ = {"format": "hermes", "tools": [{"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}]}
+    spec_ = {
+        "format": "hermes",
+        "tools": [
+            {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+                    "required": ["city", "unit"],
+                    "additionalProperties": False,
+                },
+            }
+        ],
+    }
     c = Constraint("tool_call", json.dumps(spec_))
     out = run(qwen.engine, [spec(qwen, i, c, temperature=1.0, seed=i) for i in range(4)])
     start_id = qwen.tok.token_to_id("<tool_call>")

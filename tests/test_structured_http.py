@@ -40,7 +40,11 @@ def model_dir(tiny_model_factory):
 
 
 def chat_body(i: int, **extra):
-    return {"messages": [{"role": "user", "content": f"Weather report number {i}, please."}], "max_tokens": 200, **extra}
+    return {
+        "messages": [{"role": "user", "content": f"Weather report number {i}, please."}],
+        "max_tokens": 200,
+        **extra,
+    }
 
 
 async def post(server, path, body):
@@ -52,19 +56,29 @@ async def test_json_schema_regex_choice_and_invalid_over_http(model_dir):
     with trio.fail_after(LIMIT_S):
         async with real_server(model_dir, batch=8) as server:
             for i in range(4):
-                status, body, headers = await post(server, CHAT, chat_body(i, response_format=RESPONSE_FORMAT, temperature=1.0))
+                status, body, headers = await post(
+                    server, CHAT, chat_body(i, response_format=RESPONSE_FORMAT, temperature=1.0)
+                )
                 assert status == 200, body
                 assert "Warning" not in headers
                 choice = body["choices"][0]
                 assert choice["finish_reason"] == "stop"
                 jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
 
-            status, body, _ = await post(server, COMPLETIONS, {"prompt": "Name and number:", "guided_regex": REGEX, "max_tokens": 40, "temperature": 1.0})
+            status, body, _ = await post(
+                server,
+                COMPLETIONS,
+                {"prompt": "Name and number:", "guided_regex": REGEX, "max_tokens": 40, "temperature": 1.0},
+            )
             assert status == 200 and re.fullmatch(REGEX, body["choices"][0]["text"], re.ASCII), body
-            status, body, _ = await post(server, COMPLETIONS, {"prompt": "Mood:", "guided_choice": ["happy", "sad"], "max_tokens": 10})
+            status, body, _ = await post(
+                server, COMPLETIONS, {"prompt": "Mood:", "guided_choice": ["happy", "sad"], "max_tokens": 10}
+            )
             assert status == 200 and body["choices"][0]["text"] in ("happy", "sad"), body
 
-            streamed = await complete(server, chat_body(9, response_format={"type": "json_object"}, max_tokens=400), chat=True)
+            streamed = await complete(
+                server, chat_body(9, response_format={"type": "json_object"}, max_tokens=400), chat=True
+            )
             if streamed.finish_reason == "stop":
                 assert isinstance(json.loads(streamed.text), dict)
             else:  # any-JSON may be long; what there is must be a JSON prefix starting an object
@@ -113,7 +127,9 @@ async def test_without_a_grammar_engine_the_request_is_served_with_a_warning(mod
     monkeypatch.setenv(grammar.DISABLE_ENV, "0")
     with trio.fail_after(LIMIT_S):
         async with real_server(model_dir, batch=2) as server:
-            status, body, headers = await post(server, CHAT, chat_body(1, response_format=RESPONSE_FORMAT, max_tokens=8))
+            status, body, headers = await post(
+                server, CHAT, chat_body(1, response_format=RESPONSE_FORMAT, max_tokens=8)
+            )
             assert status == 200, body
             assert "not enforced" in headers.get("Warning", ""), dict(headers)
             status, body, headers = await post(server, CHAT, chat_body(1, max_tokens=4))

@@ -198,7 +198,9 @@ def test_chat_template_jinja_file_is_loaded_and_wins(tmp_path):
     config.pop("chat_template")
     config_file.write_text(json.dumps(config))
     assert not Tokenizer.from_dir(path).has_chat_template
-    source = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<go>{% endif %}"
+    source = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<go>{% endif %}"
+    )
     (path / "chat_template.jinja").write_text(source)
     tok = Tokenizer.from_dir(path)
     assert tok.has_chat_template
@@ -208,7 +210,9 @@ def test_chat_template_jinja_file_is_loaded_and_wins(tmp_path):
     config["chat_template"] = "STALE"
     config_file.write_text(json.dumps(config))
     assert Tokenizer.from_dir(path).render_chat(messages) == "<user>hi<go>"
-    assert hf_tokenizer(path).apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "<user>hi<go>"
+    assert (
+        hf_tokenizer(path).apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "<user>hi<go>"
+    )
 
 
 def test_no_chat_template_is_a_clear_error(tmp_path):

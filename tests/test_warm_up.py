@@ -74,8 +74,9 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
     loaded = load_model(qwen3_dir)
     cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1], prefill_bucket=8), SPECS)
     recorder = WidthRecorder(load_model(qwen3_dir).model)
-    warmed = Engine(recorder, eos_token_ids=[0, 1], prefill_bucket=8, group_bucket=8, prefill_chunk=64,
-                    compile_decode=False)
+    warmed = Engine(
+        recorder, eos_token_ids=[0, 1], prefill_bucket=8, group_bucket=8, prefill_chunk=64, compile_decode=False
+    )
     shapes = warmed.prefill_shapes(4)
     # one row at 8..64 (the chunk), groups of 2 and 4 rows at 8 and 16
     assert shapes == [(1, 8), (1, 16), (1, 32), (1, 64), (2, 8), (2, 16), (4, 8), (4, 16)]
@@ -84,7 +85,10 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
     assert warmed.active_rows == 0 and warmed.batch_size == 0
     assert generate_tokens(warmed, SPECS) == cold
     assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=0).prefill_shapes(4) == []
-    assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=8).prefill_shapes(2) == [(2, 8), (2, 16)]
+    assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=8).prefill_shapes(2) == [
+        (2, 8),
+        (2, 16),
+    ]
 
 
 async def test_prefill_bucket_flag_reaches_the_engine(qwen3_dir):
@@ -124,9 +128,14 @@ def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir, monkeypatch):
     monkeypatch.setenv("MLX_TRIO_WARM_DECODE_CAPACITY", "600")  # capacities 256 and 512
     loaded = load_model(qwen3_dir)
     cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1]), SPECS)
-    solo_decode = Recorder(load_model(qwen3_dir).model, lambda tokens, caches, kw: (
-        (caches[0].keys.shape[2], caches[0].offset)
-        if tokens.shape[1] == 1 and type(caches[0]) is KVCache and caches[0].keys is not None else None))
+    solo_decode = Recorder(
+        load_model(qwen3_dir).model,
+        lambda tokens, caches, kw: (
+            (caches[0].keys.shape[2], caches[0].offset)
+            if tokens.shape[1] == 1 and type(caches[0]) is KVCache and caches[0].keys is not None
+            else None
+        ),
+    )
     warmed = Engine(solo_decode, eos_token_ids=[0, 1], compile_decode=False)
     warmed.warm_up(2)
     assert (256, 255) in solo_decode.seen and (512, 511) in solo_decode.seen

@@ -5,7 +5,8 @@ Adding a family = one file here that calls `register(...)`, plus its import belo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from model.errors import ModelLoadError
 from model.layers import DecoderArgs
@@ -30,9 +31,7 @@ def supported_model_types() -> list[str]:
 def check_supported(model_type: str) -> ArgsBuilder:
     builder = _FAMILIES.get(model_type)
     if builder is None:
-        raise ModelLoadError(
-            f"unsupported model_type {model_type!r} (supported: {', '.join(supported_model_types())})"
-        )
+        raise ModelLoadError(f"unsupported model_type {model_type!r} (supported: {', '.join(supported_model_types())})")
     return builder
 
 
