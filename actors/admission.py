@@ -22,7 +22,7 @@ import trio
 
 from actors.messages import Abort, Admitted, Control, Enqueue, GenerationRequest, Rejected, Submit
 from actors.policy import AdmissionCeiling, BatchMode, SeedSource, clamp_max_tokens, over_budget_message, place
-from actors.worker_api import RowSpec
+from model.rows import RowSpec
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ import attrs
 import outcome
 import trio
 
-from actors.worker_api import ModelInfo, PrefillProgress, RowOpened, RowSpec, TokenOut
+from actors.worker_api import ModelInfo
+from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
 log = logging.getLogger(__name__)
 

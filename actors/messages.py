@@ -8,17 +8,20 @@ Data flows left → right in the order a request lives:
 
 A per-row channel carries `RowOpened` once (cached-prompt accounting), then `TokenOut`s, or a
 `RowFailed`; the scheduler closing its send end is the end of the row.
+
+A `RequestObserver` rides along with `Submit` and `Enqueue`: each actor tells it what it did to
+the request (request logs, metrics and traces subscribe this way, never by wrapping channels).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import attrs
 import trio
 
-from actors.worker_api import RowOpened, RowSpec, TokenOut
 from model.params import SamplingParams
+from model.rows import RowOpened, RowSpec, TokenOut
 
 Lane = Literal["serial", "batched"]
 
@@ -37,11 +40,66 @@ class GenerationRequest:
     snapshot_at: int | None = None  # template-stable prefix (cache/boundary.py), chat only
 
 
+class RequestObserver(Protocol):
+    """Lifecycle events of one request, told by the actor that caused them. Synchronous and
+    cheap: an observer must never block or raise (it runs inside actor loops)."""
+
+    def submitted(self, prompt: tuple[int, ...]) -> None:
+        """The request actor sent its `Submit`."""
+
+    def decided(self, decision: Admitted | Rejected) -> None:
+        """Admission's answer reached the requester."""
+
+    def left_before_answer(self) -> None:
+        """Admitted, but the requester was gone before the answer reached it."""
+
+    def row_event(self, event: RowEvent) -> None:
+        """The scheduler delivered an event on the row's channel."""
+
+    def row_ended(self) -> None:
+        """The scheduler closed the row's channel: a later abort cuts nothing."""
+
+    def aborted(self) -> None:
+        """The request actor aborted its row (a client disconnect, the shutdown cut-off)."""
+
+    def finished(self, reason: str) -> None:
+        """The text pipeline's finish reason: what the client is told."""
+
+
+class NullObserver:
+    """Observes nothing: a request outside any HTTP request (tests, warm-ups)."""
+
+    def submitted(self, prompt: tuple[int, ...]) -> None:
+        pass
+
+    def decided(self, decision: Admitted | Rejected) -> None:
+        pass
+
+    def left_before_answer(self) -> None:
+        pass
+
+    def row_event(self, event: RowEvent) -> None:
+        pass
+
+    def row_ended(self) -> None:
+        pass
+
+    def aborted(self) -> None:
+        pass
+
+    def finished(self, reason: str) -> None:
+        pass
+
+
+NULL_OBSERVER: RequestObserver = NullObserver()
+
+
 @attrs.frozen(eq=False)
 class Submit:
     request: GenerationRequest
     rows: trio.MemorySendChannel  # per-row channel, handed on to the scheduler
     reply: trio.MemorySendChannel  # buffer 1: Admitted | Rejected
+    observer: RequestObserver = NULL_OBSERVER
 
 
 @attrs.frozen
@@ -66,6 +124,7 @@ class Enqueue:
     spec: RowSpec
     lane: Lane
     rows: trio.MemorySendChannel  # RowEvent items; the scheduler closes it when the row ends
+    observer: RequestObserver = NULL_OBSERVER
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import attrs
 
 from actors.messages import Lane
-from actors.worker_api import RowSpec
+from model.rows import RowSpec
 
 BatchMode = Literal["off", "serial", "batch"]
 

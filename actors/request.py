@@ -34,7 +34,7 @@ from actors.messages import (
     StopRow,
     Submit,
 )
-from actors.worker_api import RowOpened, TokenOut
+from model.rows import RowOpened, TokenOut
 
 # A stream cut by the shutdown deadline ends with this finish_reason: the server's own limit
 # ended it, which is what "length" tells a client, and strict SDK enums accept nothing else.

@@ -30,7 +30,8 @@ import trio
 
 from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow
 from actors.policy import GROUP_MIN_CACHED_TOKENS, LeaveReason, Row, RowTable
-from actors.worker_api import TokenOut, Worker
+from actors.worker_api import Worker
+from model.rows import TokenOut
 
 log = logging.getLogger(__name__)
 

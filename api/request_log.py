@@ -34,7 +34,7 @@ import trio
 from quart import request
 
 from actors.messages import Abort, Admitted, Rejected, RowFailed, Submit
-from actors.worker_api import RowOpened, TokenOut
+from model.rows import RowOpened, TokenOut
 
 log = logging.getLogger("mlx_trio.requests")
 

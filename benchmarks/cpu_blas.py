@@ -69,10 +69,10 @@ def _check_correct(mx, np) -> bool:
 
 def _model_bench(mx, seconds: float, dtype: str) -> dict:
     """Prefill and decode tok/s of a small random model through the real engine."""
-    from actors.worker_api import RowSpec
     from model.engine import Engine
     from model.loader import load_model
     from model.params import SamplingParams
+    from model.rows import RowSpec
     from model.synth import write_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,13 +35,13 @@ preload_optimized_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from actors.worker_api import RowSpec  # noqa: E402
 from benchmarks.serve_bench import SHAPES  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.kv_cache import make_caches  # noqa: E402
 from model.layers import CompiledDecode, _gemv_call, _gemv_kernel, fusion_disabled, gemv_disabled  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
+from model.rows import RowSpec  # noqa: E402
 
 
 def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> tuple[float, dict]:

@@ -27,12 +27,12 @@ try:  # production's CPU BLAS, before anything imports mlx (see model/blas.py)
 except Exception as e:  # noqa: BLE001 - a benchmark still runs on the bundled BLAS
     BLAS = f"BLAS: bundled ({e.__class__.__name__})"
 
-from actors.worker_api import RowSpec  # noqa: E402
 from cache.boundary import stable_prefix_length  # noqa: E402
 from cache.prompt_cache import PromptCache  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
+from model.rows import RowSpec  # noqa: E402
 from model.synth import write_model_dir  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 

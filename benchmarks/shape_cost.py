@@ -95,9 +95,9 @@ def prefill_section(model, vocab: int) -> dict:
 def exact_section(model, vocab: int, gen: int = 24) -> dict:
     """Engine-level: greedy tokens of exact-width solo prefill (the reference, as mlx-lm runs it)
     against bucketed solo prefill and against one group prefill of all rows (bucketed)."""
-    from actors.worker_api import RowSpec
     from model.engine import Engine, decode_to_the_end, generate_tokens
     from model.params import SamplingParams
+    from model.rows import RowSpec
 
     lengths = (37, 70, 77, 100, 129, 200, 64, 5)
     specs = [
@@ -174,10 +174,10 @@ def _timed_prefill(engine, spec) -> tuple:
 def hit_section(model, vocab: int, gen: int = 24) -> dict:
     """After a prompt-cache hit: greedy tokens of the suffix prefilled with fused attention and
     unfused (matmuls) against a cold run, and each one's first-time cost at new offsets."""
-    from actors.worker_api import RowSpec
     from cache.prompt_cache import PromptCache
     from model.engine import Engine, generate_tokens
     from model.params import SamplingParams
+    from model.rows import RowSpec
 
     system = [(13 * j) % (vocab - 10) + 5 for j in range(1000)]
     seed = RowSpec(0, tuple(system + [7, 8]), SamplingParams(), 2)
@@ -213,9 +213,9 @@ def longdecode_section(model, vocab: int, steps: int = 700) -> dict:
     256-token steps — a new graph each time, if the suspicion holds."""
     import statistics
 
-    from actors.worker_api import RowSpec
     from model.engine import Engine
     from model.params import SamplingParams
+    from model.rows import RowSpec
 
     engine = Engine(model, eos_token_ids=[])
     prompt = tuple((7 * j) % (vocab - 10) + 5 for j in range(200))
@@ -240,10 +240,10 @@ def hitshape_section(model, vocab: int) -> dict:
     same prompts again). The engine's defaults (on CUDA: unfused attention after a hit)."""
     import os
 
-    from actors.worker_api import RowSpec
     from cache.prompt_cache import PromptCache
     from model.engine import Engine, generate_tokens
     from model.params import SamplingParams
+    from model.rows import RowSpec
 
     base = [(13 * j) % (vocab - 10) + 5 for j in range(1400)]
     hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 32))
@@ -284,9 +284,9 @@ def capacity_section(model, vocab: int, steps: int = 600) -> dict:
     capacities out of it)."""
     import statistics
 
-    from actors.worker_api import RowSpec
     from model.engine import Engine
     from model.params import SamplingParams
+    from model.rows import RowSpec
 
     engine = Engine(model, eos_token_ids=[])
     out: dict = {}

@@ -36,12 +36,12 @@ except Exception as e:  # noqa: BLE001 - a benchmark still runs on the bundled B
 
 import numpy as np  # noqa: E402
 
-from actors.worker_api import RowSpec  # noqa: E402
 from cache.ssd_store import Identity, SsdStore, model_fingerprint, scheme_key, tokenizer_hash  # noqa: E402
 from cache.tiered import TieredPromptCache  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
+from model.rows import RowSpec  # noqa: E402
 from model.synth import write_model_dir  # noqa: E402
 
 

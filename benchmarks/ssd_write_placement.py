@@ -41,7 +41,6 @@ except Exception as e:  # noqa: BLE001
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from actors.worker_api import RowSpec  # noqa: E402
 from cache.ssd_store import (  # noqa: E402
     PIECE_BYTES,
     Identity,
@@ -54,6 +53,7 @@ from cache.tiered import TieredPromptCache, spill_item  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
+from model.rows import RowSpec  # noqa: E402
 from model.synth import write_model_dir  # noqa: E402
 
 

@@ -32,12 +32,12 @@ preload_optimized_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from actors.worker_api import RowSpec  # noqa: E402
 from model import grammar as grammar_mod  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.grammar import GrammarCompiler  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import Constraint, SamplingParams  # noqa: E402
+from model.rows import RowSpec  # noqa: E402
 from model.synth import write_model_dir  # noqa: E402
 
 SCHEMA = {

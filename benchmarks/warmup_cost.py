@@ -26,10 +26,10 @@ preload_optimized_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from actors.worker_api import RowSpec  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
+from model.rows import RowSpec  # noqa: E402
 
 
 def timed(fn):

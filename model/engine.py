@@ -38,11 +38,10 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from actors.worker_api import PrefillProgress, RowOpened, RowSpec, TokenOut, TopLogprob
-from cache.prompt_cache import PromptCache
-from model.kv_cache import STEP, BatchKVCache, KVCache, make_caches
+from model.kv_cache import STEP, BatchKVCache, KVCache, PrefixCache, make_caches
 from model.layers import CompiledDecode, DecoderModel
 from model.params import SamplingParams
+from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut, TopLogprob
 from model.sampling import RowSampler, logprobs_of, observe_batch
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,7 @@ class Engine:
         eos_token_ids: Iterable[int],
         protected_ids: Iterable[int] = (),
         prefill_chunk: int = 2048,
-        prompt_cache: PromptCache | None = None,
+        prompt_cache: PrefixCache | None = None,
         grammar_compiler: Any = None,  # model.grammar.GrammarCompiler: enforces SamplingParams.constraint
         compile_decode: bool | None = None,
         prefill_bucket: int | None = None,

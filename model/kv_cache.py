@@ -11,7 +11,7 @@ buffers: cheap, and writes to either side never show through to the other.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -238,3 +238,15 @@ class BatchKVCache:
 
 def make_caches(num_layers: int) -> list[KVCache]:
     return [KVCache() for _ in range(num_layers)]
+
+
+class PrefixCache(Protocol):
+    """Where rows' KV is kept between requests (the prompt cache tiers implement it): `take`
+    restores the longest cached prefix of a prompt as clones (None, 0 on a miss); `put` stores
+    caches keyed by exactly the tokens they cover."""
+
+    def take(
+        self, prompt: Sequence[int], namespace: str = "", min_tokens: int = 1
+    ) -> tuple[list[KVCache] | None, int]: ...
+
+    def put(self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "") -> bool: ...

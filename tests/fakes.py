@@ -20,8 +20,9 @@ import trio
 from actors.arrivals import Arrivals
 from actors.messages import Enqueue, Lane
 from actors.scheduler import Scheduler
-from actors.worker_api import ModelInfo, PrefillProgress, RowOpened, RowSpec, TokenOut
+from actors.worker_api import ModelInfo
 from model.params import SamplingParams
+from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
 EOS = 0
 

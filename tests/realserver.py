@@ -24,8 +24,9 @@ import trio
 
 from actors.gpu_worker import GpuWorker
 from actors.root import ServeConfig, ServerHandles, start_actors
-from actors.worker_api import ModelInfo, PrefillProgress, RowOpened, RowSpec, TokenOut
+from actors.worker_api import ModelInfo
 from api.app import create_app
+from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.tokenizer import Tokenizer
 
 CHAT = "/v1/chat/completions"

@@ -36,8 +36,8 @@ import attrs
 import pytest
 import trio
 
-from actors.worker_api import RowSpec
 from model.engine import generate_tokens
+from model.rows import RowSpec
 from tests.realserver import RealServer, real_server, wait_until
 
 LIMIT_S = 240  # a hang fails the test; a slow shared CI core does not

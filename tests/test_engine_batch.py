@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from actors.worker_api import RowSpec
 from model.engine import Engine, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 
 PROMPTS = {
     1: [5, 17, 42, 99, 3, 250, 11, 7],

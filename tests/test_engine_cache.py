@@ -11,12 +11,12 @@ import random
 
 import pytest
 
-from actors.worker_api import RowSpec
 from cache.boundary import stable_prefix_length
 from cache.prompt_cache import PromptCache
 from model.engine import Engine, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 from model.tokenizer import Tokenizer
 
 CHUNK = 64

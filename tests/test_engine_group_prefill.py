@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from actors.worker_api import RowSpec
 from model.engine import Engine, decode_to_the_end, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 
 
 def specs(n: int, max_tokens: int = 12) -> list[RowSpec]:

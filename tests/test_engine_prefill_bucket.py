@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from actors.worker_api import RowSpec
 from cache.prompt_cache import PromptCache
 from model.engine import Engine, decode_to_the_end, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 
 
 class WidthRecorder:

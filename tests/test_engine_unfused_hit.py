@@ -8,12 +8,12 @@ import mlx.core as mx
 import pytest
 
 import model.layers as layers
-from actors.worker_api import RowSpec
 from cache.prompt_cache import PromptCache
 from model import engine as engine_module
 from model.engine import Engine, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

@@ -8,11 +8,11 @@ import pytest
 import trio
 
 from actors.gpu_worker import GpuWorker, WorkerDied
-from actors.worker_api import RowSpec
 from model.engine import Engine, generate_tokens
 from model.errors import ModelLoadError
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 
 PROMPT = (5, 17, 42, 99, 3, 250, 11, 7)
 

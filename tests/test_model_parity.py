@@ -7,10 +7,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from actors.worker_api import RowSpec
 from model.engine import Engine, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 
 PROMPTS = [
     [5, 17, 42, 99, 3, 250, 11, 7],

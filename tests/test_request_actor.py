@@ -10,8 +10,8 @@ import trio
 
 from actors.messages import Admitted, GenerationRequest, RowFailed, Submit
 from actors.request import MAX_TOKENS_PER_TURN, GenerationFailed, RequestActor, RequestPorts
-from actors.worker_api import RowOpened, TokenOut
 from model.params import SamplingParams
+from model.rows import RowOpened, TokenOut
 
 
 class _Admission:

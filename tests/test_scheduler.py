@@ -9,7 +9,7 @@ from __future__ import annotations
 import trio
 
 from actors.messages import Abort, RowFailed, StopRow
-from actors.worker_api import RowOpened, TokenOut
+from model.rows import RowOpened, TokenOut
 from tests.fakes import EOS, FakeWorker, scheduler_harness
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import trio
 
-from actors.worker_api import RowSpec
+from model.rows import RowSpec
 from tests.fakes import FakeWorker
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.worker_api import RowSpec
 from cache.ssd_store import (
     QUARANTINE,
     Identity,
@@ -28,6 +27,7 @@ from cache.tiered import TieredPromptCache
 from model.engine import Engine, generate_tokens
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 
 RNG = np.random.default_rng(7)
 PROMPT = tuple(int(x) for x in RNG.integers(1, 400, 200))

@@ -13,11 +13,11 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from actors.worker_api import RowSpec  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.grammar import GrammarCompiler, GrammarError, RowGrammar, grammar_text, validate  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import Constraint, SamplingParams  # noqa: E402
+from model.rows import RowSpec  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMA = {

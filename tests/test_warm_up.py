@@ -6,11 +6,11 @@ from __future__ import annotations
 import trio
 
 from actors.gpu_worker import GpuWorker
-from actors.worker_api import RowSpec
 from model.engine import Engine, generate_tokens
 from model.kv_cache import KVCache
 from model.loader import load_model
 from model.params import SamplingParams
+from model.rows import RowSpec
 
 SPECS = [RowSpec(i, (5 + i, 17, 42, 99, 3, 250 - i, 11, 7), SamplingParams(), 10) for i in range(1, 4)]
 

@@ -1,0 +1,56 @@
+"""The plain values of a row's life: what the scheduler asks of the engine and what comes back.
+
+The scheduler (trio side) and the engine (MLX side) speak only in these: token ids, counts and
+sampling values, never MLX arrays, so they cross the GPU-worker's thread boundary as they are.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from model.params import SamplingParams
+
+
+@attrs.frozen
+class RowSpec:
+    row_id: int
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    namespace: str = ""  # prompt-cache namespace (adapter ids; "" = base model)
+    # Template-stable prefix length (cache/boundary.py): the engine snapshots the KV there so the
+    # next turn of the conversation hits. None = no snapshot.
+    snapshot_at: int | None = None
+    # A cached prefix shorter than this is not restored: the scheduler asks for it when it opens
+    # rows to prefill together, where a short hit would only keep the row out of the group.
+    min_cached_tokens: int = 1
+
+
+@attrs.frozen
+class RowOpened:
+    row_id: int
+    cached_tokens: int  # prompt tokens restored from the prompt cache
+    to_prefill: int  # prompt tokens still to forward before token 0 (excludes the last token)
+
+
+@attrs.frozen
+class PrefillProgress:
+    row_id: int
+    done: int  # prompt tokens whose KV is now in the row's cache
+    remaining: int  # 0 => the row is ready to join
+
+
+@attrs.frozen
+class TopLogprob:
+    token: int
+    logprob: float
+
+
+@attrs.frozen
+class TokenOut:
+    row_id: int
+    token: int
+    # None while the row continues; "stop" on an EOS token; "length" when max_tokens is reached.
+    finish: str | None = None
+    logprob: float | None = None  # only when the row asked for logprobs
+    top_logprobs: tuple[TopLogprob, ...] = ()
