@@ -26,15 +26,17 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-import attrs
 import trio
 
 from actors.admission import Admission
 from actors.arrivals import Arrivals
+from actors.handles import ServerHandles, sampling_defaults_for
 from actors.messages import Control, Submit
-from actors.policy import AdmissionCeiling, BatchMode, admission_ceiling, batch_mode, memory_budget_bytes
+from actors.options import ServeConfig
+from actors.policy import admission_ceiling, batch_mode, memory_budget_bytes
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
+from actors.shutdown import Shutdown
 from actors.worker_api import ModelInfo, Worker
 from model.params import SamplingParams
 
@@ -58,142 +60,6 @@ responses are done (hypercorn.trio.serve with its graceful timeout, or a test do
 
 class RunnableWorker(Worker, Protocol):
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = ...) -> None: ...
-
-
-@attrs.frozen
-class ServeConfig:
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8080
-    batch: int = 8
-    max_tokens: int | None = None  # server default for requests that name none
-    memory_budget_gb: float | None = None
-    max_queue: int = 256
-    shutdown_timeout: float = 30.0
-    prompt_cache_gb: float = 8.0  # RAM prompt cache cap in GiB; 0 disables it
-    # Issue 7 (cache SSD tier): --ssd-cache DIR (requires the RAM tier) and its knobs.
-    ssd_cache_dir: str | None = None
-    ssd_cache_max_gb: float = 32.0  # GiB
-    ssd_spill_queue_gb: float = 2.0  # GiB of write-behind clones; 0 = newest + in-flight only
-    ssd_demote_idle_s: float = 300.0  # 0 = off
-    ssd_verify: bool = True  # tensor hashes checked on restore (--no-ssd-verify skips)
-    # Issue 9 (api/security.py, api/request_log.py): auth, CORS, limits, logs.
-    api_key: str | None = None  # required on /v1/* (Bearer or x-api-key) when set
-    admin_token: str | None = None  # lets non-loopback clients call /admin/*
-    cors_origins: tuple[str, ...] = ()  # empty: CORS off; "*" allows any origin
-    max_body_mb: float = 16.0  # request body cap in MiB (413 above); 0 = no cap
-    log_prompts: bool = False  # put the prompt text in the per-request log line
-    idle_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (hypercorn)
-    # Server-wide sampling defaults (--temp, --top-p, --top-k, --min-p); None = not set, so the
-    # checkpoint's generation_config.json value (or the fallback) applies.
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    # Decode batch sizes 1..batch are met once before serving: "auto" on a GPU, "on", "off".
-    warm_up: str = "auto"
-    # Simultaneous short arrivals prefilled in one forward: "auto" (= on), "on", "off".
-    group_prefill: str = "auto"
-    # A request's prefill right-padded to a multiple of this many tokens (0 = exact widths).
-    prefill_bucket: int = 0
-    # A joiner's prefill chunk while other rows decode: None = DECODING_PREFILL_CHUNK on CPU and
-    # the full chunk on a GPU (unmeasured there); 0 = always the full chunk.
-    decoding_prefill_chunk: int | None = None
-    # With group prefill, how long a queue head may wait for requests still on their way in.
-    arrival_window_ms: float = 10.0
-
-
-@attrs.define
-class Shutdown:
-    """Set by the signal watcher (or a test): first `requested`, on a second signal `now`."""
-
-    requested: trio.Event = attrs.Factory(trio.Event)
-    now: trio.Event = attrs.Factory(trio.Event)
-    requested_at: float | None = None
-
-    def request(self) -> None:
-        if not self.requested.is_set():
-            self.requested_at = trio.current_time()
-            self.requested.set()
-        else:
-            self.now.set()
-
-
-@attrs.define(eq=False)
-class ServerHandles:
-    """Everything the HTTP app may touch; built by `start_actors`."""
-
-    config: ServeConfig
-    info: ModelInfo
-    tokenizer: Any
-    make_sink: Callable[..., Any]  # (detokenizer, *, stop, think) -> CompletionSink
-    mode: BatchMode
-    ceiling: AdmissionCeiling
-    ports: RequestPorts
-    admission: Admission
-    scheduler: Scheduler
-    arrivals: Arrivals = attrs.Factory(Arrivals)  # generation routes count themselves in here
-    sampling_defaults: SamplingParams = SamplingParams()
-    started_at: float = attrs.Factory(time.time)
-    # The worker's PromptCache (mutated on the MLX thread; /stats only reads its ints), or None.
-    prompt_cache: Any = None
-    # The GPU worker (its `alive` flag drives /health's 503), or None.
-    worker: Any = None
-    # actors.durability.SsdTier when --ssd-cache is on and the store opened, else None.
-    ssd: Any = None
-
-    async def flush_cache(self) -> Any:
-        """POST /admin/cache/flush: an actors.messages.FlushResult (durable zeros without SSD)."""
-        from actors.messages import FlushResult
-
-        return FlushResult(durable=True) if self.ssd is None else await self.ssd.flush()
-
-    def stats(self) -> dict[str, Any]:
-        sched = self.scheduler
-        return {
-            "server": {"model": self.info.name, "started_at": int(self.started_at), "device": self.info.device},
-            "admission": {
-                "max_safe_context": self.ceiling.max_safe_context,
-                "memory_budget_bytes": self.ceiling.memory_budget_bytes,
-                "usable_bytes": self.ceiling.usable_bytes,
-                "weights_bytes": self.ceiling.weights_bytes,
-                "max_queue": self.admission.max_queue,
-                "accepting": not self.admission.closed,
-                "in_flight": self.admission.in_flight,
-                **attrs.asdict(self.admission.counters),
-            },
-            "batch": {
-                "configured": self.config.batch,
-                "mode": self.mode,
-                "batched": self.mode == "batch",
-                "active_rows": sched.active_rows,
-                "pending_rows": len(sched.table.queue),
-                "draining": sched.table.draining,
-                **attrs.asdict(sched.counters),
-                # (row id, reached the queue [ms, server clock], waited [ms], opened with N rows)
-                "recent_opens": [(i, round(t * 1e3, 1), round(w * 1e3, 2), n) for i, t, w, n in sched.recent_opens],
-            },
-            "prompt_cache": (
-                {"enabled": True, **self.prompt_cache.stats()}
-                if self.prompt_cache is not None
-                else {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
-            ),
-            **({"ssd_cache": self.ssd.stats()} if self.ssd is not None else {}),
-            **({"worker": times.snapshot()} if (times := getattr(self.worker, "times", None)) is not None else {}),
-        }
-
-
-def sampling_defaults_for(
-    config: ServeConfig, info: ModelInfo, base: SamplingParams = SamplingParams()
-) -> SamplingParams:
-    """request > server flag > generation_config.json > fallback; this builds the last three."""
-    fields = attrs.fields_dict(SamplingParams)
-    values = {k: v for k, v in info.generation_defaults if k in fields}
-    for key in ("temperature", "top_p", "top_k", "min_p"):
-        flag = getattr(config, key)
-        if flag is not None:
-            values[key] = flag
-    return attrs.evolve(base, **{k: type(getattr(base, k))(v) for k, v in values.items()})
 
 
 def default_sink_factory() -> Callable[..., Any]:

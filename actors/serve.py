@@ -223,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _main(args: argparse.Namespace) -> int:
     import trio
 
-    from actors.root import HTTP_GRACE_MARGIN_S, ServeConfig, Shutdown, run_server
+    from actors.options import ServeConfig
+    from actors.root import HTTP_GRACE_MARGIN_S, run_server
+    from actors.shutdown import Shutdown
     from api.security import parse_origins
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -9,7 +9,7 @@ imported, and cannot be unloaded): `MLX_TRIO_BLAS=off`, the default search, and 
 `--blas PATH`. Every worker first checks an MLX fp32 matmul against numpy (allclose).
 Reports fp32 GFLOP/s for a 1024^3 GEMM, the decode-shaped [1,1024]x[1024,4096] matmul in
 both weight layouts (`x @ W` and nn.Linear's `x @ W.T`), [8,1024]x[1024,4096]^T, and, when
-model.synth / model.loader are importable, prefill and decode tok/s of a small random
+tests.fixtures.synth / model.loader are importable, prefill and decode tok/s of a small random
 float32 model (hidden 512, 4 layers). Timings are best-of-N, since small shared VMs are noisy.
 """
 
@@ -73,7 +73,7 @@ def _model_bench(mx, seconds: float, dtype: str) -> dict:
     from model.loader import load_model
     from model.params import SamplingParams
     from model.rows import RowSpec
-    from model.synth import write_model_dir
+    from tests.fixtures.synth import write_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_model_dir(

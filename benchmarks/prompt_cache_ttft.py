@@ -33,8 +33,8 @@ from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402
-from model.synth import write_model_dir  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
+from tests.fixtures.synth import write_model_dir  # noqa: E402
 
 
 def ttft(engine: Engine, row_id: int, prompt: list[int], snapshot_at: int | None = None) -> tuple[float, int, int]:

@@ -54,7 +54,7 @@ from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402
-from model.synth import write_model_dir  # noqa: E402
+from tests.fixtures.synth import write_model_dir  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -38,7 +38,7 @@ from model.grammar import GrammarCompiler  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import Constraint, SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402
-from model.synth import write_model_dir  # noqa: E402
+from tests.fixtures.synth import write_model_dir  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from model import synth
+from tests.fixtures import synth
 
 
 def _fast_tensors(plan: Any, rng: Any) -> dict[str, mx.array]:

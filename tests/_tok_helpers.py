@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from model.synth_tokenizer import write_tokenizer_files
+from tests.fixtures.synth_tokenizer import write_tokenizer_files
 
 # The oracle must never reach for the network, even if a test passes a name by mistake.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from model.synth import write_model_dir
+from tests.fixtures.synth import write_model_dir
 
 
 @pytest.fixture(scope="session")

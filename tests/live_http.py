@@ -18,7 +18,9 @@ from typing import Any
 import trio
 
 from actors.gpu_worker import GpuWorker
-from actors.root import ServeConfig, Shutdown, run_server
+from actors.options import ServeConfig
+from actors.root import run_server
+from actors.shutdown import Shutdown
 from model.tokenizer import Tokenizer
 
 SHUTDOWN_TIMEOUT_S = 5

@@ -23,7 +23,9 @@ import attrs
 import trio
 
 from actors.gpu_worker import GpuWorker
-from actors.root import ServeConfig, ServerHandles, start_actors
+from actors.handles import ServerHandles
+from actors.options import ServeConfig
+from actors.root import start_actors
 from actors.worker_api import ModelInfo
 from api.app import create_app
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut

@@ -9,6 +9,7 @@ import trio
 
 from actors.admission import Admission
 from actors.messages import Abort, Admitted, Enqueue, GenerationRequest, Rejected, Submit
+from actors.options import ServeConfig
 from actors.policy import (
     PREFILL_TRANSIENT_BYTES,
     SeedSource,
@@ -18,7 +19,7 @@ from actors.policy import (
     memory_budget_bytes,
     place,
 )
-from actors.root import ServeConfig, start_actors
+from actors.root import start_actors
 from model.params import SamplingParams
 from tests.fakes import FakeTokenizer, FakeWorker
 

@@ -13,8 +13,9 @@ import pydantic
 import pytest
 import trio
 
+from actors.options import ServeConfig
 from actors.policy import PREFILL_TRANSIENT_BYTES
-from actors.root import ServeConfig, start_actors
+from actors.root import start_actors
 from api import anthropic_routes
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker, token_text

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from actors.gpu_worker import GpuWorker
-from model.synth import write_scripted_model_dir
 from model.tokenizer import Tokenizer
+from tests.fixtures.synth import write_scripted_model_dir
 from tests.live_http import serve_in_thread
 
 anthropic = pytest.importorskip("anthropic")

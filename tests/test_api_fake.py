@@ -7,8 +7,9 @@ from contextlib import asynccontextmanager
 
 import trio
 
+from actors.options import ServeConfig
 from actors.policy import PREFILL_TRANSIENT_BYTES
-from actors.root import ServeConfig, start_actors
+from actors.root import start_actors
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
 

@@ -11,7 +11,9 @@ from functools import partial
 import pytest
 import trio
 
-from actors.root import HTTP_GRACE_MARGIN_S, ServeConfig, Shutdown, run_server
+from actors.options import ServeConfig
+from actors.root import HTTP_GRACE_MARGIN_S, run_server
+from actors.shutdown import Shutdown
 from tests.fakes import FakeTokenizer
 from tests.test_shutdown import fake_http, names, order_is, streamer
 from tests.test_ssd_fakes import FakeStore, SsdFakeWorker

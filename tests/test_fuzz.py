@@ -42,7 +42,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
-from actors.root import ServeConfig, start_actors
+from actors.options import ServeConfig
+from actors.root import start_actors
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker
 

@@ -12,7 +12,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.root import ServeConfig, start_actors
+from actors.options import ServeConfig
+from actors.root import start_actors
 from api.app import create_app
 from api.metrics import Metrics, token_buckets
 from tests.fakes import FakeTokenizer, FakeWorker

@@ -22,8 +22,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from model.synth import write_scripted_model_dir  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
+from tests.fixtures.synth import write_scripted_model_dir  # noqa: E402
 from tests.live_http import serve_in_thread  # noqa: E402
 
 WEATHER_ARGS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

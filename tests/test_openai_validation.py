@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import trio
 
-from actors.root import ServeConfig, start_actors
+from actors.options import ServeConfig
+from actors.root import start_actors
 from api.app import create_app
 from api.openai_routes import REASONING_EFFORT_MESSAGE
 from model.params import SamplingParams

@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from actors.root import ServeConfig, start_actors
+from actors.options import ServeConfig
+from actors.root import start_actors
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from actors.root import ServeConfig, sampling_defaults_for
+from actors.handles import sampling_defaults_for
+from actors.options import ServeConfig
 from actors.worker_api import ModelInfo
 from model.params import SamplingParams
 

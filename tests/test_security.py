@@ -8,7 +8,8 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from actors.root import ServeConfig, start_actors
+from actors.options import ServeConfig
+from actors.root import start_actors
 from api.app import create_app
 from api.security import SecurityOptions, check_access, is_loopback, parse_origins, presented_credentials
 from tests.fakes import FakeTokenizer, FakeWorker

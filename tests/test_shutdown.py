@@ -9,7 +9,9 @@ from functools import partial
 
 import trio
 
-from actors.root import HTTP_GRACE_MARGIN_S, ServeConfig, Shutdown, run_server
+from actors.options import ServeConfig
+from actors.root import HTTP_GRACE_MARGIN_S, run_server
+from actors.shutdown import Shutdown
 from tests.fakes import FakeTokenizer, FakeWorker
 
 

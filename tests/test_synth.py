@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from model.demo import DEMO_MODEL_NAME, DEMO_SCRIPT, ensure_demo_model, write_demo_model
-from model.synth import write_model_dir, write_scripted_model_dir
+from tests.fixtures.synth import write_model_dir, write_scripted_model_dir
 
 PROMPTS = ("Hello, how are you?", "Write a poem about the sea.", "What is 2 + 2?")
 

@@ -8,8 +8,8 @@ import pytest
 from _tok_helpers import SAMPLE_TEXTS, hf_tokenizer, make_tokenizer_dir
 
 from model.chat_template import TemplateError
-from model.synth_tokenizer import write_tokenizer_files
 from model.tokenizer import Tokenizer
+from tests.fixtures.synth_tokenizer import write_tokenizer_files
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there 😀"}]
 FLAVOURS = [("bpe", "chatml"), ("bpe", "llama3"), ("spm", "chatml"), ("spm", "llama3")]

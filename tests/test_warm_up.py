@@ -92,7 +92,7 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
 
 
 async def test_prefill_bucket_flag_reaches_the_engine(qwen3_dir):
-    from actors.root import ServeConfig
+    from actors.options import ServeConfig
     from actors.serve import _load_plan, parse_args
 
     args = parse_args(["--prefill-bucket", "16"])

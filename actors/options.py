@@ -1,0 +1,52 @@
+"""Every serving choice, as one options object built from the command line (actors/serve.py).
+
+Nothing in the server reads the environment for its behaviour: the only environment variables
+are secrets and deployment paths (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class ServeConfig:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    batch: int = 8
+    max_tokens: int | None = None  # server default for requests that name none
+    memory_budget_gb: float | None = None
+    max_queue: int = 256
+    shutdown_timeout: float = 30.0
+    prompt_cache_gb: float = 8.0  # RAM prompt cache cap in GiB; 0 disables it
+    # Issue 7 (cache SSD tier): --ssd-cache DIR (requires the RAM tier) and its knobs.
+    ssd_cache_dir: str | None = None
+    ssd_cache_max_gb: float = 32.0  # GiB
+    ssd_spill_queue_gb: float = 2.0  # GiB of write-behind clones; 0 = newest + in-flight only
+    ssd_demote_idle_s: float = 300.0  # 0 = off
+    ssd_verify: bool = True  # tensor hashes checked on restore (--no-ssd-verify skips)
+    # Issue 9 (api/security.py, api/request_log.py): auth, CORS, limits, logs.
+    api_key: str | None = None  # required on /v1/* (Bearer or x-api-key) when set
+    admin_token: str | None = None  # lets non-loopback clients call /admin/*
+    cors_origins: tuple[str, ...] = ()  # empty: CORS off; "*" allows any origin
+    max_body_mb: float = 16.0  # request body cap in MiB (413 above); 0 = no cap
+    log_prompts: bool = False  # put the prompt text in the per-request log line
+    idle_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (hypercorn)
+    # Server-wide sampling defaults (--temp, --top-p, --top-k, --min-p); None = not set, so the
+    # checkpoint's generation_config.json value (or the fallback) applies.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    # Decode batch sizes 1..batch are met once before serving: "auto" on a GPU, "on", "off".
+    warm_up: str = "auto"
+    # Simultaneous short arrivals prefilled in one forward: "auto" (= on), "on", "off".
+    group_prefill: str = "auto"
+    # A request's prefill right-padded to a multiple of this many tokens (0 = exact widths).
+    prefill_bucket: int = 0
+    # A joiner's prefill chunk while other rows decode: None = DECODING_PREFILL_CHUNK on CPU and
+    # the full chunk on a GPU (unmeasured there); 0 = always the full chunk.
+    decoding_prefill_chunk: int | None = None
+    # With group prefill, how long a queue head may wait for requests still on their way in.
+    arrival_window_ms: float = 10.0

@@ -1,0 +1,150 @@
+"""The shape of the house, checked from the source: one-way layers, no import cycles, small modules.
+
+Layers import one way: model <- cache <- actors <- api. Only the composition root
+(actors/serve.py, actors/root.py) may reach up into api. Every import counts, a function-level
+one included; only imports under `if TYPE_CHECKING:` are left out (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("model", "cache", "actors", "api")
+LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
+COMPOSITION_ROOT = {"actors.serve", "actors.root"}
+MAX_MODULE_LINES = 500
+MAX_FAMILY_LINES = 250
+# The only environment variables shipped code reads: secrets and deployment paths (docs/operations.md).
+DEPLOYMENT_VARIABLES = {"MLX_TRIO_API_KEY", "MLX_TRIO_ADMIN_TOKEN", "MLX_TRIO_CACHE"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported(module: str, path: Path) -> set[str]:
+    """The project modules `module` imports (a `from pkg import name` names pkg.name when that is a module)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".")
+                if path.name != "__init__.py":
+                    package = package[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join([*package, *([base] if base else [])])
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in MODULES else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    out = set()
+    for name in found:
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.add(name)
+    return out
+
+
+GRAPH = {module: _imported(module, path) for module, path in MODULES.items()}
+
+
+def test_layers_import_one_way() -> None:
+    upward = []
+    for module, imports in GRAPH.items():
+        layer = LAYER[module.split(".")[0]]
+        for target in sorted(imports):
+            if LAYER[target.split(".")[0]] > layer and module not in COMPOSITION_ROOT:
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_no_import_cycles() -> None:
+    # Tarjan's strongly connected components over the module graph.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in GRAPH[node]:
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(GRAPH):
+        if module not in index:
+            connect(module)
+    assert cycles == []
+
+
+def test_the_checks_see_real_imports() -> None:
+    """Guards the guard: the parser finds imports known to exist, so an empty result above means something."""
+    assert "model.kv_cache" in GRAPH["model.engine"]
+    assert "actors.messages" in GRAPH["actors.scheduler"]
+    assert any(target.startswith("api.") for target in GRAPH["actors.root"])
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_stay_small(module: str) -> None:
+    path = MODULES[module]
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    limit = MAX_FAMILY_LINES if module.startswith("model.families.") else MAX_MODULE_LINES
+    assert lines <= limit, f"{path.relative_to(ROOT)} has {lines} lines (limit {limit})"
+
+
+def test_shipped_code_reads_only_deployment_variables() -> None:
+    names = set()
+    for path in MODULES.values():
+        names |= set(re.findall(r"MLX_[A-Z0-9_]+", path.read_text(encoding="utf-8")))
+    assert names <= DEPLOYMENT_VARIABLES, sorted(names - DEPLOYMENT_VARIABLES)
