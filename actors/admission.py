@@ -2,8 +2,9 @@
 
 Inbound:  `submits` — `Submit` from request actors (unbounded; the wait-queue bound is a policy
           decision answered with 503, not channel backpressure).
-Outbound: `scheduler` — `Enqueue` for each admitted request, `Abort` when its requester vanished
-          before reading the reply; each `Submit.reply` — one `Admitted` or `Rejected`.
+Outbound: `scheduler` — `Enqueue` for each admitted request (carrying the request's observer),
+          `Abort` when its requester vanished before reading the reply; each `Submit.reply` —
+          one `Admitted` or `Rejected`, then the request's observer is told what happened.
 
 It also owns the shutdown gate: once `close()` runs, every new request is refused with 503 and
 every in-flight request's waits are cut at the shutdown deadline, so its stream can end with a
@@ -61,8 +62,6 @@ class Admission:
         self.cutoff = math.inf  # trio time at which in-flight requests are cut
         self._cutoff_scopes: set[trio.CancelScope] = set()
         self.in_flight = 0
-        self._all_done = trio.Event()
-        self._all_done.set()
 
     async def run(
         self,
@@ -86,12 +85,17 @@ class Admission:
                 namespace=request.namespace,
                 snapshot_at=request.snapshot_at,
             )
-            self._scheduler.send_nowait(Enqueue(spec=spec, lane=decision.lane, rows=submit.rows))
+            self._scheduler.send_nowait(
+                Enqueue(spec=spec, lane=decision.lane, rows=submit.rows, observer=submit.observer)
+            )
         try:
             submit.reply.send_nowait(decision)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if isinstance(decision, Admitted):
+                submit.observer.left_before_answer()
                 self._scheduler.send_nowait(Abort(decision.row_id))
+            return
+        submit.observer.decided(decision)
 
     def decide(self, request: GenerationRequest) -> Admitted | Rejected:
         if self.closed:
@@ -142,14 +146,6 @@ class Admission:
 
     def request_started(self) -> None:
         self.in_flight += 1
-        if self.in_flight == 1:
-            self._all_done = trio.Event()
 
     def request_ended(self) -> None:
         self.in_flight -= 1
-        if self.in_flight == 0:
-            self._all_done.set()
-
-    async def wait_idle(self) -> None:
-        """Until no admitted request is in flight."""
-        await self._all_done.wait()

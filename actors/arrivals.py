@@ -8,6 +8,9 @@ the two cases apart and holds such a head for at most its arrival window.
 A route counts itself from its first line until admission has answered it. Admission sends the
 row's Enqueue before its answer, so by the time a count drops the row is in the scheduler's inbox
 (or the request was refused, or never got that far: a 400, a disconnect mid-body).
+
+No channels: a plain counter on the event loop, entered by the routes (`arriving()`), read by
+the scheduler (`pending`), which `on_settled` nudges each time an arrival settles.
 """
 
 from __future__ import annotations

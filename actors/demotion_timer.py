@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
 
 from actors.spill_queue import SpillQueue
+from cache.spill_item import SpillItem
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,9 @@ MIN_INTERVAL_S = 30.0
 
 
 class DemotionPort(Protocol):
-    async def demote_idle(self, idle_s: float) -> list[Any]: ...
+    """The GPU worker as demotion sees it: frees idle RAM entries, returns those the SSD lacks."""
+
+    async def demote_idle(self, idle_s: float) -> list[SpillItem]: ...
 
 
 @attrs.define

@@ -1,4 +1,4 @@
-"""Durability actor: write-behind of every RAM prompt-cache put to the SSD tier (spec §1.14).
+"""Durability actor: write-behind of every RAM prompt-cache put to the SSD tier.
 
 Inbound:  `inbox` — `MarkDirty(namespace, tokens)` from the GPU worker's PromptCache.put hook
           (unbounded; the worker thread posts with `send_nowait` through the trio token).
@@ -18,13 +18,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import trio
 
+from actors.demotion_timer import DemotionPort, DemotionTimer
 from actors.messages import FlushResult, MarkDirty
 from actors.spill_queue import SpillQueue
+from cache.spill_item import SpillItem
+from cache.ssd_store import SsdStore
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +43,36 @@ Key = tuple[str, tuple[int, ...]]
 class DurabilityPort(Protocol):
     """What durability needs from the GPU worker and the store."""
 
-    async def snapshot(self, tokens: Sequence[int], namespace: str) -> Any | None: ...
+    async def snapshot(self, tokens: Sequence[int], namespace: str) -> SpillItem | None: ...
 
     def has_durable_prefix(self, tokens: Sequence[int], namespace: str) -> bool: ...
+
+
+class TierCounters(Protocol):
+    """The tiered prompt cache's counters /stats reports (plain ints written on the worker thread)."""
+
+    @property
+    def restores(self) -> int: ...
+
+    @property
+    def restore_ms_last(self) -> float: ...
+
+    @property
+    def demotions(self) -> int: ...
+
+
+class SsdWorker(DurabilityPort, DemotionPort, Protocol):
+    """A GPU worker that opened an SSD store (actors.gpu_worker.GpuWorker with --ssd-cache)."""
+
+    @property
+    def ssd_store(self) -> SsdStore | None: ...
+
+    @property
+    def prompt_cache(self) -> TierCounters: ...
+
+    async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any: ...
+
+    def set_put_listener(self, listener: Callable[[str, tuple[int, ...]], None] | None) -> None: ...
 
 
 @attrs.define
@@ -314,12 +344,12 @@ class Durability:
 class SsdTier:
     """The SSD tier's actors and their sources, for the root, /stats and the flush route."""
 
-    worker: Any  # GpuWorker: snapshot / demote_idle / has_durable_prefix / run_exclusive
-    store: Any  # cache.ssd_store.SsdStore
-    cache: Any  # cache.tiered.TieredPromptCache (worker-thread ints, read-only here)
+    worker: SsdWorker
+    store: SsdStore
+    cache: TierCounters  # cache.tiered.TieredPromptCache (worker-thread ints, read-only here)
     spills: SpillQueue
     durability: Durability
-    demotion: Any = None  # actors.demotion_timer.DemotionTimer, or None (--ssd-demote-idle 0)
+    demotion: DemotionTimer | None = None  # None with --ssd-demote-idle 0
 
     async def quiesce(self) -> None:
         """Wait for every worker job already asked for (a finished row's close_row put), then
@@ -345,10 +375,10 @@ class SsdTier:
             "entries": len(store),
             "bytes": store.nbytes,
             "max_bytes": store.max_bytes,
-            "restores": getattr(self.cache, "restores", 0),
+            "restores": self.cache.restores,
             "spills": store.stats.writes,
-            "restore_ms_last": round(getattr(self.cache, "restore_ms_last", 0.0)),
-            "demotions": getattr(self.cache, "demotions", 0),
+            "restore_ms_last": round(self.cache.restore_ms_last),
+            "demotions": self.cache.demotions,
             "pending_snapshots": self.durability.pending_snapshots,
             "pending_spills": spills.pending,
             "pending_spill_bytes": spills.pending_bytes,
@@ -364,7 +394,7 @@ class SsdTier:
 
 async def start_ssd_tier(
     nursery: trio.Nursery,
-    worker: Any,
+    worker: object,
     *,
     busy: Callable[[], bool],
     spill_queue_bytes: int,
@@ -374,22 +404,27 @@ async def start_ssd_tier(
     store = getattr(worker, "ssd_store", None)
     if store is None:
         return None
-    from actors.demotion_timer import DemotionTimer
+    tier_worker = cast(SsdWorker, worker)  # a worker that opened a store serves the SSD surface
 
     # A store may bring its own blocking-call runner (test doubles run inline on virtual time).
     spills = SpillQueue(
         store, cap_bytes=spill_queue_bytes, idle=lambda: not busy(), run_blocking=getattr(store, "run_blocking", None)
     )
     await nursery.start(spills.run)
-    durability = Durability(worker, spills, busy=busy)
+    durability = Durability(tier_worker, spills, busy=busy)
     await nursery.start(durability.run)
-    worker.set_put_listener(durability.listener)
+    tier_worker.set_put_listener(durability.listener)
     demotion = None
     if demote_idle_s > 0:
-        demotion = DemotionTimer(worker, spills, busy=busy, idle_s=demote_idle_s)
+        demotion = DemotionTimer(tier_worker, spills, busy=busy, idle_s=demote_idle_s)
         await nursery.start(demotion.run)
     return SsdTier(
-        worker=worker, store=store, cache=worker.prompt_cache, spills=spills, durability=durability, demotion=demotion
+        worker=tier_worker,
+        store=store,
+        cache=tier_worker.prompt_cache,
+        spills=spills,
+        durability=durability,
+        demotion=demotion,
     )
 
 

@@ -1,9 +1,10 @@
 """GPU-worker actor: the only owner of MLX objects.
 
 Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `join`,
-`join_group`, `step`, `close_row`, and
-`run_exclusive` for cache maintenance), each an awaited method that puts a `_Job` on the worker's
-job queue. Outbound: each job's result (or exception) on that job's reply channel.
+`join_group`, `step`, `close_row`) and from the SSD tier (`run_exclusive`, `snapshot`,
+`demote_idle`), each an awaited method that puts a `_Job` on the worker's thread-safe job queue.
+Outbound: each job's result (or exception) on that job's reply channel (buffer 1); with the SSD
+tier, every prompt-cache put is posted to the put listener (durability's `MarkDirty`).
 
 Neither direction makes the MLX thread wait for the trio thread: jobs arrive on a thread-safe
 queue (the worker blocks on it with the GIL released) and replies are posted with
@@ -22,23 +23,33 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import outcome
 import trio
 
 from actors.worker_api import ModelInfo
+from model.options import EngineOptions
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
+
+if TYPE_CHECKING:  # these import MLX: only ever on the worker's thread
+    from cache.prompt_cache import PromptCache
+    from cache.spill_item import SpillItem
+    from cache.ssd_store import SsdStore
+    from cache.tiered import TieredPromptCache
+    from model.engine import Engine
+    from model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
 class _Job:
-    fn: Callable[[Any], Any]
+    fn: Callable[[Engine], Any]
     reply: trio.MemorySendChannel
     kind: str = "other"  # what /stats counts its time under
     abandoned: bool = False  # its caller was cancelled before the worker took it: skip it
@@ -80,7 +91,7 @@ class GpuWorker:
         model_dir: Path,
         *,
         name: str | None = None,
-        prefill_chunk: int = 2048,
+        engine_options: EngineOptions = EngineOptions(),
         eos_token_ids: Iterable[int] | None = None,
         protected_ids: Iterable[int] = (),
         prompt_cache_bytes: int = 0,
@@ -89,27 +100,26 @@ class GpuWorker:
         ssd_verify: bool = True,
         warm_up_batch: int = 0,
         warm_up: str = "auto",
-        prefill_bucket: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         # Decode batch sizes 1..warm_up_batch are met once before serving ("auto": on a GPU only,
         # where a new shape's first step stalls live streams; "on" / "off" force it).
         self.warm_up_batch = warm_up_batch
         self.warm_up = warm_up
-        self.prefill_bucket = prefill_bucket  # None: the engine's default (64 on a GPU, else 0)
+        self.engine_options = engine_options
         self.times = WorkerTimes()
         self.name = name
-        self.prefill_chunk = prefill_chunk
         self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
         self._protected = frozenset(protected_ids)
         self.prompt_cache_bytes = max(0, int(prompt_cache_bytes))
         # Read from the trio side for /stats: plain ints only, so no lock is needed.
-        self.prompt_cache = None
-        # SSD tier (issue 7): built on the MLX thread with the RAM tier; None when off or unusable.
+        self.prompt_cache: PromptCache | None = None
+        self._tiered: TieredPromptCache | None = None
+        # SSD tier: built on the MLX thread with the RAM tier; None when off or unusable.
         self.ssd_cache_dir = None if ssd_cache_dir is None else Path(ssd_cache_dir)
         self.ssd_cache_max_bytes = int(ssd_cache_max_bytes)
         self.ssd_verify = ssd_verify
-        self.ssd_store = None
+        self.ssd_store: SsdStore | None = None
         self._put_listener: Callable[[str, tuple[int, ...]], None] | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None ends the loop
@@ -118,8 +128,13 @@ class GpuWorker:
         self.thread_ident: int | None = None
         self._current_reply: trio.MemorySendChannel | None = None
 
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per prefill forward (the root sizes group prefills by it)."""
+        return self.engine_options.prefill_chunk
+
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
-        self._trio_token = trio.lowlevel.current_trio_token()
+        self._trio_token = token = trio.lowlevel.current_trio_token()
         finished = trio.Event()
         ended: list[outcome.Outcome] = []
 
@@ -135,7 +150,7 @@ class GpuWorker:
             except Exception:
                 log.debug("mx.clear_streams failed", exc_info=True)
             try:
-                self._trio_token.run_sync_soon(finished.set)
+                token.run_sync_soon(finished.set)
             except trio.RunFinishedError:
                 pass
 
@@ -180,8 +195,8 @@ class GpuWorker:
         loaded = load_model(self.model_dir, name=self.name)
         eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
         if self.prompt_cache_bytes > 0:
-            tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
-            self.prompt_cache = tiered if tiered is not None else PromptCache(self.prompt_cache_bytes)
+            self._tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
+            self.prompt_cache = self._tiered if self._tiered is not None else PromptCache(self.prompt_cache_bytes)
         from model.grammar import make_compiler  # structured outputs: None if llguidance is absent
 
         grammars = make_compiler(
@@ -191,10 +206,9 @@ class GpuWorker:
             loaded.model,
             eos_token_ids=eos,
             protected_ids=self._protected,
-            prefill_chunk=self.prefill_chunk,
             prompt_cache=self.prompt_cache,
             grammar_compiler=grammars,
-            prefill_bucket=self.prefill_bucket,
+            options=self.engine_options,
         )
         device = mx.default_device()
         if self.warm_up_batch > 0 and (self.warm_up == "on" or (self.warm_up == "auto" and device.type == mx.gpu)):
@@ -222,6 +236,7 @@ class GpuWorker:
         )
         self.alive = True
         token = self._trio_token
+        assert token is not None  # set by run() before the thread starts
         trio.from_thread.run_sync(task_status.started, self.info, trio_token=token)
         times, clock = self.times, time.perf_counter
         while True:
@@ -244,7 +259,7 @@ class GpuWorker:
             except trio.RunFinishedError:
                 return
 
-    async def _call(self, fn: Callable[[Any], Any], kind: str = "other") -> Any:
+    async def _call(self, fn: Callable[[Engine], Any], kind: str = "other") -> Any:
         if not self.alive:
             raise WorkerDied("the GPU worker is not running")
         reply_send, reply_recv = trio.open_memory_channel[outcome.Outcome](1)
@@ -287,18 +302,19 @@ class GpuWorker:
     async def close_row(self, row_id: int, *, reusable: bool) -> None:
         return await self._call(lambda engine: engine.close_row(row_id, reusable=reusable), "close_row")
 
-    async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any:
+    async def run_exclusive(self, fn: Callable[[Engine], Any]) -> Any:
         """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""
         return await self._call(fn)
 
-    # -- the SSD tier (issue 7): what durability / demotion need --------------------------------
+    # -- the SSD tier: what durability / demotion need --------------------------------
 
-    def _make_prompt_cache(self, loaded: Any) -> Any:
+    def _make_prompt_cache(self, loaded: LoadedModel) -> TieredPromptCache | None:
         """A TieredPromptCache over an opened SsdStore, or None (then the plain RAM tier).
         An SSD tier that cannot open is a warning: the cache tier never takes serving down."""
         if self.ssd_cache_dir is None:
             return None
-        from cache.ssd_store import Identity, SsdStore, model_fingerprint, scheme_key, tokenizer_hash
+        from cache.ssd_identity import Identity, model_fingerprint, scheme_key, tokenizer_hash
+        from cache.ssd_store import SsdStore
         from cache.tiered import TieredPromptCache
 
         try:
@@ -340,17 +356,21 @@ class GpuWorker:
         """`listener(namespace, tokens)` runs on the trio thread after every prompt-cache put."""
         self._put_listener = listener
 
-    async def snapshot(self, tokens: Any, namespace: str) -> Any:
+    async def snapshot(self, tokens: Sequence[int], namespace: str) -> SpillItem | None:
         """A SpillItem of the RAM entry keyed exactly `tokens`, or None (between steps)."""
-        cache = self.prompt_cache
-        tokens = tuple(tokens)
-        return await self._call(lambda engine: cache.snapshot(tokens, namespace))
+        cache, key = self._tier(), tuple(tokens)
+        return await self._call(lambda engine: cache.snapshot(key, namespace))
 
-    async def demote_idle(self, idle_s: float) -> list[Any]:
-        cache = self.prompt_cache
+    async def demote_idle(self, idle_s: float) -> list[SpillItem]:
+        cache = self._tier()
         return await self._call(lambda engine: cache.demote_idle(idle_s))
 
-    def has_durable_prefix(self, tokens: Any, namespace: str) -> bool:
+    def _tier(self) -> TieredPromptCache:
+        if self._tiered is None:
+            raise RuntimeError("the worker has no SSD tier")
+        return self._tiered
+
+    def has_durable_prefix(self, tokens: Sequence[int], namespace: str) -> bool:
         store = self.ssd_store
         return store is not None and store.has_durable_prefix(tokens, namespace)
 
@@ -367,7 +387,7 @@ def _reply(channel: trio.MemorySendChannel, result: outcome.Outcome) -> None:
         pass  # the caller went away (cancelled); the job still ran to completion
 
 
-def _device_memory_bytes(mx: Any) -> int:
+def _device_memory_bytes(mx: ModuleType) -> int:
     """What the device can hold (GPU memory on CUDA/Metal); 0 = unknown (admission uses RAM)."""
     try:
         if mx.default_device().type == mx.cpu:

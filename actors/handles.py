@@ -4,19 +4,50 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
 from actors.admission import Admission
 from actors.arrivals import Arrivals
+from actors.messages import FlushResult
 from actors.options import ServeConfig
 from actors.policy import AdmissionCeiling, BatchMode
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
-from actors.worker_api import ModelInfo
+from actors.worker_api import ModelInfo, Worker
 from model.params import SamplingParams
+
+if TYPE_CHECKING:
+    from actors.durability import SsdTier
+    from model.tokenizer import Tokenizer
+
+
+class CacheStats(Protocol):
+    """The prompt cache as /stats reads it (its ints are written on the MLX thread)."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class JobTimes(Protocol):
+    """The worker's time accounting (actors.gpu_worker.WorkerTimes)."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ReportsAlive(Protocol):
+    """A worker that says whether its MLX thread runs (/health answers 503 when it does not).
+    A worker without the flag counts as alive."""
+
+    alive: bool
+
+
+@runtime_checkable
+class ReportsTimes(Protocol):
+    """A worker that keeps time accounting (/stats shows it as `worker`)."""
+
+    times: JobTimes
 
 
 @attrs.define(eq=False)
@@ -25,8 +56,7 @@ class ServerHandles:
 
     config: ServeConfig
     info: ModelInfo
-    tokenizer: Any
-    make_sink: Callable[..., Any]  # (detokenizer, *, stop, think) -> CompletionSink
+    tokenizer: Tokenizer
     mode: BatchMode
     ceiling: AdmissionCeiling
     ports: RequestPorts
@@ -35,18 +65,16 @@ class ServerHandles:
     arrivals: Arrivals = attrs.Factory(Arrivals)  # generation routes count themselves in here
     sampling_defaults: SamplingParams = SamplingParams()
     started_at: float = attrs.Factory(time.time)
-    # The worker's PromptCache (mutated on the MLX thread; /stats only reads its ints), or None.
-    prompt_cache: Any = None
-    # The GPU worker (its `alive` flag drives /health's 503), or None.
-    worker: Any = None
-    # actors.durability.SsdTier when --ssd-cache is on and the store opened, else None.
-    ssd: Any = None
+    prompt_cache: CacheStats | None = None  # the worker's prompt cache, when it has one
+    worker: Worker | None = None
+    ssd: SsdTier | None = None  # when --ssd-cache is on and the store opened
 
-    async def flush_cache(self) -> Any:
-        """POST /admin/cache/flush: an actors.messages.FlushResult (durable zeros without SSD)."""
-        from actors.messages import FlushResult
-
+    async def flush_cache(self) -> FlushResult:
+        """POST /admin/cache/flush: durable, with zeros, without the SSD tier."""
         return FlushResult(durable=True) if self.ssd is None else await self.ssd.flush()
+
+    def worker_alive(self) -> bool:
+        return not isinstance(self.worker, ReportsAlive) or self.worker.alive
 
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
@@ -79,7 +107,7 @@ class ServerHandles:
                 else {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
             ),
             **({"ssd_cache": self.ssd.stats()} if self.ssd is not None else {}),
-            **({"worker": times.snapshot()} if (times := getattr(self.worker, "times", None)) is not None else {}),
+            **({"worker": self.worker.times.snapshot()} if isinstance(self.worker, ReportsTimes) else {}),
         }
 
 

@@ -151,7 +151,7 @@ RowEvent = RowOpened | TokenOut | RowFailed
 Control = Enqueue | Abort | StopRow
 
 
-# --- cache SSD tier (issue 7): durability → spill queue → SSD store ---------------------------
+# --- the prompt cache's SSD tier: durability → spill queue → SSD store ------------------------
 #
 #   GPU-worker (PromptCache.put hook) ──MarkDirty──▶ durability ──Spill──▶ spill_queue ──▶ disk
 #   demotion_timer ──Spill──▶ spill_queue;  spill_queue ──SpillDone (per Spill)──▶ its sender
@@ -179,7 +179,7 @@ class SpillDone:
 
 @attrs.frozen
 class FlushResult:
-    """What a durability flush achieved (spec §1.14); durable ⇔ everything dirty reached disk."""
+    """What a durability flush achieved; durable ⇔ everything dirty reached disk."""
 
     durable: bool
     flushed_snapshots: int = 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import attrs
 
+from model.options import EngineOptions
+
 
 @attrs.frozen
 class ServeConfig:
@@ -20,13 +22,13 @@ class ServeConfig:
     max_queue: int = 256
     shutdown_timeout: float = 30.0
     prompt_cache_gb: float = 8.0  # RAM prompt cache cap in GiB; 0 disables it
-    # Issue 7 (cache SSD tier): --ssd-cache DIR (requires the RAM tier) and its knobs.
+    # The prompt cache's SSD tier: --ssd-cache DIR (requires the RAM tier) and its knobs.
     ssd_cache_dir: str | None = None
     ssd_cache_max_gb: float = 32.0  # GiB
     ssd_spill_queue_gb: float = 2.0  # GiB of write-behind clones; 0 = newest + in-flight only
     ssd_demote_idle_s: float = 300.0  # 0 = off
     ssd_verify: bool = True  # tensor hashes checked on restore (--no-ssd-verify skips)
-    # Issue 9 (api/security.py, api/request_log.py): auth, CORS, limits, logs.
+    # Access, limits and logs (api/security.py, api/request_log.py).
     api_key: str | None = None  # required on /v1/* (Bearer or x-api-key) when set
     admin_token: str | None = None  # lets non-loopback clients call /admin/*
     cors_origins: tuple[str, ...] = ()  # empty: CORS off; "*" allows any origin
@@ -43,10 +45,21 @@ class ServeConfig:
     warm_up: str = "auto"
     # Simultaneous short arrivals prefilled in one forward: "auto" (= on), "on", "off".
     group_prefill: str = "auto"
-    # A request's prefill right-padded to a multiple of this many tokens (0 = exact widths).
-    prefill_bucket: int = 0
     # A joiner's prefill chunk while other rows decode: None = DECODING_PREFILL_CHUNK on CPU and
     # the full chunk on a GPU (unmeasured there); 0 = always the full chunk.
     decoding_prefill_chunk: int | None = None
     # With group prefill, how long a queue head may wait for requests still on their way in.
     arrival_window_ms: float = 10.0
+    # The engine's device and shape choices (model/options.py says what each does); None = the
+    # device's default.
+    prefill_chunk: int = 2048  # prompt tokens per prefill forward
+    prefill_bucket: int = 0  # a row's prefill right-padded to a multiple of this (0 = exact widths)
+    group_bucket: int | None = None  # the same for a group prefill's shared width
+    unfused_hit_prefill: bool | None = None  # attention as matmuls after a prompt-cache hit
+    warm_decode_capacity: int | None = None  # warm-up meets KV buffers up to this capacity
+    clear_cache: bool | None = None  # release MLX's freed buffers as mlx-lm does
+    compile_decode: bool = True  # decode steps as compiled stages
+
+    def engine_options(self) -> EngineOptions:
+        """The engine's fields, which this object names alike."""
+        return EngineOptions(**{name: getattr(self, name) for name in attrs.fields_dict(EngineOptions)})

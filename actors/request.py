@@ -10,12 +10,17 @@ synchronous and idempotent. A client disconnect cancels the handler (or its body
 `close()` then aborts the row wherever it is — queued, mid-prefill or decoding — and releases
 every per-request resource. Tokens run through the text pipeline (`CompletionSink`) here, so
 protocol encoders only ever see text events.
+
+Observation: the actor takes the `RequestObserver` in `observing` when it is built (the HTTP
+middleware sets it per request; elsewhere it is `NULL_OBSERVER`), hands it on in its `Submit`,
+and tells it `submitted`, `aborted` and `finished` itself.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import attrs
@@ -23,12 +28,14 @@ import trio
 
 from actors.admission import Admission
 from actors.messages import (
+    NULL_OBSERVER,
     Abort,
     Admitted,
     Control,
     GenerationRequest,
     Lane,
     Rejected,
+    RequestObserver,
     RowEvent,
     RowFailed,
     StopRow,
@@ -43,6 +50,9 @@ CUT_OFF_FINISH_REASON = "length"
 # How many already-waiting tokens one `next_events` call takes at most (a stream far behind still
 # yields to the event loop every this many tokens).
 MAX_TOKENS_PER_TURN = 64
+
+# Who observes the requests built in this context: the HTTP middleware sets the request's record.
+observing: ContextVar[RequestObserver] = ContextVar("mlx_trio_request_observer", default=NULL_OBSERVER)
 
 
 class Sink(Protocol):
@@ -72,7 +82,7 @@ class RequestRejected(Exception):
 
 
 class GenerationFailed(Exception):
-    """The worker failed this row (spec: a 500 before the stream starts, an error frame after)."""
+    """The worker failed this row (a 500 before the stream starts, an error frame after)."""
 
 
 class _Release:
@@ -82,9 +92,12 @@ class _Release:
     handler returning and the body being iterated): Python runs no `finally` for it.
     """
 
-    def __init__(self, ports: RequestPorts, rows: trio.MemoryReceiveChannel[RowEvent]) -> None:
+    def __init__(
+        self, ports: RequestPorts, rows: trio.MemoryReceiveChannel[RowEvent], observer: RequestObserver
+    ) -> None:
         self.ports = ports
         self.rows = rows
+        self.observer = observer
         self.row_id: int | None = None
         self.row_over = False  # the scheduler ends the row by itself: no Abort owed
         self.released = False
@@ -100,6 +113,7 @@ class _Release:
             return
         self.released = True
         if self.row_id is not None and not self.row_over:
+            self.observer.aborted()
             self.tell(Abort(self.row_id))
         self.rows.close()
         if self.row_id is not None:
@@ -111,9 +125,11 @@ class RequestActor:
         self.request = request
         self._ports = ports
         self._sink = sink
-        self._rows_send, rows_recv = trio.open_memory_channel[RowEvent](math.inf)
+        self._observer = observing.get()
+        rows_send, rows_recv = trio.open_memory_channel[RowEvent](math.inf)
+        self._rows_send: trio.MemorySendChannel[RowEvent] | None = rows_send
         self._rows = rows_recv
-        self._release = _Release(ports, rows_recv)
+        self._release = _Release(ports, rows_recv, self._observer)
         token = trio.lowlevel.current_trio_token()
         # run_sync_soon: a finalizer may fire anywhere, even inside trio's own bookkeeping.
         self._finalizer = weakref.finalize(self, _release_soon, token, self._release)
@@ -135,9 +151,13 @@ class RequestActor:
 
     async def admit(self) -> Admitted:
         """Raises `RequestRejected` (400 / 503) instead of queueing."""
+        rows = self._rows_send
+        if rows is None:
+            raise RuntimeError("a request actor is admitted once")
         reply_send, reply_recv = trio.open_memory_channel[Admitted | Rejected](1)
         with reply_recv:
-            self._ports.submits.send_nowait(Submit(self.request, self._rows_send, reply_send))
+            self._observer.submitted(self.request.prompt)
+            self._ports.submits.send_nowait(Submit(self.request, rows, reply_send, self._observer))
             self._rows_send = None  # the scheduler owns the send end from here on
             decision = await reply_recv.receive()
         if isinstance(decision, Rejected):
@@ -207,7 +227,7 @@ class RequestActor:
             return self._finish("eos")
         events = self._sink.push(token.token)
         if self._sink.stopped:
-            self._release.tell(StopRow(self._release.row_id))
+            self._release.tell(StopRow(token.row_id))
             self._release.row_over = True
             return events + self._finish("stop")
         if token.finish == "length":
@@ -241,6 +261,7 @@ class RequestActor:
         self._done = True
         events = self._sink.finish(reason=cause)
         self.finish_reason = self._sink.finish_reason or ("stop" if cause == "eos" else cause)
+        self._observer.finished(self.finish_reason)  # before the override: the Abort that follows tells a cut-off
         if self.cut_off:
             self.finish_reason = CUT_OFF_FINISH_REASON
         return events

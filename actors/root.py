@@ -9,14 +9,20 @@ Tree (all in one nursery, started in dependency order; any actor crashing takes 
     ├── spill_queue       inbox: Spill (--ssd-cache only)      → SSD writes off the MLX thread
     ├── durability        inbox: MarkDirty (worker put hook)    → snapshot jobs, Spill
     ├── demotion_timer    its own cadence, polls `scheduler.busy` → demote jobs, Spill
-    └── HTTP (hypercorn `serve`, run in the root's body, not as a child — trio-stack.md §1.5)
+    └── HTTP (hypercorn `serve`, run in the root's body, not as a child: the root decides when
+                  it ends and what still runs after it)
 
-Shutdown order: `Shutdown.requested` → admission closes (503 for new requests; in-flight waits
-are cut at `--shutdown-timeout` and end with a final chunk) and hypercorn closes its listeners
-→ hypercorn waits for in-flight responses → `serve` returns → with the SSD tier: timers stop and
-the durability flush runs (shielded, within --shutdown-timeout, while the worker is still alive
-to take snapshots; its result is what `run_server` returns) → the actors are cancelled → flush
-hooks run shielded → return. `Shutdown.now` (a second Ctrl-C) cancels everything at once.
+Channels: the scheduler's inbox (unbounded `Control`: admission's `Enqueue` / `Abort`, request
+actors' `Abort` / `StopRow`) and admission's submits (unbounded `Submit` from request actors)
+are opened here; request actors reach both through `RequestPorts`.
+
+Shutdown order (deadlines: `ShutdownPlan`): `Shutdown.requested` → admission closes (503 for
+new requests; in-flight waits are cut at the plan's drain and end with a final chunk) and
+hypercorn closes its listeners → hypercorn waits for in-flight responses → `serve` returns →
+with the SSD tier: timers stop and the durability flush runs (shielded, within its budget, while
+the worker is still alive to take snapshots; its result is what `run_server` returns) → the
+actors are cancelled → flush hooks run shielded → return. `Shutdown.now` (a second Ctrl-C)
+cancels everything at once.
 """
 
 from __future__ import annotations
@@ -24,21 +30,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import trio
+from hypercorn.typing import ASGIFramework
 
 from actors.admission import Admission
 from actors.arrivals import Arrivals
-from actors.handles import ServerHandles, sampling_defaults_for
-from actors.messages import Control, Submit
+from actors.durability import shutdown_flush, start_ssd_tier
+from actors.handles import CacheStats, ServerHandles, sampling_defaults_for
+from actors.messages import Control, FlushResult, Submit
 from actors.options import ServeConfig
 from actors.policy import admission_ceiling, batch_mode, memory_budget_bytes
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
-from actors.shutdown import Shutdown
+from actors.shutdown import Shutdown, ShutdownPlan
 from actors.worker_api import ModelInfo, Worker
 from model.params import SamplingParams
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +57,10 @@ log = logging.getLogger(__name__)
 # between a running stream's tokens was a whole 2048-token chunk (1.8 s on the CPU machine).
 DECODING_PREFILL_CHUNK = 512
 
-# hypercorn's own deadline sits past ours, so our clean final chunk is written before it cancels.
-HTTP_GRACE_MARGIN_S = 2.0
-FLUSH_BUDGET_S = 10.0
-HTTP_DRAIN_POLL_S = 0.05
-HTTP_DRAIN_GRACE_S = 0.5  # after the last generation ends: its final frames, short requests
+HTTP_DRAIN_POLL_S = 0.05  # how often the root looks whether every admitted request has ended
 
-FlushHook = Callable[[], Awaitable[Any]]
-ServeHttp = Callable[[Any, Callable[[], Awaitable[None]]], Awaitable[None]]
+FlushHook = Callable[[], Awaitable[object]]
+ServeHttp = Callable[[ASGIFramework, Callable[[], Awaitable[None]]], Awaitable[None]]
 """`serve_http(app, shutdown_trigger)`: returns once listeners are closed and in-flight
 responses are done (hypercorn.trio.serve with its graceful timeout, or a test double)."""
 
@@ -62,10 +69,18 @@ class RunnableWorker(Worker, Protocol):
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = ...) -> None: ...
 
 
-def default_sink_factory() -> Callable[..., Any]:
-    from api.pipeline.sink import CompletionSink
+@runtime_checkable
+class HoldsPromptCache(Protocol):
+    """A worker with a prompt cache (created on its MLX thread; None when off)."""
 
-    return CompletionSink
+    prompt_cache: CacheStats | None
+
+
+@runtime_checkable
+class ChunksPrefill(Protocol):
+    """A worker that says how many prompt tokens one prefill forward takes."""
+
+    prefill_chunk: int
 
 
 async def start_actors(
@@ -73,8 +88,7 @@ async def start_actors(
     worker: RunnableWorker,
     *,
     config: ServeConfig,
-    make_tokenizer: Callable[[ModelInfo], Any],
-    make_sink: Callable[..., Any] | None = None,
+    make_tokenizer: Callable[[ModelInfo], Tokenizer],
     sampling_defaults: SamplingParams = SamplingParams(),
 ) -> ServerHandles:
     """Start the worker (model load), the scheduler and admission; return the app's handles."""
@@ -97,7 +111,7 @@ async def start_actors(
         context_length=info.context_length,
     )
     if ceiling.max_safe_context < 1:
-        # Serve anyway: requests are refused one by one with a clear 400 (spec §1.11).
+        # Serve anyway: requests are refused one by one with a clear 400.
         log.warning(
             "memory budget %.2f GB leaves no room for KV after weights (%.2f GB) and the prefill "
             "transient: every request will be refused; raise --memory-budget",
@@ -110,7 +124,7 @@ async def start_actors(
 
     inbox_send, inbox_recv = trio.open_memory_channel[Control](float("inf"))
     # auto = on everywhere since 2026-12-05: on CPU too, once chat rows joined their groups
-    # (docs/performance.md item 28), grouping measured +5-11% at c=8/32.
+    # (benchmarks/results/2026-12-05/NOTES.md, item 28), grouping measured +5-11% at c=8/32.
     grouped = mode == "batch" and config.group_prefill != "off"
     arrivals = Arrivals()
     scheduler = Scheduler(
@@ -119,7 +133,7 @@ async def start_actors(
         inbox=inbox_recv,
         pending_arrivals=lambda: arrivals.pending,
         arrival_window=config.arrival_window_ms / 1000,
-        group_prefill_tokens=int(getattr(worker, "prefill_chunk", 2048)) if grouped else 0,
+        group_prefill_tokens=(worker.prefill_chunk if isinstance(worker, ChunksPrefill) else 2048) if grouped else 0,
         decoding_prefill_chunk=(
             config.decoding_prefill_chunk
             if config.decoding_prefill_chunk is not None
@@ -141,10 +155,8 @@ async def start_actors(
     )
     await nursery.start(admission.run, submits_recv)
 
-    # The cache SSD tier (issue 7): spill_queue, durability, demotion_timer — when the worker
-    # opened an SSD store (--ssd-cache); background work yields to `scheduler.busy`.
-    from actors.durability import start_ssd_tier
-
+    # The cache SSD tier: spill_queue, durability, demotion_timer — when the worker opened an
+    # SSD store (--ssd-cache); background work yields to `scheduler.busy`.
     ssd = await start_ssd_tier(
         nursery,
         worker,
@@ -157,7 +169,6 @@ async def start_actors(
         config=config,
         info=info,
         tokenizer=tokenizer,
-        make_sink=make_sink or default_sink_factory(),
         mode=mode,
         ceiling=ceiling,
         ports=RequestPorts(submits=submits_send, control=inbox_send, admission=admission),
@@ -165,7 +176,7 @@ async def start_actors(
         scheduler=scheduler,
         arrivals=arrivals,
         sampling_defaults=sampling_defaults_for(config, info, sampling_defaults),
-        prompt_cache=getattr(worker, "prompt_cache", None),
+        prompt_cache=worker.prompt_cache if isinstance(worker, HoldsPromptCache) else None,
         worker=worker,
         ssd=ssd,
     )
@@ -175,24 +186,27 @@ async def run_server(
     worker: RunnableWorker,
     *,
     config: ServeConfig,
-    make_tokenizer: Callable[[ModelInfo], Any],
+    make_tokenizer: Callable[[ModelInfo], Tokenizer],
     serve_http: ServeHttp,
     shutdown: Shutdown,
-    make_app: Callable[[ServerHandles], Any] | None = None,
-    make_sink: Callable[..., Any] | None = None,
+    plan: ShutdownPlan | None = None,
+    make_app: Callable[[ServerHandles], ASGIFramework] | None = None,
     flush_hooks: Sequence[FlushHook] = (),
     trace: Callable[[str], None] = lambda milestone: None,
-) -> Any:
+) -> FlushResult | None:
     """Run until shutdown; returns normally on a clean or a timed-out shutdown alike. Returns
     the shutdown durability flush's FlushResult (durable=False if it never ran), or None
-    without an SSD tier."""
+    without an SSD tier. `plan` defaults to the one `config` implies."""
     if make_app is None:
-        from api.app import create_app as make_app
-    from actors.durability import shutdown_flush
+        from api.app import create_app
 
-    serving = False
-    handles: Any = None
-    flushed: Any = None
+        make_app = create_app
+    if plan is None:
+        plan = ShutdownPlan.for_options(config)
+    drain = plan.drain
+
+    handles: ServerHandles | None = None
+    flushed: FlushResult | None = None
     flush_scope = trio.CancelScope(shield=True)  # only a second signal cuts the flush short
     async with trio.open_nursery() as nursery:
 
@@ -204,55 +218,54 @@ async def run_server(
 
         async def gate() -> None:
             await shutdown.requested.wait()
-            if not serving:  # a signal during model load: nothing to drain
+            if handles is None:  # a signal during model load: nothing to drain
                 nursery.cancel_scope.cancel()
                 return
-            handles.admission.close(cutoff_after=config.shutdown_timeout)
+            handles.admission.close(cutoff_after=drain)
             log.info(
                 "shutting down: admission closed; %d in-flight request(s) get up to %.0f s",
                 handles.admission.in_flight,
-                config.shutdown_timeout,
+                drain,
             )
             trace("admission closed")
 
         nursery.start_soon(escalate)
         nursery.start_soon(gate)
-        handles = await start_actors(nursery, worker, config=config, make_tokenizer=make_tokenizer, make_sink=make_sink)
+        handles = await start_actors(nursery, worker, config=config, make_tokenizer=make_tokenizer)
         app = make_app(handles)
-        serving = True
         if not shutdown.requested.is_set():
             with trio.CancelScope() as http_scope:
-                nursery.start_soon(_end_http_once_drained, handles, shutdown, http_scope)
+                nursery.start_soon(_end_http_once_drained, handles, shutdown, http_scope, plan.drained_http_grace)
                 await serve_http(app, shutdown.requested.wait)
             trace("http done")
             log.info("HTTP server stopped; %d request(s) still in flight", handles.admission.in_flight)
         if handles.ssd is not None:
             with flush_scope:
-                flushed = await shutdown_flush(handles.ssd, timeout=config.shutdown_timeout)
+                flushed = await shutdown_flush(handles.ssd, timeout=plan.durability_flush)
                 trace("durability flushed")
         nursery.cancel_scope.cancel()
     trace("actors stopped")
-    await run_flush_hooks(flush_hooks)
+    await run_flush_hooks(flush_hooks, budget=plan.flush_hooks)
     trace("flushed")
     if handles is not None and handles.ssd is not None and flushed is None:
-        from actors.messages import FlushResult
-
         flushed = FlushResult(durable=False)  # cut by a second signal or never reached
     return flushed
 
 
-async def _end_http_once_drained(handles: ServerHandles, shutdown: Shutdown, http_scope: trio.CancelScope) -> None:
+async def _end_http_once_drained(
+    handles: ServerHandles, shutdown: Shutdown, http_scope: trio.CancelScope, grace: float
+) -> None:
     """hypercorn keeps an idle keep-alive connection (an SDK's pool) open through its whole
     graceful timeout, so Ctrl-C would wait `--shutdown-timeout` for nothing. Once every admitted
     request has ended and its last frame had a moment to go out, end HTTP ourselves."""
     await shutdown.requested.wait()
     while handles.admission.in_flight > 0:
         await trio.sleep(HTTP_DRAIN_POLL_S)
-    await trio.sleep(HTTP_DRAIN_GRACE_S)
+    await trio.sleep(grace)
     http_scope.cancel()
 
 
-async def run_flush_hooks(hooks: Sequence[FlushHook], *, budget: float = FLUSH_BUDGET_S) -> None:
+async def run_flush_hooks(hooks: Sequence[FlushHook], *, budget: float) -> None:
     """Shielded and bounded: runs even when the root was cancelled, never hangs the exit."""
     with trio.CancelScope(shield=True):
         with trio.move_on_after(budget) as scope:

@@ -1,4 +1,4 @@
-"""The scheduler actor: continuous batching over one GPU worker (spec §4).
+"""The scheduler actor: continuous batching over one GPU worker.
 
 Inbound:  `inbox` — `Enqueue` from admission, `Abort` / `StopRow` from request actors
           (one unbounded channel, senders use `send_nowait` so an abort never blocks).
@@ -6,30 +6,50 @@ Outbound: each row's own unbounded event channel (`RowOpened`, `TokenOut`, `RowF
           when the row ends), and worker calls — open_row / prefill / prefill_group / join /
           join_group / step / close_row — strictly one at a time.
 
-Two tasks share the row table, which is safe because trio only switches at awaits and every
-table mutation is synchronous: the control task applies inbound messages the moment they arrive
-(so a queued row is dropped at once), and the driver task turns the table into worker calls.
-A queue head that could share a group prefill (alone, or opening a group with room to spare) is
-held while other requests are still on their way in (`pending_arrivals`), for at most
-`arrival_window` seconds; the running streams keep stepping meanwhile.
+Two tasks share the row table (`actors/row_table.py`), which is safe because trio only switches
+at awaits and every table mutation is synchronous: the control task applies inbound messages the
+moment they arrive (so a queued row is dropped at once), and the driver task turns the table into
+worker calls. The driver decides nothing itself: it asks `actors/scheduling.py`'s `decide` for the
+next action and carries it out. A queue head that could share a group prefill (alone, or opening
+a group with room to spare) is held while other requests are still on their way in
+(`pending_arrivals`), for at most `arrival_window` seconds; the running streams keep stepping
+meanwhile.
 
 Rows leave only between worker calls: an abort during a prefill chunk takes effect after that
 chunk, one during a decode step after that step, and the aborted row's token from that call is
-discarded, never delivered.
+discarded, never delivered. Each row's `RequestObserver` is told of every event delivered on
+its channel and of the channel's close.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
 
 from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow
-from actors.policy import GROUP_MIN_CACHED_TOKENS, LeaveReason, Row, RowTable
+from actors.row_table import LeaveReason, Row, RowTable
+from actors.scheduling import (
+    GROUP_MIN_CACHED_TOKENS,
+    Action,
+    EndTurn,
+    Hold,
+    Join,
+    JoinStaged,
+    Open,
+    OpenGroup,
+    Prefill,
+    Promote,
+    Settings,
+    Step,
+    Turn,
+    Wait,
+    decide,
+    joined_in_burst,
+)
 from actors.worker_api import Worker
 from model.rows import TokenOut
 
@@ -38,13 +58,6 @@ log = logging.getLogger(__name__)
 # Undelivered events on one row's channel that mean its reader is gone. A live reader drains its
 # channel every event-loop turn; even a slow one stays far below this (~tens of seconds of decode).
 DEFAULT_STALL_BACKLOG = 2048
-
-# A queue head that could open a group prefill waits for the next turn instead of prefilling
-# alone (MLX_TRIO_GROUP_HEAD_WAITS=0: the old order, for A/B measurements).
-GROUP_HEAD_WAITS = os.environ.get("MLX_TRIO_GROUP_HEAD_WAITS", "1") != "0"
-# For A/B measurements only: hold a groupable head for the whole arrival window even with nothing
-# known to be on its way (a plain time window; every lone request then waits that long).
-ARRIVAL_HOLD_ALWAYS = os.environ.get("MLX_TRIO_ARRIVAL_HOLD_ALWAYS", "0") == "1"
 
 
 @attrs.define
@@ -78,22 +91,22 @@ class Scheduler:
         arrival_window: float = 0.0,
     ) -> None:
         self._worker = worker
-        # A joiner's prefill chunk while other rows are decoding (0 = the worker's full chunk):
-        # the running streams wait for one chunk between two of their tokens, so a smaller one
-        # bounds that gap (a long prompt then takes more, shorter forwards).
-        self.decoding_prefill_chunk = decoding_prefill_chunk
-        # Group prefill: simultaneous short arrivals are prefilled together, up to this many
-        # (padded) tokens per forward; 0 = off (every row prefills alone).
-        self.group_prefill_tokens = group_prefill_tokens
+        # decoding_prefill_chunk: the running streams wait for one chunk between two of their
+        # tokens, so a smaller one bounds that gap (a long prompt then takes more, shorter forwards).
+        self.settings = Settings(
+            group_prefill_tokens=group_prefill_tokens,
+            decoding_prefill_chunk=decoding_prefill_chunk,
+            arrival_window=arrival_window,
+        )
         self.stall_backlog = stall_backlog
-        # Requests read but not yet in the inbox, and how long a lone head may wait for them.
+        # Requests read but not yet in the inbox: a held head waits for them.
         self._pending_arrivals = pending_arrivals
-        self.arrival_window = arrival_window
         self._inbox = inbox
         self.table = RowTable(capacity)
         self.counters = SchedulerCounters()
         self._kick = trio.Event()
         self._calls = 0  # worker calls made (each one a checkpoint)
+        self._leaving: deque[Row] = deque()  # rows taken out of the table, their streams still open
         # The last rows opened: when each reached the queue, how long it waited, with how many
         # rows it was opened (1 = alone); /stats shows it, to explain solo prefills.
         self.recent_opens: deque[tuple[int, float, float, int]] = deque(maxlen=32)
@@ -128,9 +141,8 @@ class Scheduler:
                 await self._drive()
         finally:
             # Cancelled (shutdown): end every stream so no request waits on a dead scheduler.
-            for row in [*self.table.queue, *self.table.staged, *self.table.running.values(), self.table.joiner]:
-                if row is not None:
-                    row.out.close()
+            for row in [*self._leaving, *self.table.rows()]:
+                self._close(row)
 
     async def _receive_control(self) -> None:
         async for message in self._inbox:
@@ -145,7 +157,13 @@ class Scheduler:
 
     def apply(self, message: Control) -> None:
         if isinstance(message, Enqueue):
-            row = Row(spec=message.spec, lane=message.lane, out=message.rows, enqueued_at=trio.current_time())
+            row = Row(
+                spec=message.spec,
+                lane=message.lane,
+                out=message.rows,
+                observer=message.observer,
+                enqueued_at=trio.current_time(),
+            )
             self.table.enqueue(row)
             self.counters.submitted_rows += 1
         elif isinstance(message, (Abort, StopRow)):
@@ -155,92 +173,77 @@ class Scheduler:
                 self._end(dropped)
         self._kick.set()
 
-    # -- the driver loop
+    # -- the driver loop: carries out what `decide` says, one action at a time
 
     async def _drive(self) -> None:
-        table = self.table
+        table, settings = self.table, self.settings
+        holds = bool(settings.group_prefill_tokens and settings.arrival_window > 0)
         while True:
-            calls = self._calls
+            start = self._calls
             self._prune_disconnected()
             await self._close_leavers()
-            if table.idle:
-                self._kick = trio.Event()
-                await self._kick.wait()
-                continue
-            held = self._hold_head()
-            if held is None and self.group_prefill_tokens and (group := table.admit_group(self.group_prefill_tokens)):
-                await self._open_group(group)
-                await self._close_leavers()
-            if table.joiner is None and (ready := table.staged_ready()):
-                await self._join_group(ready)
-                await self._close_leavers()
-            table.next_staged()
-            # A head that could open a group waits one step for the next turn's group prefill
-            # rather than prefilling alone now (one group forward between two decode steps). On
-            # the H200 benchmark bursts it changed nothing (their rows reach the queue one at a
-            # time: docs/performance.md item 24); it keeps a queued burst from alternating.
-            grouped_next = (
-                GROUP_HEAD_WAITS and self.group_prefill_tokens and table.group_at_head(self.group_prefill_tokens)
-            )
-            if held is None:
-                held = self._hold_head()  # (the group above may have changed the head)
-            if table.admissible_head() is not None and not grouped_next and held is None:
-                self._opening([table.queue[0]])
-                await self._open(table.admit())
-                await self._close_leavers()
-            burst = False
-            joiner = table.joiner
-            if joiner is not None and joiner.leaving is None:
-                # One forward per iteration — a chunk, or the join's L=1 forward — so a running
-                # stream never waits more than one of them between its tokens.
-                if joiner.to_prefill > 0:
-                    await self._prefill(joiner)
-                else:
-                    # Into a running batch with nobody queued behind it (a burst's rows join
-                    # one by one, each giving its token 0 at once), the join rides the next step:
-                    # no L=1 forward of its own for the running streams to wait for.
-                    if table.running and not table.queue and not table.staged:
-                        await self._join_group([joiner], staged=False)
-                    else:
-                        await self._join(joiner)
-                    # Simultaneous arrivals form one batch: admit the next before stepping.
-                    burst = bool(table.staged) or table.admissible_head() is not None
-                await self._close_leavers()
-            if table.running and not burst:
-                await self._step()
-            # No checkpoint here: after a step the loop goes straight on to submit the next one,
-            # so the worker computes it while the request actors handle this step's tokens (a
-            # yield here would leave the device idle for the whole of that per-token work). Every
-            # worker call is itself a checkpoint; a loop turn that made none yields here.
-            if calls == self._calls:
-                if held is not None:
-                    # Nothing to run until an arrival settles or the window closes.
+            turn = Turn(called=self._calls != start)
+            while True:
+                pending = (self._pending_arrivals() + self._inbox.statistics().current_buffer_used) if holds else 0
+                action = decide(table, trio.current_time(), pending, settings, turn)
+                if isinstance(action, Wait):
                     self._kick = trio.Event()
-                    with trio.move_on_at(held):
+                    if action.until is None:
                         await self._kick.wait()
-                else:
-                    await trio.lowlevel.checkpoint()
+                    else:
+                        with trio.move_on_at(action.until):
+                            await self._kick.wait()
+                    break
+                if isinstance(action, EndTurn):
+                    # No checkpoint after a turn that made a worker call (each is one): after a
+                    # step the next turn goes straight on to submit the next one, so the worker
+                    # computes it while the request actors handle this step's tokens (a yield
+                    # here would leave the device idle for all that per-token work).
+                    if action.checkpoint:
+                        await trio.lowlevel.checkpoint()
+                    break
+                burst = await self._execute(action)
+                turn = turn.after(action, called=self._calls != start, burst=burst)
 
-    def _hold_head(self) -> float | None:
-        """The deadline until which the admissible head (alone, or opening a group with room to
-        spare) waits for requests still on their way in, so they share its group prefill; None =
-        admit now."""
+    async def _execute(self, action: Action) -> bool:
+        """Carry out one action of a turn; True = a join left more rows to admit (a burst)."""
         table = self.table
-        if not (self.group_prefill_tokens and self.arrival_window > 0) or table.joiner is not None:
-            return None
-        if not table.group_has_room(self.group_prefill_tokens):
-            return None
-        pending = self._pending_arrivals() + self._inbox.statistics().current_buffer_used
-        if pending == 0 and not ARRIVAL_HOLD_ALWAYS:
-            return None
-        head = table.queue[0]
-        now = trio.current_time()
-        if head.held_since is None:
-            head.held_since = now
-        deadline = head.held_since + self.arrival_window
-        return deadline if now < deadline else None
+        match action:
+            case Hold(row=row, since=since):
+                if row.held_since is None:
+                    row.held_since = since
+                return False
+            case Promote(row=row):
+                table.promote(row)
+                return False
+            case Step():
+                await self._step()  # (its leavers go at the next turn's start)
+                return False
+            case OpenGroup(rows=rows):
+                table.admit_group(rows)
+                await self._open_group(rows)
+            case JoinStaged(rows=rows):
+                await self._join_group(rows, staged=True)
+            case Open(row=row):
+                self._opening([row])
+                table.admit(row)
+                await self._open(row)
+            case Prefill(row=row, limit=limit):
+                await self._prefill(row, limit)
+            case Join(row=row, riding=riding):
+                if riding:
+                    await self._join_group([row], staged=False)
+                else:
+                    await self._join(row)
+                burst = joined_in_burst(table)  # read right after the join, before the leavers go
+                await self._close_leavers()
+                return burst
+            case Wait() | EndTurn():
+                raise AssertionError(f"{action!r} is the driver's own")
+        await self._close_leavers()
+        return False
 
-    def _opening(self, rows: list[Row]) -> None:
+    def _opening(self, rows: Sequence[Row]) -> None:
         now = trio.current_time()
         if len(rows) == 1:
             self.counters.solo_rows += 1
@@ -264,7 +267,7 @@ class Scheduler:
         row.to_prefill = opened.to_prefill
         self._deliver(row, opened)
 
-    async def _open_group(self, rows: list[Row]) -> None:
+    async def _open_group(self, rows: Sequence[Row]) -> None:
         """Open the rows, then one prefill_group call for those still wanted; any the worker
         could not take (a cached prefix, say) keep their `to_prefill` and prefill alone later."""
         self._opening(rows)
@@ -286,7 +289,7 @@ class Scheduler:
         for p in progress:
             by_id[p.row_id].to_prefill = p.remaining
 
-    async def _join_group(self, rows: list[Row], *, staged: bool = True) -> None:
+    async def _join_group(self, rows: Sequence[Row], *, staged: bool) -> None:
         """Rows join in one call; their first tokens come with the next step (a grammar-
         constrained row's comes back here). The staged rows of a group, or (`staged=False`)
         the joiner alone."""
@@ -294,7 +297,7 @@ class Scheduler:
             self._calls += 1
             firsts = await self._worker.join_group([r.row_id for r in rows])
         except Exception as exc:
-            self._fail(rows, exc, "join_group")
+            self._fail(list(rows), exc, "join_group")
             return
         for row, first in zip(rows, firsts):
             if staged:
@@ -304,11 +307,10 @@ class Scheduler:
             if first is not None:
                 self._on_token(row, first)
 
-    async def _prefill(self, row: Row) -> None:
+    async def _prefill(self, row: Row, limit: int | None) -> None:
         try:
             self._calls += 1
-            limit = self.decoding_prefill_chunk if self.table.running else 0
-            progress = await self._worker.prefill(row.row_id, limit or None)
+            progress = await self._worker.prefill(row.row_id, limit)
         except Exception as exc:
             self._fail([row], exc, "prefill")
             return
@@ -354,6 +356,7 @@ class Scheduler:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             row.leaving = "abort"  # the request actor is gone
             return False
+        row.observer.row_event(event)
         return True
 
     def _fail(self, rows: list[Row], exc: Exception, call: str) -> None:
@@ -368,9 +371,7 @@ class Scheduler:
         guard against a client that stopped reading: hypercorn shields socket writes, so such a
         stream never errors; its row would decode to max_tokens holding KV. A backlog past
         `stall_backlog` undelivered events means nobody is reading: the row is aborted."""
-        for row in [*self.table.queue, *self.table.staged, *self.table.running.values(), self.table.joiner]:
-            if row is None:
-                continue
+        for row in self.table.rows():
             stats = row.out.statistics()
             stalled = stats.current_buffer_used > self.stall_backlog
             if stalled and row.leaving is None:
@@ -385,7 +386,10 @@ class Scheduler:
                     self._end(dropped)
 
     async def _close_leavers(self) -> None:
-        for row in self.table.take_leavers():
+        # Out of the table but not yet ended: the cancellation `finally` ends them too.
+        self._leaving.extend(self.table.take_leavers())
+        while self._leaving:
+            row = self._leaving.popleft()
             self._end(row)
             if not row.opened:
                 continue
@@ -398,7 +402,7 @@ class Scheduler:
                 log.exception("worker.close_row(%d) failed", row.row_id)
 
     def _end(self, row: Row) -> None:
-        row.out.close()
+        self._close(row)
         match row.leaving:
             case "finish":
                 self.counters.finished_rows += 1
@@ -408,3 +412,8 @@ class Scheduler:
                 self.counters.aborted_rows += 1
             case _:
                 self.counters.failed_rows += 1
+
+    def _close(self, row: Row) -> None:
+        """End the row's stream: the request actor sees its channel close."""
+        row.out.close()
+        row.observer.row_ended()

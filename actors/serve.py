@@ -1,9 +1,11 @@
 """`python -m actors.serve`: the process entry point — flags, logging, signals, exit code.
 
-The process shape follows trio-stack.md §1.5: the signal receiver opens before anything else;
-the first SIGINT/SIGTERM starts the graceful shutdown (actors/root.py), the second cancels
-everything; a wall-clock watchdog hard-exits if a client that stopped reading pins a
-connection (hypercorn shields its socket writes, so no cancel can free it).
+The flags build one `ServeConfig` (actors/options.py); `--blas` is the only one that acts before
+it, since MLX binds its BLAS when it loads. The signal receiver opens before anything else; the
+first SIGINT/SIGTERM starts the graceful shutdown (actors/root.py), the second cancels
+everything; a wall-clock watchdog hard-exits if a client that stopped reading pins a connection
+(hypercorn shields its socket writes, so no cancel can free it). Every deadline is the
+`ShutdownPlan`'s (actors/shutdown.py).
 """
 
 from __future__ import annotations
@@ -13,16 +15,39 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework
+
+    from actors.options import ServeConfig
+    from actors.root import RunnableWorker
+    from actors.shutdown import ShutdownPlan
+    from actors.worker_api import ModelInfo
+    from model.tokenizer import Tokenizer
 
 log = logging.getLogger("actors.serve")
 
-WATCHDOG_SLACK_S = 10.0  # past the shutdown timeout + HTTP grace: only a stalled client is left
+# Flags whose parsed name differs from their ServeConfig field.
+_FIELD_OF = {
+    "memory_budget": "memory_budget_gb",
+    "prompt_cache": "prompt_cache_gb",
+    "ssd_cache": "ssd_cache_dir",
+    "ssd_cache_max": "ssd_cache_max_gb",
+    "ssd_spill_queue": "ssd_spill_queue_gb",
+    "ssd_demote_idle": "ssd_demote_idle_s",
+}
+_PROCESS_FLAGS = {"blas"}  # acted on before the server exists: no ServeConfig field
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m actors.serve",
         description="OpenAI-compatible LLM server on MLX (trio actors). No --model: the embedded demo model.",
@@ -54,7 +79,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="GiB",
         help="RAM prompt cache size in GiB (default 8; 0 disables it)",
     )
-    # Issue 7: the prompt cache's SSD tier (docs/ssd-cache.md).
     p.add_argument(
         "--ssd-cache",
         default=None,
@@ -98,8 +122,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=_non_negative_float, default=None, help="default top_p")
     p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
     p.add_argument("--min-p", type=_non_negative_float, default=None, help="default min_p")
-    # Issue 9: access, limits, logs (api/security.py). Secrets may come from the environment so
-    # they stay out of `ps`.
+    # Secrets may come from the environment so they stay out of `ps`.
     p.add_argument(
         "--api-key",
         default=os.environ.get("MLX_TRIO_API_KEY") or None,
@@ -160,7 +183,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="prefill a joining prompt N tokens at a time while other rows decode, so their "
         "streams wait for at most one such chunk between tokens (default: 512 on CPU, "
-        "the full 2048-token chunk on a GPU; 0 = always the full chunk)",
+        "the full --prefill-chunk on a GPU; 0 = always the full chunk)",
+    )
+    _add_engine_flags(p)
+    p.add_argument(
+        "--blas",
+        default="auto",
+        metavar="auto|off|PATH",
+        help="Linux CPU only: the BLAS MLX's CPU backend binds when it loads; auto = the first optimized "
+        "one found (MKL, OpenBLAS, BLIS), off = MLX's bundled reference BLAS, or a library's path "
+        "(default auto)",
+    )
+    return p
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's shape and device choices (model/options.py); `auto` = the device's default."""
+    p.add_argument(
+        "--prefill-chunk",
+        type=_at_least_one,
+        default=2048,
+        metavar="N",
+        help="prompt tokens per prefill forward; a longer prompt takes several (default 2048)",
     )
     p.add_argument(
         "--prefill-bucket",
@@ -171,7 +215,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "are reused (first prompt of a new length ~60 ms faster on an H200); greedy "
         "tokens may then differ from mlx-lm's in the last bits (default 0 = exact widths)",
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--group-bucket",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="round a group prefill's shared width up to a multiple of N tokens, so its shapes "
+        "recur (default: 64 on a GPU, where each new shape builds a cuDNN graph; 0 elsewhere)",
+    )
+    p.add_argument(
+        "--unfused-hit-prefill",
+        type=_auto_on_off,
+        default=None,
+        metavar="auto|on|off",
+        help="after a prompt-cache hit, run the prefill's attention as plain matmuls, which build "
+        "no per-shape cuDNN graph; cold prompts never take it (default auto: on under CUDA)",
+    )
+    p.add_argument(
+        "--warm-decode-capacity",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="warm-up also meets KV buffers of every capacity up to N tokens, each a first-use "
+        "stall of ~0.4 s on CUDA (default: 8192 on CUDA, else 0)",
+    )
+    p.add_argument(
+        "--clear-cache",
+        type=_auto_on_off,
+        default=None,
+        metavar="auto|on|off",
+        help="release MLX's freed buffers after each prefill and every 256 steps, as mlx-lm does "
+        "(default auto: off on CUDA, where reused buffers are faster; on elsewhere)",
+    )
 
 
 def _non_negative_int(text: str) -> int:
@@ -202,66 +277,50 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _auto_on_off(text: str) -> bool | None:
+    """auto → None (the device's default), on → True, off → False."""
+    choices: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+    if text not in choices:
+        raise argparse.ArgumentTypeError("must be auto, on or off")
+    return choices[text]
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The options object the parsed flags describe: every flag but --blas is one of its fields."""
+    from actors.options import ServeConfig
+    from api.security import parse_origins
+
+    values = {_FIELD_OF.get(name, name): value for name, value in vars(args).items() if name not in _PROCESS_FLAGS}
+    values["cors_origins"] = parse_origins(values["cors_origins"])
+    return ServeConfig(**values)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Before anything can import mlx: MLX's CPU backend binds its BLAS at load time.
-    try:
-        from model.blas import preload_optimized_blas
-    except ImportError:
-        log.info("BLAS: model.blas not available; using MLX's bundled BLAS")
-    else:
-        log.info(preload_optimized_blas().log_line())
+    from model.blas import preload_optimized_blas
+
+    log.info(preload_optimized_blas(args.blas).log_line())
     try:
         import trio
 
-        return trio.run(_main, args)
+        return trio.run(_main, serve_config(args))
     except KeyboardInterrupt:  # Ctrl-C before the signal receiver was open (imports, startup)
         return 130
 
 
-async def _main(args: argparse.Namespace) -> int:
+async def _main(config: ServeConfig) -> int:
     import trio
 
-    from actors.options import ServeConfig
-    from actors.root import HTTP_GRACE_MARGIN_S, run_server
-    from actors.shutdown import Shutdown
-    from api.security import parse_origins
+    from actors.messages import FlushResult
+    from actors.root import run_server
+    from actors.shutdown import Shutdown, ShutdownPlan
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         shutdown = Shutdown()
-        config = ServeConfig(
-            model=args.model,
-            host=args.host,
-            port=args.port,
-            batch=args.batch,
-            max_tokens=args.max_tokens,
-            memory_budget_gb=args.memory_budget,
-            max_queue=args.max_queue,
-            shutdown_timeout=args.shutdown_timeout,
-            prompt_cache_gb=args.prompt_cache,
-            ssd_cache_dir=args.ssd_cache,
-            ssd_cache_max_gb=args.ssd_cache_max,
-            ssd_spill_queue_gb=args.ssd_spill_queue,
-            ssd_demote_idle_s=args.ssd_demote_idle,
-            ssd_verify=args.ssd_verify,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            api_key=args.api_key,
-            admin_token=args.admin_token,
-            cors_origins=parse_origins(args.cors_origins),
-            max_body_mb=args.max_body_mb,
-            log_prompts=args.log_prompts,
-            idle_timeout=args.idle_timeout,
-            warm_up=args.warm_up,
-            group_prefill=args.group_prefill,
-            prefill_bucket=args.prefill_bucket,
-            decoding_prefill_chunk=args.decoding_prefill_chunk,
-            arrival_window_ms=args.arrival_window_ms,
-        )
-        flushed = None
+        plan = ShutdownPlan.for_options(config)
+        flushed: FlushResult | None = None
         async with trio.open_nursery() as nursery:
 
             async def on_signals() -> None:
@@ -273,13 +332,7 @@ async def _main(args: argparse.Namespace) -> int:
                         "shutting down gracefully (again to exit now)" if first else "exiting now",
                     )
                     shutdown.request()
-                    if first:
-                        budget = config.shutdown_timeout + HTTP_GRACE_MARGIN_S + WATCHDOG_SLACK_S
-                        if config.ssd_cache_dir:
-                            budget += config.shutdown_timeout  # the durability flush's own budget
-                        nursery.start_soon(_watchdog, budget)
-                    else:
-                        nursery.start_soon(_watchdog, 2.0)
+                    nursery.start_soon(_watchdog, plan.watchdog if first else plan.hard_exit_after)
 
             nursery.start_soon(on_signals)
             if config.ssd_cache_dir and config.prompt_cache_gb <= 0:
@@ -287,7 +340,7 @@ async def _main(args: argparse.Namespace) -> int:
                 nursery.cancel_scope.cancel()  # else the nursery waits for the signal task forever
                 return 2
             try:
-                model_dir, worker, make_tokenizer = _load_plan(config)
+                _, worker, make_tokenizer = _load_plan(config)
             except Exception as exc:  # a bad --model is a message, not a traceback
                 log.error("cannot serve: %s", exc)
                 nursery.cancel_scope.cancel()
@@ -296,8 +349,9 @@ async def _main(args: argparse.Namespace) -> int:
                 worker,
                 config=config,
                 make_tokenizer=make_tokenizer,
-                serve_http=partial(_serve_http, config),
+                serve_http=partial(_serve_http, config, plan),
                 shutdown=shutdown,
+                plan=plan,
             )
             nursery.cancel_scope.cancel()
     log.info("bye")
@@ -305,7 +359,7 @@ async def _main(args: argparse.Namespace) -> int:
     return 0 if flushed is None or flushed.durable else 1
 
 
-def _load_plan(config):  # type: ignore[no-untyped-def]
+def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[ModelInfo], Tokenizer]]:
     """The model directory, its worker (not yet loaded) and the tokenizer factory."""
     from actors.gpu_worker import GpuWorker
     from model.tokenizer import Tokenizer
@@ -313,39 +367,39 @@ def _load_plan(config):  # type: ignore[no-untyped-def]
     if config.model:
         from model.resolve import resolve_model_dir
 
-        model_dir = resolve_model_dir(config.model)
+        model_dir = Path(resolve_model_dir(config.model))
     else:
         from model.demo import DEMO_MODEL_NAME, ensure_demo_model
 
         log.info("no --model: serving %s", DEMO_MODEL_NAME)
-        model_dir = ensure_demo_model()
+        model_dir = Path(ensure_demo_model())
     log.info("model directory: %s", model_dir)
 
-    def make_tokenizer(info):  # type: ignore[no-untyped-def]
-        return Tokenizer.from_dir(Path(model_dir), eos_token_ids_from_config=info.eos_token_ids)
+    def make_tokenizer(info: ModelInfo) -> Tokenizer:
+        return Tokenizer.from_dir(model_dir, eos_token_ids_from_config=info.eos_token_ids)
 
     worker = GpuWorker(
-        Path(model_dir),
+        model_dir,
         prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
         ssd_cache_dir=config.ssd_cache_dir,
         ssd_cache_max_bytes=int(config.ssd_cache_max_gb * 2**30),
         ssd_verify=config.ssd_verify,
         warm_up_batch=config.batch,
         warm_up=config.warm_up,
-        prefill_bucket=config.prefill_bucket,
+        engine_options=config.engine_options(),
     )
     return model_dir, worker, make_tokenizer
 
 
-async def _serve_http(config, app, shutdown_trigger) -> None:  # type: ignore[no-untyped-def]
+async def _serve_http(
+    config: ServeConfig, plan: ShutdownPlan, app: ASGIFramework, shutdown_trigger: Callable[[], Awaitable[None]]
+) -> None:
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    from actors.root import HTTP_GRACE_MARGIN_S
-
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]
-    hc.graceful_timeout = config.shutdown_timeout + HTTP_GRACE_MARGIN_S
+    hc.graceful_timeout = plan.http_deadline
     # Per-connection idle limit: a keep-alive connection (or one that never finishes its request
     # headers, which h11 caps at h11_max_incomplete_size = 16 KiB) closes after this long.
     # read_timeout stays None: a streaming client is silent for the whole generation, so a read
@@ -355,7 +409,7 @@ async def _serve_http(config, app, shutdown_trigger) -> None:  # type: ignore[no
     hc.accesslog = None  # api/request_log.py writes one structured line per request instead
     hc.errorlog = logging.getLogger("hypercorn.error")  # through our handler, not a second one
     log.info("serving on http://%s:%d (OpenAI API at /v1)", config.host, config.port)
-    if not getattr(config, "api_key", None) and config.host not in ("127.0.0.1", "localhost", "::1"):
+    if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach this port can use /v1", config.host)
     await serve(app, hc, shutdown_trigger=shutdown_trigger)
 

@@ -1,9 +1,12 @@
-"""The shutdown signal shared by the entry point, the root and the tests."""
+"""The shutdown signal shared by the entry point, the root and the tests, and the plan that owns
+every deadline of a graceful shutdown."""
 
 from __future__ import annotations
 
 import attrs
 import trio
+
+from actors.options import ServeConfig
 
 
 @attrs.define
@@ -12,11 +15,53 @@ class Shutdown:
 
     requested: trio.Event = attrs.Factory(trio.Event)
     now: trio.Event = attrs.Factory(trio.Event)
-    requested_at: float | None = None
 
     def request(self) -> None:
         if not self.requested.is_set():
-            self.requested_at = trio.current_time()
             self.requested.set()
         else:
             self.now.set()
+
+
+@attrs.frozen
+class ShutdownPlan:
+    """Every phase deadline of a graceful shutdown, in seconds.
+
+    From the first signal: admission closes and in-flight requests get `drain` seconds, then
+    are cut with a final chunk; hypercorn's own graceful timeout, `http_deadline`, sits
+    `http_grace` past that so our final chunks are written before it cancels; once every
+    admitted request has ended, HTTP ends `drained_http_grace` later instead (an idle keep-alive
+    connection would otherwise hold it to its deadline). Then, with the SSD tier, the
+    durability flush gets `durability_flush` seconds while the worker still runs; after the
+    actors stop, the flush hooks get `flush_hooks` seconds.
+
+    The watchdog hard-exits the process `watchdog` seconds after the first signal: a client that
+    stopped reading pins its connection (hypercorn shields its socket writes, so no cancel frees
+    it), and only `watchdog_slack` past the drain, HTTP and flush deadlines is left for that.
+    A second signal cancels everything and hard-exits after `hard_exit_after` seconds.
+    """
+
+    drain: float = 30.0  # --shutdown-timeout
+    http_grace: float = 2.0
+    drained_http_grace: float = 0.5  # after the last generation: its final frames, short requests
+    durability_flush: float = 0.0  # 0 without the SSD tier
+    flush_hooks: float = 10.0
+    watchdog_slack: float = 10.0
+    hard_exit_after: float = 2.0
+
+    @classmethod
+    def for_options(cls, options: ServeConfig) -> ShutdownPlan:
+        """The flush gets the drain's budget again when the SSD tier is on."""
+        return cls(
+            drain=options.shutdown_timeout,
+            durability_flush=options.shutdown_timeout if options.ssd_cache_dir else 0.0,
+        )
+
+    @property
+    def http_deadline(self) -> float:
+        """hypercorn's graceful timeout."""
+        return self.drain + self.http_grace
+
+    @property
+    def watchdog(self) -> float:
+        return self.http_deadline + self.durability_flush + self.watchdog_slack

@@ -1,4 +1,4 @@
-"""Spill-queue actor: the bounded write-behind queue in front of the SSD store (spec §1.14).
+"""Spill-queue actor: the bounded write-behind queue in front of the SSD store.
 
 Inbound:  `inbox` — `Spill(item, reply)` from durability and demotion_timer (unbounded; senders
           go through `submit` / `submit_nowait`, which `send_nowait` on it and count the message
@@ -11,7 +11,7 @@ is neither in flight nor the one just received is dropped and its KV views relea
 cache miss, never a wrong result (the durability record stays dirty, so a flush can retry).
 
 Disk writes never delay a decode step: the GPU-worker only ever spends the zero-copy snapshot on
-a spill (see docs/ssd-cache.md for the measurement), and each piece (<= 8 MiB) waits until
+a spill (see docs/ssd-cache.md for the measurement), and each piece (<= 4 MiB) waits until
 `idle()` holds (no rows running or queued) unless a flush is forcing the queue.
 """
 
@@ -23,18 +23,36 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, cast
 
 import attrs
 import trio
 
 from actors.messages import Spill, SpillDone
+from cache.spill_item import SpillItem
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05
 
+# Runs a blocking store call (`fn(*args)`) off the trio thread and returns its result.
 RunBlocking = Callable[..., Awaitable[Any]]
+
+
+class SpillWriter(Protocol):
+    """One file being written (cache.ssd_writer.SsdWriter)."""
+
+    def write_next(self) -> bool: ...
+
+    def commit(self) -> bool: ...
+
+    def abort(self) -> None: ...
+
+
+class SpillStore(Protocol):
+    """Where spills go (cache.ssd_store.SsdStore): a writer per item, None when refused."""
+
+    def begin(self, item: SpillItem) -> SpillWriter | None: ...
 
 
 @attrs.define
@@ -46,7 +64,7 @@ class SpillCounters:
 
 @attrs.define(eq=False)
 class _Pending:
-    item: Any
+    item: SpillItem
     key: tuple[str, tuple[int, ...]]
     nbytes: int
     reply: trio.MemorySendChannel | None
@@ -57,7 +75,7 @@ class _Pending:
 class SpillQueue:
     def __init__(
         self,
-        store: Any,
+        store: SpillStore,
         *,
         cap_bytes: int,
         idle: Callable[[], bool],
@@ -112,7 +130,7 @@ class SpillQueue:
 
     def _accept(self, message: Spill) -> None:
         self._in_transit = max(0, self._in_transit - 1)
-        item = message.item
+        item = cast(SpillItem, message.item)  # Spill.item is typed `object` in actors/messages.py
         p = _Pending(item=item, key=(item.namespace, item.tokens), nbytes=item.nbytes, reply=message.reply)
         self._queue.append(p)
         self._by_key[p.key] = p
@@ -148,7 +166,7 @@ class SpillQueue:
                 self.counters.failed += 1
             self._finish(p, stored, reason)
 
-    async def _write(self, item: Any) -> tuple[bool, str]:
+    async def _write(self, item: SpillItem) -> tuple[bool, str]:
         try:
             await self._wait_idle()  # begin writes the header: it waits like every piece
             writer = await self._run(self.store.begin, item)
@@ -200,11 +218,11 @@ class SpillQueue:
 
     # -- for durability, demotion and flush ---------------------------------------------------------
 
-    async def submit(self, item: Any) -> bool:
+    async def submit(self, item: SpillItem) -> bool:
         """Queue `item` and wait until it is stored (True) or dropped / refused / failed (False)."""
         return (await self.submit_outcome(item)).stored
 
-    async def submit_outcome(self, item: Any) -> SpillDone:
+    async def submit_outcome(self, item: SpillItem) -> SpillDone:
         send, recv = trio.open_memory_channel[SpillDone](1)
         with recv:
             try:
@@ -218,7 +236,7 @@ class SpillQueue:
             except trio.EndOfChannel:
                 return SpillDone(False, "cancelled")
 
-    def submit_nowait(self, item: Any) -> None:
+    def submit_nowait(self, item: SpillItem) -> None:
         try:
             self.inbox.send_nowait(Spill(item))
         except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -1,21 +1,26 @@
-"""Admin routes of the cache SSD tier: POST /admin/cache/flush (spec §1.14).
+"""Admin routes of the cache SSD tier: POST /admin/cache/flush.
 
 The flush is single-flight (concurrent callers share one) and makes every dirty prompt-cache
-record durable now, writing without waiting for an idle engine. Body: the flush result (the
-reference's camelCase fields) plus `entries` and `longest_durable_prefix_tokens`; 200 when
-durable, 503 otherwise. Without --ssd-cache: 200 with zeros. Access control for /admin/* is
+record durable now, writing without waiting for an idle engine. Body: the flush result
+(camelCase keys) plus `entries` and `longest_durable_prefix_tokens`; 200 when durable, 503
+otherwise. Without --ssd-cache: 200 with zeros. Access control for /admin/* is
 api/security.py's (loopback, or the admin token).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
+if TYPE_CHECKING:
+    from actors.durability import SsdTier
+    from actors.handles import ServerHandles
+    from actors.messages import FlushResult
 
-def flush_body(result: Any, ssd: Any) -> dict[str, Any]:
+
+def flush_body(result: FlushResult, ssd: SsdTier | None) -> dict[str, Any]:
     return {
         "durable": result.durable,
         "flushedSnapshots": result.flushed_snapshots,
@@ -31,13 +36,13 @@ def flush_body(result: Any, ssd: Any) -> dict[str, Any]:
     }
 
 
-def blueprint(handles: Any) -> Blueprint:
+def blueprint(handles: ServerHandles) -> Blueprint:
     bp = Blueprint("admin_cache", __name__)
 
     @bp.post("/admin/cache/flush")
     async def flush() -> Response:
         result = await handles.flush_cache()
-        body = flush_body(result, getattr(handles, "ssd", None))
+        body = flush_body(result, handles.ssd)
         return Response(json.dumps(body), status=200 if result.durable else 503, content_type="application/json")
 
     return bp

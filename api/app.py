@@ -8,27 +8,30 @@ hypercorn is run by the root (actors/root.py), so shutdown order is ours, not th
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import anthropic_routes, openai_routes, responses_routes
+from api import admin_routes, anthropic_routes, openai_routes, responses_routes
 from api.errors import ApiError, error_response_for
 from api.health import install_health
 from api.metrics import install_metrics
 from api.request_log import install_request_log
 from api.security import install_security
 
+if TYPE_CHECKING:
+    from actors.handles import ServerHandles
+
 log = logging.getLogger(__name__)
 
 
-def create_app(handles: Any) -> QuartTrio:
+def create_app(handles: ServerHandles) -> QuartTrio:
     app = QuartTrio(__name__)
-    # Quart's 60 s default silently cuts any stream that runs longer (trio-stack.md §2.4).
+    # Quart's 60 s default silently cuts any stream that runs longer.
     app.config["RESPONSE_TIMEOUT"] = None
-    # Issue 9: auth / CORS / body cap first, then /health's truth, per-request logs and /metrics.
+    # Auth / CORS / body cap first, then /health's truth, per-request logs and /metrics.
     install_security(app, handles.config)
     install_health(app, handles)
     install_request_log(app, handles)
@@ -36,9 +39,7 @@ def create_app(handles: Any) -> QuartTrio:
     app.register_blueprint(openai_routes.blueprint(handles))
     app.register_blueprint(anthropic_routes.blueprint(handles))
     app.register_blueprint(responses_routes.blueprint(handles))
-    from api import admin_routes  # issue 7: POST /admin/cache/flush
-
-    app.register_blueprint(admin_routes.blueprint(handles))
+    app.register_blueprint(admin_routes.blueprint(handles))  # POST /admin/cache/flush
 
     def error_response(error: ApiError) -> Response:
         # Each API answers in its own envelope, 404s for unknown sub-paths included.
@@ -53,7 +54,7 @@ def create_app(handles: Any) -> QuartTrio:
         status = error.code or 500
         if status == 404:
             return error_response(ApiError(404, "not found", code="not_found"))
-        if status == 405:  # issue 4 (overrides spec §1.1's 404): a known path, wrong method
+        if status == 405:  # a known path with the wrong method: 405 with its Allow header, not 404
             allow = {k: v for k, v in error.get_headers() if k.lower() == "allow"}
             return error_response(ApiError(405, "method not allowed", code="method_not_allowed", headers=allow))
         return error_response(ApiError(status, error.description or error.name))

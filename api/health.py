@@ -5,28 +5,30 @@ this hook only answers first when something is wrong, so a dead engine never loo
 while requests hang:
 
 * `model not loaded` — the handles carry no model info;
-* `gpu worker is not running` — the worker (`handles.worker`) reports `alive == False` (its MLX
-  thread died or was never started); a worker without an `alive` flag counts as alive;
+* `gpu worker is not running` — the worker reports `alive == False` (its MLX thread died or was
+  never started); a worker without an `alive` flag counts as alive;
 * `shutting down` — admission is closed (a draining server leaves the load balancer's rotation).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 from quart import Response, request
+from quart_trio import QuartTrio
+
+if TYPE_CHECKING:
+    from actors.handles import ServerHandles
 
 
-def health_problem(handles: Any) -> str | None:
+def health_problem(handles: ServerHandles) -> str | None:
     """Why the server cannot serve right now, or None."""
-    if getattr(handles, "info", None) is None:
+    if handles.info is None:
         return "model not loaded"
-    worker = getattr(handles, "worker", None)
-    if worker is not None and not getattr(worker, "alive", True):
+    if not handles.worker_alive():
         return "gpu worker is not running"
-    admission = getattr(handles, "admission", None)
-    if admission is not None and getattr(admission, "closed", False):
+    if handles.admission.closed:
         return "shutting down"
     return None
 
@@ -36,7 +38,7 @@ def unhealthy_response(reason: str) -> Response:
     return Response(body, status=503, content_type="application/json", headers={"Cache-Control": "no-store"})
 
 
-def install_health(app: Any, handles: Any) -> None:
+def install_health(app: QuartTrio, handles: ServerHandles) -> None:
     @app.before_request
     async def health_gate() -> Response | None:
         if request.path != "/health" or request.method not in ("GET", "HEAD"):

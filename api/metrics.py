@@ -17,7 +17,8 @@ Observed per request (from `api.request_log`'s records, or `Metrics.observe_requ
 | `mlx_trio:e2e_request_latency_seconds` | histogram | same |
 | `mlx_trio:request_queue_time_seconds` | histogram | same |
 | `mlx_trio:request_prompt_tokens` / `request_generation_tokens` | histogram | same |
-| `mlx_trio:request_aborts_total{phase,cause}` | counter | — (phase: queued / prefill / decode; cause: client / cutoff) |
+| `mlx_trio:request_aborts_total{phase,cause}` | counter | — (phase: queued / prefill / decode; |
+| | | cause: client / cutoff) |
 
 Read at scrape time from `handles.stats()` (a block that is absent, e.g. `ssd_cache` without an
 SSD tier, simply yields no series):
@@ -31,7 +32,10 @@ SSD tier, simply yields no series):
 | `mlx_trio:scheduler_rows_total{outcome}`, `scheduler_steps_total`, `prefill_chunks_total` | `batch.*` counters |
 | `mlx_trio:kv_cache_usage_perc` (vLLM name) | `batch.kv_bytes / batch.kv_budget_bytes`, when present |
 | `mlx_trio:prompt_cache_{hits,misses}_total`, `prompt_cache_{entries,bytes,max_bytes}` | `prompt_cache` |
-| `mlx_trio:ssd_cache_{restores,spills,dropped_spills,failed_spills,restore_failures,quarantined,demotions}_total`, `ssd_cache_{entries,bytes,max_bytes,pending_snapshots,pending_spills,pending_spill_bytes,restore_ms_last,longest_durable_prefix_tokens}` | `ssd_cache` |
+| `mlx_trio:ssd_cache_{restores,spills,dropped_spills,failed_spills}_total` | `ssd_cache` |
+| `mlx_trio:ssd_cache_{restore_failures,quarantined,demotions}_total` | `ssd_cache` |
+| `mlx_trio:ssd_cache_{entries,bytes,max_bytes,pending_snapshots,pending_spills,pending_spill_bytes}` | `ssd_cache` |
+| `mlx_trio:ssd_cache_{restore_ms_last,longest_durable_prefix_tokens}` | `ssd_cache` |
 
 Each app has its own `CollectorRegistry` (never the process-global one), so tests can build many.
 """
@@ -40,15 +44,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from quart import Response, request
+from quart_trio import QuartTrio
 
 from api.health import health_problem
-from api.request_log import RequestRecord, request_observer
+from api.request_log import RequestRecord, request_monitor
+
+if TYPE_CHECKING:
+    from actors.handles import ServerHandles
 
 log = logging.getLogger(__name__)
 
@@ -421,20 +429,19 @@ def _ssd_series(ssd: Mapping[str, Any]) -> Iterator[Metric]:
     yield from _simple(ssd, _SSD_SPECS)
 
 
-def install_metrics(app: Any, handles: Any) -> Metrics:
+def install_metrics(app: QuartTrio, handles: ServerHandles) -> Metrics:
     """GET /metrics on `app`, fed by every finished request and by `handles.stats()`."""
     existing = app.extensions.get(_EXTENSION_KEY)
-    if existing is not None:
+    if isinstance(existing, Metrics):
         return existing
-    info = getattr(handles, "info", None)
     metrics = Metrics(
         stats=handles.stats,
         healthy=lambda: health_problem(handles) is None,
-        max_model_len=getattr(info, "context_length", None) or 131_072,
+        max_model_len=handles.info.context_length or 131_072,
     )
-    observer = request_observer(app, handles)
-    observer.listeners.append(metrics.observe_record)
-    observer.interval_listeners.append(metrics.observe_itl)
+    monitor = request_monitor(app)
+    monitor.listeners.append(metrics.observe_record)
+    monitor.interval_listeners.append(metrics.observe_itl)
     app.extensions[_EXTENSION_KEY] = metrics
 
     async def metrics_view() -> Response:

@@ -1,19 +1,19 @@
 """Per-request observation: one structured log line per HTTP request, and the record metrics read.
 
-A request is observed without touching the route modules or the request actor:
+A request is observed without touching the route modules:
 
-* an outermost ASGI middleware opens a `RequestRecord` per HTTP request and puts it in a context
-  variable (the route's task inherits it); it sees the status, the end of the body and a client
-  disconnect, and adds an `X-Request-Id` header (the client's, when it sent a sane one);
-* a tap on the request actor's ports (`handles.ports`: `Submit` to admission, `Abort` to the
-  scheduler) and on each row's event channel sees the prompt size, the admission decision and
-  lane, the queue exit (`RowOpened`, with its cached tokens), every `TokenOut` (TTFT, ITL), a
-  failure, and an abort with the phase it cut (queued / prefill / decode);
-* a tap on `handles.make_sink` sees the text pipeline's finish reason (`stop`, `length`,
-  `tool_calls`), which is what the client was told.
+* an outermost ASGI middleware (`RequestMonitor`) opens a `RequestRecord` per HTTP request and
+  sets it as the request's observer (`actors.request.observing`; the route's task inherits it);
+  it sees the status, the end of the body and a client disconnect, and adds an `X-Request-Id`
+  header (the client's, when it sent a sane one);
+* the record is the `RequestObserver` the actors tell about the request (actors/messages.py):
+  the request actor its submit, abort and the text pipeline's finish reason (`stop`, `length`,
+  `tool_calls`: what the client was told); admission its decision and lane; the scheduler every
+  row event it delivered (the queue exit `RowOpened` with its cached tokens, every `TokenOut`
+  for TTFT and ITL, a failure) and the row's end. An abort is recorded with the phase it cut
+  (queued / prefill / decode).
 
-The taps only observe: every call is forwarded unchanged, before anything is recorded, and a
-submit made outside an HTTP request (no record in the context) passes through untouched.
+A request handled outside HTTP has no record: its actors tell `NULL_OBSERVER`.
 
 The log line never carries prompt text unless `--log-prompts` is set; then the prompt is the
 templated text the model saw (the tokenizer's decode of the prompt ids).
@@ -25,41 +25,45 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Callable
-from contextvars import ContextVar
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import trio
-from quart import request
+from quart import Response, request
+from quart.typing import ASGIReceiveCallable, ASGISendCallable
+from quart_trio import QuartTrio
 
-from actors.messages import Abort, Admitted, Rejected, RowFailed, Submit
+from actors.messages import Admitted, Rejected, RowEvent, RowFailed
+from actors.request import observing
 from model.rows import RowOpened, TokenOut
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIReceiveEvent, ASGISendEvent, Scope
+
+    from actors.handles import ServerHandles
+    from model.tokenizer import Tokenizer
 
 log = logging.getLogger("mlx_trio.requests")
 
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # scraped every few seconds: DEBUG when they succeed
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_EXTENSION_KEY = "mlx_trio.request_observer"
+_EXTENSION_KEY = "mlx_trio.request_monitor"
 
-_current: ContextVar[RequestRecord | None] = ContextVar("mlx_trio_request_record", default=None)
-
-
-def current_record() -> RequestRecord | None:
-    """The record of the HTTP request being served in this task, if any."""
-    return _current.get()
+AsgiApp = Callable[["Scope", ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 
 
 @attrs.define(eq=False)
 class RequestRecord:
-    """What one HTTP request did. Times are `trio.current_time()` seconds."""
+    """What one HTTP request did; the `RequestObserver` of the requests it makes. Times are
+    `trio.current_time()` seconds."""
 
     id: str
     method: str
     path: str
     client: str | None
     started: float
-    observer: RequestObserver | None = None
+    monitor: RequestMonitor | None = None  # told every inter-token interval
     route: str | None = None  # the matched URL rule; None for an unmatched path
     status: int | None = None
     ended: float | None = None
@@ -69,7 +73,7 @@ class RequestRecord:
     prompt_ids: tuple[int, ...] | None = None
     prompt_tokens: int = 0
     submitted_at: float | None = None
-    row_ids: list[int] = attrs.Factory(list)
+    rows_open: int = 0  # admitted rows whose channel the scheduler has not closed yet
     lane: str | None = None
     rejected: str | None = None  # the admission refusal's code (or status)
     admitted_at: float | None = None
@@ -118,24 +122,27 @@ class RequestRecord:
     def duration(self) -> float | None:
         return None if self.ended is None else self.ended - self.started
 
-    # -- events from the taps
+    # -- the RequestObserver events (actors/messages.py)
 
-    def on_submit(self, prompt: tuple[int, ...]) -> None:
+    def submitted(self, prompt: tuple[int, ...]) -> None:
         self.prompt_ids = prompt if self.prompt_ids is None else self.prompt_ids + prompt
         self.prompt_tokens += len(prompt)
         if self.submitted_at is None:
             self.submitted_at = trio.current_time()
 
-    def on_decision(self, decision: Any) -> None:
+    def decided(self, decision: Admitted | Rejected) -> None:
         if isinstance(decision, Admitted):
-            self.row_ids.append(decision.row_id)
+            self.rows_open += 1
             self.lane = decision.lane
             if self.admitted_at is None:
                 self.admitted_at = trio.current_time()
-        elif isinstance(decision, Rejected):
+        else:
             self.rejected = decision.code or str(decision.status)
 
-    def on_row_event(self, event: Any) -> None:
+    def left_before_answer(self) -> None:
+        self.abort_phase, self.abort_cause = "queued", "client"
+
+    def row_event(self, event: RowEvent) -> None:
         now = trio.current_time()
         if isinstance(event, RowOpened):
             self.cached_tokens += event.cached_tokens
@@ -145,13 +152,19 @@ class RequestRecord:
             self.generated_tokens += 1
             if self.first_token_at is None:
                 self.first_token_at = now
-            elif self.last_token_at is not None and self.observer is not None:
-                self.observer.token_interval(now - self.last_token_at)
+            elif self.last_token_at is not None and self.monitor is not None:
+                self.monitor.token_interval(now - self.last_token_at)
             self.last_token_at = now
         elif isinstance(event, RowFailed):
             self.error = event.message
 
-    def on_abort(self) -> None:
+    def row_ended(self) -> None:
+        self.rows_open = max(0, self.rows_open - 1)
+
+    def aborted(self) -> None:
+        if self.rows_open == 0:  # the row already ended: the abort cut nothing
+            return
+        self.rows_open -= 1
         if self.abort_phase is not None:
             return
         if self.opened_at is None:
@@ -163,6 +176,9 @@ class RequestRecord:
         # The request actor finishes its sink before aborting only when the shutdown deadline
         # cut the stream; a client that leaves never gets a finish.
         self.abort_cause = "cutoff" if self.sink_finish_reason is not None else "client"
+
+    def finished(self, reason: str) -> None:
+        self.sink_finish_reason = reason
 
     # -- the log line
 
@@ -209,147 +225,26 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
 
-# --- the taps on the request actor's boundary --------------------------------------------------
+# --- the middleware ------------------------------------------------------------------------------
 
 
-class _Forwarding:
-    """Everything not overridden goes to the wrapped object."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __enter__(self) -> Any:
-        self._inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._inner.__exit__(*exc)
-
-
-class _Tap:
-    """Shared by every request on one `ServerHandles`; row id → record for `Abort`, which may be
-    sent from a GC finalizer outside any request's context."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, RequestRecord] = {}
-
-
-class _TappedSubmits(_Forwarding):
-    def __init__(self, inner: Any, tap: _Tap) -> None:
-        super().__init__(inner)
-        self._tap = tap
-
-    def send_nowait(self, submit: Any) -> None:
-        record = _current.get()
-        if record is not None and isinstance(submit, Submit):
-            record.on_submit(submit.request.prompt)
-            rows = _TappedRows(submit.rows, record, self._tap)
-            submit = attrs.evolve(submit, reply=_TappedReply(submit.reply, record, self._tap, rows), rows=rows)
-        self._inner.send_nowait(submit)
-
-
-class _TappedReply(_Forwarding):
-    def __init__(self, inner: Any, record: RequestRecord, tap: _Tap, rows: _TappedRows) -> None:
-        super().__init__(inner)
-        self._record, self._tap, self._rows = record, tap, rows
-
-    def send_nowait(self, decision: Any) -> None:
-        try:
-            self._inner.send_nowait(decision)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            if isinstance(decision, Admitted):  # the client left while admission decided
-                self._record.abort_phase, self._record.abort_cause = "queued", "client"
-            raise
-        self._record.on_decision(decision)
-        if isinstance(decision, Admitted):
-            self._tap.rows[decision.row_id] = self._record
-            self._rows.row_id = decision.row_id
-
-
-class _TappedRows(_Forwarding):
-    def __init__(self, inner: Any, record: RequestRecord, tap: _Tap) -> None:
-        super().__init__(inner)
-        self._record, self._tap = record, tap
-        self.row_id: int | None = None  # set when admission admits the row
-
-    def send_nowait(self, event: Any) -> None:
-        self._inner.send_nowait(event)  # raises if the request actor is gone: nothing delivered
-        self._record.on_row_event(event)
-
-    def close(self) -> None:
-        self._inner.close()
-        if self.row_id is not None:  # the row is over: a late Abort cuts nothing
-            self._tap.rows.pop(self.row_id, None)
-
-
-class _TappedControl(_Forwarding):
-    def __init__(self, inner: Any, tap: _Tap) -> None:
-        super().__init__(inner)
-        self._tap = tap
-
-    def send_nowait(self, message: Any) -> None:
-        if isinstance(message, Abort):
-            record = self._tap.rows.pop(message.row_id, None)
-            if record is not None:
-                record.on_abort()
-        self._inner.send_nowait(message)
-
-
-class _TappedSink(_Forwarding):
-    def __init__(self, inner: Any, record: RequestRecord) -> None:
-        super().__init__(inner)
-        self._record = record
-
-    def finish(self, *, reason: str) -> list[Any]:
-        events = self._inner.finish(reason=reason)
-        # The request actor's own rule (actors/request.py `_finish`).
-        self._record.sink_finish_reason = self._inner.finish_reason or ("stop" if reason == "eos" else reason)
-        return events
-
-
-def tap_handles(handles: Any) -> None:
-    """Install the taps on `handles.ports` and `handles.make_sink`, once per handles (the taps
-    are app-agnostic: they write to whichever record the current request carries)."""
-    ports = handles.ports
-    if isinstance(ports.submits, _TappedSubmits):
-        return
-    tap = _Tap()
-    handles.ports = attrs.evolve(
-        ports, submits=_TappedSubmits(ports.submits, tap), control=_TappedControl(ports.control, tap)
-    )
-    make_sink = handles.make_sink
-
-    def tapped_make_sink(*args: Any, **kwargs: Any) -> Any:
-        sink = make_sink(*args, **kwargs)
-        record = _current.get()
-        return sink if record is None else _TappedSink(sink, record)
-
-    handles.make_sink = tapped_make_sink
-
-
-# --- the middleware and the per-app observer ---------------------------------------------------
-
-
-class RequestObserver:
+class RequestMonitor:
     """One per app: opens a record per HTTP request and hands each finished one to listeners.
 
     `listeners` get the finished `RequestRecord` (synchronously; they must not block);
     `interval_listeners` get every inter-token interval as it happens (for the ITL histogram).
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: AsgiApp) -> None:
         self.listeners: list[Callable[[RequestRecord], None]] = []
         self.interval_listeners: list[Callable[[float], None]] = []
-        self._app = app.asgi_app
+        self._app = app
 
     def token_interval(self, seconds: float) -> None:
         for listener in self.interval_listeners:
             listener(seconds)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
@@ -357,36 +252,35 @@ class RequestObserver:
             id=_request_id(scope),
             method=scope.get("method", ""),
             path=scope.get("path", ""),
-            client=(scope.get("client") or (None,))[0],
+            client=(cast(dict[str, Any], scope).get("client") or (None,))[0],
             started=trio.current_time(),
-            observer=self,
+            monitor=self,
         )
 
-        async def observed_receive() -> Any:
+        async def observed_receive() -> ASGIReceiveEvent:
             message = await receive()
             if message.get("type") == "http.disconnect":
                 record.client_disconnected = True
             return message
 
-        async def observed_send(message: Any) -> None:
-            kind = message.get("type")
-            if kind == "http.response.start":
-                record.status = message.get("status")
+        async def observed_send(message: ASGISendEvent) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
                 headers = list(message.get("headers", ()))
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
                     headers.append((b"x-request-id", record.id.encode()))
                 message = {**message, "headers": headers}
-            if kind == "http.response.body" and not message.get("more_body", False):
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
                 # Before the await: hypercorn delivers its end-of-cycle http.disconnect while the
                 # final send is in flight, which is not a client abort.
                 record.body_complete = True
             await send(message)
 
-        token = _current.set(record)
+        token = observing.set(record)
         try:
             await self._app(scope, observed_receive, observed_send)
         finally:
-            _current.reset(token)
+            observing.reset(token)
             record.ended = trio.current_time()
             for listener in self.listeners:
                 try:
@@ -395,8 +289,8 @@ class RequestObserver:
                     log.exception("request listener %r failed", listener)
 
 
-def _request_id(scope: Any) -> str:
-    for name, value in scope.get("headers", ()):
+def _request_id(scope: Scope) -> str:
+    for name, value in cast(dict[str, Any], scope).get("headers", ()):
         if name.lower() == b"x-request-id":
             text = value.decode("latin-1")
             if _REQUEST_ID.fullmatch(text):
@@ -405,25 +299,24 @@ def _request_id(scope: Any) -> str:
     return f"req-{secrets.token_hex(8)}"
 
 
-def request_observer(app: Any, handles: Any) -> RequestObserver:
-    """The app's observer, created (middleware, taps, route hook) on first use."""
-    observer = app.extensions.get(_EXTENSION_KEY)
-    if observer is not None:
-        return observer
-    tap_handles(handles)
-    observer = RequestObserver(app)
-    app.asgi_app = observer
-    app.extensions[_EXTENSION_KEY] = observer
+def request_monitor(app: QuartTrio) -> RequestMonitor:
+    """The app's monitor, created (middleware, route hook) on first use."""
+    monitor = app.extensions.get(_EXTENSION_KEY)
+    if isinstance(monitor, RequestMonitor):
+        return monitor
+    monitor = RequestMonitor(app.asgi_app)
+    app.asgi_app = monitor  # type: ignore[method-assign]
+    app.extensions[_EXTENSION_KEY] = monitor
 
     @app.after_request
-    async def note_route(response: Any) -> Any:
-        record = _current.get()
-        if record is not None:
+    async def note_route(response: Response) -> Response:
+        record = observing.get()
+        if isinstance(record, RequestRecord):
             rule = request.url_rule
             record.route = rule.rule if rule is not None else None
         return response
 
-    return observer
+    return monitor
 
 
 # --- the log line --------------------------------------------------------------------------------
@@ -434,7 +327,7 @@ class RequestLog:
     `request {"id": ..., "route": ..., ...}` (JSON, so it greps and parses); the same fields
     ride along as `extra={"request": fields}` for a structured handler."""
 
-    def __init__(self, *, tokenizer: Any = None, log_prompts: bool = False) -> None:
+    def __init__(self, *, tokenizer: Tokenizer | None = None, log_prompts: bool = False) -> None:
         self.tokenizer = tokenizer
         self.log_prompts = log_prompts
 
@@ -450,15 +343,17 @@ class RequestLog:
         if not self.log_prompts or record.prompt_ids is None:
             return None
         try:
-            return self.tokenizer.decode(list(record.prompt_ids))
-        except Exception:  # a tokenizer without decode: the ids, still never dropped silently
-            return json.dumps(list(record.prompt_ids))
+            if self.tokenizer is not None:
+                return self.tokenizer.decode(list(record.prompt_ids))
+        except Exception:  # a tokenizer that cannot decode: the ids, still never dropped silently
+            pass
+        return json.dumps(list(record.prompt_ids))
 
 
-def install_request_log(app: Any, handles: Any, *, log_prompts: bool | None = None) -> RequestLog:
+def install_request_log(app: QuartTrio, handles: ServerHandles, *, log_prompts: bool | None = None) -> RequestLog:
     """One log line per request; `log_prompts` defaults to `handles.config.log_prompts`."""
     if log_prompts is None:
-        log_prompts = bool(getattr(handles.config, "log_prompts", False))
-    request_log = RequestLog(tokenizer=getattr(handles, "tokenizer", None), log_prompts=log_prompts)
-    request_observer(app, handles).listeners.append(request_log)
+        log_prompts = handles.config.log_prompts
+    request_log = RequestLog(tokenizer=handles.tokenizer, log_prompts=log_prompts)
+    request_monitor(app).listeners.append(request_log)
     return request_log

@@ -1,4 +1,4 @@
-"""The Responses store: what `previous_response_id` continues from (spec §1.5).
+"""The Responses store: what `previous_response_id` continues from.
 
 Process-local and in memory. Each entry keeps a finished response's effective input items
 (continuations included), its output items, its instructions and the Response object itself

@@ -1,52 +1,35 @@
-"""OpenAI Responses routes: POST /v1/responses, GET / DELETE /v1/responses/{id} (spec §1.5).
+"""OpenAI Responses routes: POST /v1/responses, GET / DELETE /v1/responses/{id}.
 
 A Responses request is resolved against the store (`previous_response_id`: stored input +
 stored output re-fed as input, reasoning dropped, instructions carried forward unless
-replaced), translated into an OpenAI-chat body and run through `start_chat`, the one chat
-pipeline. The finished Response object is stored under its id unless the request says
-`store: false` (failed streams are never stored). Errors use the Responses shape (the app's
-error handler dispatches /v1/responses* here).
+replaced), translated into a typed chat request (api/responses_translate.py) and run through
+the chat core (api/chat.py); only the encoding differs (api/responses_encode.py). The finished
+Response object is stored under its id unless the request says `store: false` (failed streams
+are never stored). Errors use the Responses shape (the app's error handler dispatches
+/v1/responses* there).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from quart import Blueprint, Response
 
-from api import openai_routes
+from actors.handles import ServerHandles
+from actors.request import RequestActor
+from api.chat import start_chat, vocab_size
+from api.completion import Completion, add_events, collect, finish, log_stream_failure
 from api.errors import ApiError, bad_request
-from api.protocol_common import (
-    Completion,
-    add_events,
-    collect,
-    finish,
-    json_body,
-    json_response,
-    log_stream_failure,
-    sse_response,
-)
-from api.response_store import ResponseStore
-from api.responses_translate import (
-    ResponseMeta,
-    ResponsesStream,
-    input_items,
-    output_to_input,
-    response_object,
-    responses_to_chat,
-)
-
-log = logging.getLogger(__name__)
-
-PATH_PREFIX = "/v1/responses"
+from api.response_store import ResponseStore, StoredResponse
+from api.responses_encode import ResponseMeta, ResponsesStream, response_object
+from api.responses_translate import input_items, output_to_input, responses_request
+from api.wire import json_body, json_response, sse_response
 
 
-def blueprint(handles: Any, *, store: ResponseStore | None = None) -> Blueprint:
+def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> Blueprint:
     bp = Blueprint("responses", __name__)
     store = store if store is not None else ResponseStore()
-    bp.response_store = store  # type: ignore[attr-defined]  # for tests and /stats-style probes
 
     @bp.post("/v1/responses")
     async def create() -> Response:
@@ -72,8 +55,8 @@ def blueprint(handles: Any, *, store: ResponseStore | None = None) -> Blueprint:
                 if instructions is None:
                     instructions = previous.instructions
             keep = body.get("store", True) is not False
-            chat = responses_to_chat(body, items, instructions)
-            started = await openai_routes.start_chat(handles, chat)
+            request = responses_request(body, items, instructions, vocab_size=vocab_size(handles.tokenizer))
+            started = await start_chat(handles, request)
         meta = ResponseMeta(
             body, model=handles.info.name, instructions=instructions, previous_response_id=previous_id, store=keep
         )
@@ -82,7 +65,7 @@ def blueprint(handles: Any, *, store: ResponseStore | None = None) -> Blueprint:
             if keep and final["status"] != "failed":
                 store.put(final["id"], input=items, output=final["output"], instructions=instructions, response=final)
 
-        if started.gen.stream:
+        if started.generation.stream:
             return sse_response(_stream(started.actor, ResponsesStream(meta), remember))
         final = response_object(await collect(started.actor), meta)
         remember(final)
@@ -115,7 +98,7 @@ def blueprint(handles: Any, *, store: ResponseStore | None = None) -> Blueprint:
     return bp
 
 
-def _stored(store: ResponseStore, response_id: str) -> Any:
+def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
     entry = store.get(response_id)
     if entry is None:
         raise _not_found(response_id)
@@ -127,7 +110,7 @@ def _not_found(response_id: str) -> ApiError:
 
 
 async def _stream(
-    actor: Any, stream: ResponsesStream, remember: Callable[[dict[str, Any]], None]
+    actor: RequestActor, stream: ResponsesStream, remember: Callable[[dict[str, Any]], None]
 ) -> AsyncIterator[bytes]:
     completion = Completion()
     try:

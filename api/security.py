@@ -18,8 +18,9 @@ before a byte is read; a chunked body is cut at the same cap while it is read (Q
 `MAX_CONTENT_LENGTH`). Both answer in the route's API error shape.
 
 CORS is off by default: no `Access-Control-*` header is ever sent, and an `OPTIONS` request is
-an ordinary request (gated like any other, then Quart's automatic `Allow` answer). `--cors-origin` (repeatable, or comma-separated; `*` for any origin)
-answers preflights with 204 (no credentials needed: browsers send none on a preflight) and adds
+an ordinary request (gated like any other, then Quart's automatic `Allow` answer).
+`--cors-origin` (repeatable, or comma-separated; `*` for any origin) answers preflights with 204
+(no credentials needed: browsers send none on a preflight) and adds
 `Access-Control-Allow-Origin` to responses for allowed origins. Credentials are never allowed:
 the API authenticates with bearer keys, not cookies.
 
@@ -31,12 +32,14 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Iterable
-from typing import Any
+from typing import Protocol
 
 import attrs
 from quart import Response, request
+from quart_trio import QuartTrio
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from actors.options import ServeConfig
 from api.errors import ApiError, error_response_for
 from api.strict_json import StrictJsonRequest
 
@@ -45,6 +48,14 @@ CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_DEFAULT_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, openai-beta"
 CORS_EXPOSE_HEADERS = "Retry-After, X-Request-Id"
 CORS_MAX_AGE_S = 600
+
+Client = tuple[str, int] | None  # ASGI `scope["client"]`
+
+
+class Headers(Protocol):
+    """Request headers (quart's, or a plain dict in tests)."""
+
+    def get(self, key: str, /) -> str | None: ...
 
 
 @attrs.frozen
@@ -55,13 +66,12 @@ class SecurityOptions:
     max_body_bytes: int | None = int(DEFAULT_MAX_BODY_MB * 2**20)  # None: no cap
 
     @classmethod
-    def from_config(cls, config: Any) -> SecurityOptions:
-        """From a `ServeConfig` (or anything with some of its fields; missing ones default)."""
-        mb = getattr(config, "max_body_mb", DEFAULT_MAX_BODY_MB)
+    def from_config(cls, config: ServeConfig) -> SecurityOptions:
+        mb = config.max_body_mb
         return cls(
-            api_key=getattr(config, "api_key", None) or None,
-            admin_token=getattr(config, "admin_token", None) or None,
-            cors_origins=parse_origins(getattr(config, "cors_origins", ()) or ()),
+            api_key=config.api_key or None,
+            admin_token=config.admin_token or None,
+            cors_origins=parse_origins(config.cors_origins),
             max_body_bytes=int(mb * 2**20) if mb else None,
         )
 
@@ -97,7 +107,7 @@ def route_class(path: str) -> str:
     return "open"
 
 
-def is_loopback(client: Any) -> bool:
+def is_loopback(client: Client) -> bool:
     """ASGI `scope["client"]`: None (a unix socket, an in-process test client) counts as local."""
     if not client:
         return True
@@ -110,10 +120,10 @@ def is_loopback(client: Any) -> bool:
     return address.is_loopback
 
 
-def presented_credentials(headers: Any, *extra_headers: str) -> list[str]:
+def presented_credentials(headers: Headers, *extra_headers: str) -> list[str]:
     """Bearer token and the named key headers, as sent (several may be present)."""
     found = []
-    authorization = headers.get("Authorization", "")
+    authorization = headers.get("Authorization") or ""
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         found.append(token.strip())
@@ -131,7 +141,7 @@ def credential_matches(presented: Iterable[str], secret: str) -> bool:
     return any(results)
 
 
-def check_access(options: SecurityOptions, *, path: str, headers: Any, client: Any) -> ApiError | None:
+def check_access(options: SecurityOptions, *, path: str, headers: Headers, client: Client) -> ApiError | None:
     """The refusal for this request, or None when it may proceed (pure, for tests)."""
     kind = route_class(path)
     if kind == "api" and options.api_key is not None:
@@ -173,7 +183,7 @@ def _too_large(what: str, cap: int | None) -> ApiError:
     return ApiError(413, f"{what}; this server accepts at most {cap} bytes (--max-body-mb)", code="request_too_large")
 
 
-def install_security(app: Any, options: SecurityOptions | Any) -> SecurityOptions:
+def install_security(app: QuartTrio, options: SecurityOptions | ServeConfig) -> SecurityOptions:
     """Register the gate (before_request) and CORS headers (after_request) on `app`.
 
     `options` is a `SecurityOptions` or a `ServeConfig` (read with `SecurityOptions.from_config`).

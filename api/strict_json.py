@@ -2,8 +2,9 @@
 
 Quart's `get_json` decodes the body outside its own `try` (invalid UTF-8 → `UnicodeDecodeError`
 → 500) and lets `RecursionError` from a deeply nested body escape (→ 500). Python's `json` also
-accepts `NaN` / `Infinity`, which are not JSON (RFC 8259), turns `1e400` into infinity, and `\\ud800`-style lone surrogates,
-which are not text: they break the tokenizer, the log handler and every encoder downstream.
+accepts `NaN` / `Infinity`, which are not JSON (RFC 8259), turns `1e400` into infinity, and
+accepts `\\ud800`-style lone surrogates, which are not text: they break the tokenizer, the log
+handler and every encoder downstream.
 
 `StrictJsonRequest.get_json` turns all of these into a parse failure, so every route's
 `get_json(force=True, silent=True)` sees `None` and answers its own "invalid JSON body" 400 in
@@ -74,7 +75,7 @@ class StrictJsonRequest(TrioRequest):
             return None
         raw = await self.get_data(cache=cache, as_text=False)
         try:
-            result = loads_strict(raw)
+            result = loads_strict(raw.encode() if isinstance(raw, str) else raw)  # as_text=False: bytes
         except ValueError as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             result = None if silent else self.on_json_loading_failed(error)
         if cache:

@@ -1,17 +1,17 @@
 """Structured-output request fields → a `Constraint` (model/params.py) for the row's sampler.
 
-One entry point per concern:
+Fields, in precedence order (the first present wins): a forced function call (`tool_choice`
+naming a function, or "required") > `guided_grammar` > `response_format` json_schema (or vLLM's
+`guided_json`) > json_object > `structured_outputs` > `guided_regex` > `guided_choice`.
+`response_format: {"type": "text"}` is no constraint. A Responses-shaped `text.format` is read
+when `response_format` is absent (`response_format_from_text_format` is the mapping). An
+invalid schema / regex / grammar is a 400 carrying the engine's message.
 
-* `constraint_from_body(body, tool_format=...)` — pure: parse and validate. Fields, in precedence
-  order (spec §1.10; the first present wins): a forced function call (`tool_choice` naming a
-  function, or "required") > `guided_grammar` > `response_format` json_schema (or vLLM's
-  `guided_json`) > json_object > `structured_outputs` > `guided_regex` > `guided_choice`.
-  `response_format: {"type": "text"}` is no constraint. A Responses-shaped `text.format` is read
-  when `response_format` is absent (`response_format_from_text_format` is the mapping).
-  An invalid schema / regex / grammar raises `bad_request` (400) carrying the engine's message.
-* `request_constraint(body, tool_format=...)` — what parse_generation calls: the above, except
-  that when no grammar engine is installed (or MLX_BUN_GRAMMAR=0) the request is served
-  unconstrained and the response gets a `Warning` header saying so.
+A forced call's grammar wraps the call in the model's own tool-call markup, known only once the
+chat template is: `request_constraint` checks the request with the default (hermes) markup, and
+`ConstraintRequest.for_tool_format` rebuilds it for the model's. A model whose markup has no
+grammar falls back on the other fields. Without a grammar engine installed, requests are served
+unconstrained and the response gets a `Warning` header saying so.
 
 Nothing here touches MLX; grammars are compiled and enforced on the GPU-worker thread
 (model/grammar.py).
@@ -24,54 +24,175 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from api.errors import ApiError, bad_request
+import attrs
+from quart import after_this_request, has_request_context
+from quart.typing import ResponseTypes
+
+from api.errors import bad_request
 from model import grammar
 from model.params import Constraint
 
 log = logging.getLogger(__name__)
 
 WARNING_HEADER = "Warning"
+DEFAULT_TOOL_FORMAT = "hermes"
 
 
-# --- the fields ----------------------------------------------------------------------------------
+@attrs.frozen
+class ConstraintFields:
+    """The structured-output fields other than a forced tool call, unparsed: they are read only
+    when no forced call takes precedence."""
+
+    guided_grammar: Any = None
+    response_format: Any = None
+    text_format: Any = None  # Responses-style `text.format`, read when response_format is absent
+    guided_json: Any = None
+    structured_outputs: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ConstraintFields:
+        text = body.get("text")
+        return cls(
+            guided_grammar=body.get("guided_grammar"),
+            response_format=body.get("response_format"),
+            text_format=text.get("format") if isinstance(text, Mapping) else None,
+            guided_json=body.get("guided_json"),
+            structured_outputs=body.get("structured_outputs"),
+            guided_regex=body.get("guided_regex"),
+            guided_choice=body.get("guided_choice"),
+        )
+
+    def select(self) -> tuple[Constraint | None, str | None]:
+        """The constraint these fields ask for and the param it came from. Raises ApiError (400)."""
+        if self.guided_grammar is not None:
+            return Constraint("grammar", _string(self.guided_grammar, "guided_grammar")), "guided_grammar"
+        response_format = self.response_format
+        if response_format is None and self.text_format is not None:
+            response_format = response_format_from_text_format(self.text_format)
+        rf = _response_format(response_format)
+        if rf is not None and rf.kind == "json_schema":
+            return rf, "response_format"
+        if self.guided_json is not None:
+            return _schema_constraint(self.guided_json, strict=False, param="guided_json"), "guided_json"
+        if rf is not None:
+            return rf, "response_format"
+        so = _structured_outputs(self.structured_outputs)
+        if so is not None:
+            return so, "structured_outputs"
+        if self.guided_regex is not None:
+            return Constraint("regex", _string(self.guided_regex, "guided_regex")), "guided_regex"
+        if self.guided_choice is not None:
+            return _choice(self.guided_choice, "guided_choice"), "guided_choice"
+        return None, None
 
 
-def constraint_from_body(body: Mapping[str, Any], *, tool_format: str | None = None) -> Constraint | None:
-    """The request's constraint (None = free generation). Raises ApiError (400)."""
-    constraint, param = _select(body, tool_format)
-    if constraint is not None and grammar.available():
-        try:
-            grammar.validate(constraint)
-        except grammar.GrammarError as exc:
-            raise bad_request(f"invalid {_what(constraint)}: {exc}", param=param) from None
-    return constraint
+@attrs.frozen
+class ForcedToolCall:
+    """Exactly one call of one of `tools` ((name, parameters schema or None) pairs)."""
+
+    tools: tuple[tuple[str, Any], ...]
+    strict: bool = False
+
+    def constraint(self, tool_format: str) -> Constraint | None:
+        """The call in `tool_format`'s markup; None when that markup has no grammar."""
+        if tool_format not in grammar.TOOL_FORMATS:
+            log.info("forced tool call in the %s format is not constrained", tool_format)
+            return None
+        spec = {"format": tool_format, "tools": [{"name": n, "parameters": p} for n, p in self.tools]}
+        return Constraint("tool_call", json.dumps(spec), strict=self.strict)
 
 
-def request_constraint(body: Mapping[str, Any], *, tool_format: str | None = None) -> Constraint | None:
-    """`constraint_from_body`, degraded to None (+ a Warning header) without a grammar engine."""
-    constraint = constraint_from_body(body, tool_format=tool_format)
-    if constraint is None or grammar.available():
-        return constraint
-    add_warning(not_enforced_warning(constraint))
-    return None
+@attrs.frozen
+class ConstraintRequest:
+    """A request's validated constraint, as built before the model's tool-call markup is known."""
+
+    constraint: Constraint
+    forced: ForcedToolCall | None = None
+    fields: ConstraintFields = ConstraintFields()
+
+    def for_tool_format(self, tool_format: str | None) -> Constraint | None:
+        """The constraint to run once the tool format is known (None: the request has no tools)."""
+        if self.forced is None or tool_format is None:
+            return self.constraint
+        constraint = self.forced.constraint(tool_format)
+        if constraint is None:
+            return _validated(*self.fields.select())
+        return _validated(constraint, "tool_choice")
+
+
+def forced_tool_call(tools: Any, choice: Any) -> ForcedToolCall | None:
+    """tool_choice {"type": "function", "function": {"name"}} (or Responses' {"type":
+    "function", "name"}) or "required" over OpenAI-shaped (or flat) tools. Raises ApiError (400)."""
+    if not isinstance(tools, list) or not tools or choice in (None, "none", "auto"):
+        return None
+    functions: dict[str, Any] = {}
+    for tool in tools:
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            continue
+        function = tool.get("function")
+        fn: Mapping[str, Any] = function if isinstance(function, Mapping) else tool  # Responses: flat
+        name = fn.get("name")
+        if isinstance(name, str):
+            functions[name] = fn.get("parameters")
+    if choice == "required":
+        chosen = list(functions)
+    elif isinstance(choice, Mapping) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = (function if isinstance(function, Mapping) else choice).get("name")
+        if not isinstance(name, str):
+            raise bad_request("tool_choice.function.name must be a string", param="tool_choice")
+        if name not in functions:
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
+        chosen = [name]
+    else:
+        return None
+    if not chosen:
+        return None
+    for name in chosen:
+        parameters = functions[name]
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise bad_request(f"tools: the parameters of {name!r} must be a JSON schema object", param="tools")
+    strict = any(
+        isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and t["function"].get("strict") is True
+        for t in tools
+    )
+    return ForcedToolCall(tools=tuple((name, functions[name]) for name in chosen), strict=strict)
+
+
+def request_constraint(fields: ConstraintFields, forced: ForcedToolCall | None = None) -> ConstraintRequest | None:
+    """The request's constraint, validated (400 if invalid); None for free generation, and
+    also (with a Warning header) when no grammar engine is installed."""
+    if forced is not None:
+        constraint = _validated(forced.constraint(DEFAULT_TOOL_FORMAT), "tool_choice")
+    else:
+        constraint = _validated(*fields.select())
+    if constraint is None:
+        return None
+    if not grammar.available():
+        add_warning(not_enforced_warning(constraint))
+        return None
+    return ConstraintRequest(constraint, forced=forced, fields=fields)
+
+
+def body_constraint(body: Mapping[str, Any]) -> ConstraintRequest | None:
+    """`request_constraint` for an OpenAI chat or completions body."""
+    forced = forced_tool_call(body.get("tools"), body.get("tool_choice"))
+    return request_constraint(ConstraintFields.from_body(body), forced)
 
 
 def not_enforced_warning(constraint: Constraint) -> str:
-    why = "grammar engine disabled" if grammar._ll is not None else "no grammar engine installed"
-    return f'299 - "{_what(constraint)} not enforced: {why}"'
+    return f'299 - "{_what(constraint)} not enforced: no grammar engine installed"'
 
 
 def add_warning(text: str) -> None:
     """Attach a Warning header to the response of the request being handled (if any)."""
-    try:
-        from quart import after_this_request, has_request_context
-    except ImportError:  # pragma: no cover
-        return
     if not has_request_context():
         return
 
     @after_this_request
-    async def _add(response: Any) -> Any:
+    async def _add(response: ResponseTypes) -> ResponseTypes:
         response.headers[WARNING_HEADER] = text
         return response
 
@@ -93,38 +214,18 @@ def response_format_from_text_format(fmt: Any) -> dict[str, Any] | None:
     return dict(fmt)
 
 
-def _select(body: Mapping[str, Any], tool_format: str | None) -> tuple[Constraint | None, str | None]:
-    tool = _forced_tool_call(body, tool_format)
-    if tool is not None:
-        return tool, "tool_choice"
-    if body.get("guided_grammar") is not None:
-        return Constraint("grammar", _string(body, "guided_grammar")), "guided_grammar"
-    response_format = body.get("response_format")
-    if response_format is None:
-        text = body.get("text")
-        if isinstance(text, Mapping) and text.get("format") is not None:
-            response_format = response_format_from_text_format(text.get("format"))
-    rf = _response_format(response_format)
-    if rf is not None and rf.kind == "json_schema":
-        return rf, "response_format"
-    if body.get("guided_json") is not None:
-        return _schema_constraint(body["guided_json"], strict=False, param="guided_json"), "guided_json"
-    if rf is not None:
-        return rf, "response_format"
-    so = _structured_outputs(body.get("structured_outputs"))
-    if so is not None:
-        return so, "structured_outputs"
-    if body.get("guided_regex") is not None:
-        return Constraint("regex", _string(body, "guided_regex")), "guided_regex"
-    if body.get("guided_choice") is not None:
-        return _choice(body["guided_choice"], "guided_choice"), "guided_choice"
-    return None, None
+def _validated(constraint: Constraint | None, param: str | None) -> Constraint | None:
+    if constraint is not None and grammar.available():
+        try:
+            grammar.validate(constraint)
+        except grammar.GrammarError as exc:
+            raise bad_request(f"invalid {_what(constraint)}: {exc}", param=param) from None
+    return constraint
 
 
-def _string(body: Mapping[str, Any], key: str) -> str:
-    value = body.get(key)
+def _string(value: Any, name: str) -> str:
     if not isinstance(value, str) or not value:
-        raise bad_request(f"{key} must be a non-empty string", param=key)
+        raise bad_request(f"{name} must be a non-empty string", param=name)
     return value
 
 
@@ -177,61 +278,16 @@ def _structured_outputs(value: Any) -> Constraint | None:
     if not isinstance(value, Mapping):
         raise bad_request("structured_outputs must be an object", param="structured_outputs")
     if value.get("grammar") is not None:
-        return Constraint("grammar", _string(value, "grammar"))
+        return Constraint("grammar", _string(value.get("grammar"), "grammar"))
     if value.get("json") is not None:
         return _schema_constraint(value["json"], strict=False, param="structured_outputs")
     if value.get("json_object"):
         return Constraint("json_object")
     if value.get("regex") is not None:
-        return Constraint("regex", _string(value, "regex"))
+        return Constraint("regex", _string(value.get("regex"), "regex"))
     if value.get("choice") is not None:
         return _choice(value["choice"], "structured_outputs")
     return None
-
-
-def _forced_tool_call(body: Mapping[str, Any], tool_format: str | None) -> Constraint | None:
-    """tool_choice {"type": "function", "function": {"name"}} (or Responses' {"type":
-    "function", "name"}) or "required" → exactly one call, arguments per the tool's schema."""
-    choice = body.get("tool_choice")
-    tools = body.get("tools")
-    if not isinstance(tools, list) or not tools or choice in (None, "none", "auto"):
-        return None
-    functions = {}
-    for tool in tools:
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            continue
-        fn = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool  # Responses: flat
-        name = fn.get("name")
-        if isinstance(name, str):
-            functions[name] = fn.get("parameters")
-    if choice == "required":
-        chosen = list(functions)
-    elif isinstance(choice, Mapping) and choice.get("type") == "function":
-        fn = choice.get("function") if isinstance(choice.get("function"), Mapping) else choice
-        name = fn.get("name")
-        if not isinstance(name, str):
-            raise bad_request("tool_choice.function.name must be a string", param="tool_choice")
-        if name not in functions:
-            raise bad_request(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
-        chosen = [name]
-    else:
-        return None
-    if not chosen:
-        return None
-    fmt = tool_format or "hermes"
-    if fmt not in grammar.TOOL_FORMATS:
-        log.info("forced tool call in the %s format is not constrained", fmt)
-        return None
-    for name in chosen:
-        parameters = functions[name]
-        if parameters is not None and not isinstance(parameters, Mapping):
-            raise bad_request(f"tools: the parameters of {name!r} must be a JSON schema object", param="tools")
-    spec = {"format": fmt, "tools": [{"name": n, "parameters": functions[n]} for n in chosen]}
-    strict = any(
-        isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and t["function"].get("strict") is True
-        for t in tools
-    )
-    return Constraint("tool_call", json.dumps(spec), strict=strict)
 
 
 def _what(constraint: Constraint) -> str:
@@ -244,14 +300,3 @@ def _what(constraint: Constraint) -> str:
         "lark": "grammar",
         "tool_call": "tool parameters schema",
     }[constraint.kind]
-
-
-__all__ = [
-    "ApiError",
-    "WARNING_HEADER",
-    "add_warning",
-    "constraint_from_body",
-    "not_enforced_warning",
-    "request_constraint",
-    "response_format_from_text_format",
-]

@@ -5,8 +5,8 @@
     python benchmarks/cpu_blas.py --no-model --seconds 0.5
 
 Each configuration runs in its own subprocess (the BLAS must be preloaded before mlx is
-imported, and cannot be unloaded): `MLX_TRIO_BLAS=off`, the default search, and one per
-`--blas PATH`. Every worker first checks an MLX fp32 matmul against numpy (allclose).
+imported, and cannot be unloaded): the setting "off", the default search ("auto"), and one
+per `--blas PATH`. Every worker first checks an MLX fp32 matmul against numpy (allclose).
 Reports fp32 GFLOP/s for a 1024^3 GEMM, the decode-shaped [1,1024]x[1024,4096] matmul in
 both weight layouts (`x @ W` and nn.Linear's `x @ W.T`), [8,1024]x[1024,4096]^T, and, when
 tests.fixtures.synth / model.loader are importable, prefill and decode tok/s of a small random
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -71,6 +70,7 @@ def _model_bench(mx, seconds: float, dtype: str) -> dict:
     """Prefill and decode tok/s of a small random model through the real engine."""
     from model.engine import Engine
     from model.loader import load_model
+    from model.options import EngineOptions
     from model.params import SamplingParams
     from model.rows import RowSpec
     from tests.fixtures.synth import write_model_dir
@@ -90,7 +90,7 @@ def _model_bench(mx, seconds: float, dtype: str) -> dict:
         model = load_model(path).model
     prompt_len, decode_steps = 129, 32
     prompt = tuple(i % 4000 + 1 for i in range(prompt_len))
-    engine = Engine(model, eos_token_ids=[], prefill_chunk=prompt_len)
+    engine = Engine(model, eos_token_ids=[], options=EngineOptions(prefill_chunk=prompt_len))
     row = iter(range(1_000_000))
 
     def prefill() -> int:
@@ -121,7 +121,7 @@ def _model_bench(mx, seconds: float, dtype: str) -> dict:
 def worker(args) -> None:
     from model.blas import preload_optimized_blas
 
-    info = preload_optimized_blas()
+    info = preload_optimized_blas(args.setting)
     import mlx.core as mx
     import numpy as np
 
@@ -141,18 +141,19 @@ def worker(args) -> None:
 # -- driver ------------------------------------------------------------------------------------
 
 
-def run_config(label: str, env_over: dict[str, str], args) -> dict:
-    env = dict(os.environ, **env_over)
+def run_config(label: str, setting: str, args) -> dict:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
         "--worker",
+        "--setting",
+        setting,
         "--seconds",
         str(args.seconds),
         "--dtype",
         args.dtype,
     ] + (["--no-model"] if args.no_model else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("JSON:"):
             res = json.loads(line[5:])
@@ -164,6 +165,7 @@ def run_config(label: str, env_over: dict[str, str], args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--setting", default="auto", help=argparse.SUPPRESS)  # the worker's preload_optimized_blas setting
     ap.add_argument("--blas", action="append", default=[], help="extra library to compare (repeatable)")
     ap.add_argument("--seconds", type=float, default=1.5, help="timing budget per measurement")
     ap.add_argument("--no-model", action="store_true", help="GEMMs only")
@@ -173,11 +175,11 @@ def main() -> None:
         worker(args)
         return
 
-    configs = [("bundled", {"MLX_TRIO_BLAS": "off"}), ("optimized (default search)", {})]
-    configs += [(Path(p).name, {"MLX_TRIO_BLAS": p}) for p in args.blas]
+    configs = [("bundled", "off"), ("optimized (default search)", "auto")]
+    configs += [(Path(p).name, p) for p in args.blas]
     results = []
-    for label, env in configs:
-        r = run_config(label, env, args)
+    for label, setting in configs:
+        r = run_config(label, setting, args)
         results.append(r)
         print(f"# {label}: {r.get('blas', r.get('error'))}", file=sys.stderr, flush=True)
 
@@ -186,7 +188,6 @@ def main() -> None:
     if not args.no_model:
         metrics += [f"prefill 128 tok/s ({args.dtype}, h512 x4)", "decode tok/s"]
         keys += ["prefill_tok_s", "decode_tok_s"]
-    base = results[0]
     header = ["metric"] + [r["label"] for r in results] + [f"{r['label']} / bundled" for r in results[1:]]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

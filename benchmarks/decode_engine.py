@@ -2,8 +2,9 @@
 weights, in one process, plus a host-side profile of one decode step.
 
 Reports, per batch size B: decode tok/s of
-  ours            Engine with the compiled decode step (the default; model.layers.CompiledDecode)
-  ours_eager      Engine with MLX_TRIO_COMPILE=0's eager graph
+  ours            Engine with the compiled decode step (the default; model/compiled_decode.py)
+  ours_eager      Engine with EngineOptions(compile_decode=False): the eager graph (on CUDA it
+                  shares the fused q/k/v and gate/up weights the compiled engine made)
   mlx_lm          B=1: mlx_lm.generate.generate_step; B>1: mlx_lm.generate.BatchGenerator
 and for B=1 the fraction of the memory-bandwidth roofline (weights + mean KV bytes read per
 token / --bandwidth-gbs) and a profile: host ms to build one step's graph (eager forward,
@@ -18,9 +19,7 @@ encode + device + read-back, nothing overlapped), and the pipelined step time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -35,11 +34,14 @@ preload_optimized_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from benchmarks.serve_bench import SHAPES  # noqa: E402
+from benchmarks.synth_fast import SHAPES  # noqa: E402
+from model import engine as engine_module  # noqa: E402
+from model.compiled_decode import CompiledDecode  # noqa: E402
+from model.decoder import DecoderModel  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.kv_cache import make_caches  # noqa: E402
-from model.layers import CompiledDecode, _gemv_call, _gemv_kernel, fusion_disabled, gemv_disabled  # noqa: E402
 from model.loader import load_model  # noqa: E402
+from model.options import EngineOptions  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402
 
@@ -57,7 +59,7 @@ def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> tu
         engine.step()
     mx.synchronize()
     acc = {"dispatch": 0.0, "read": 0.0}
-    dispatch, read = engine._dispatch, engine._read
+    dispatch, read = engine._dispatch, engine_module.read
 
     def timed_dispatch(inputs):
         t = time.perf_counter()
@@ -65,20 +67,21 @@ def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> tu
         acc["dispatch"] += time.perf_counter() - t
         return out
 
-    def timed_read(inflight):
+    def timed_read(inflight, eos):
         t = time.perf_counter()
-        out = read(inflight)
+        out = read(inflight, eos)
         acc["read"] += time.perf_counter() - t
         return out
 
-    engine._dispatch, engine._read = timed_dispatch, timed_read
+    engine._dispatch, engine_module.read = timed_dispatch, timed_read
     t0 = time.perf_counter()
     produced = n_steps = 0
     while produced < steps * batch:
         produced += len(engine.step())
         n_steps += 1
     elapsed = time.perf_counter() - t0
-    del engine._dispatch, engine._read
+    del engine._dispatch
+    engine_module.read = read
     for r in rows:
         engine.close_row(r)
     split = {f"{k}_ms": 1000 * v / n_steps for k, v in acc.items()}
@@ -137,7 +140,8 @@ def profile_b1(model, ref_model, prompt: list[int]) -> dict:
     """Host ms to build one B=1 decode step's graph, and ms to evaluate one from scratch."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    compiled = CompiledDecode(model)
+    assert isinstance(model, DecoderModel)
+    compiled = CompiledDecode(model)  # (on CUDA the engines have fused its projections already)
     out: dict = {}
     for name in ("eager", "compiled", "mlx_lm"):
         if name == "mlx_lm":
@@ -173,53 +177,6 @@ def profile_b1(model, ref_model, prompt: list[int]) -> dict:
         out[f"{name}_build_ms"] = 1000 * statistics.median(builds)
         out[f"{name}_eval_ms"] = 1000 * statistics.median(evals)
         out[f"{name}_serial_step_ms"] = out[f"{name}_build_ms"] + out[f"{name}_eval_ms"]
-    return out
-
-
-def gemv_available() -> bool:
-    return _gemv_kernel() is not None
-
-
-def gemv_bench(model) -> dict:
-    """Per distinct weight shape: µs and GB/s of x @ W.T for M = 1 and 8, kernel vs MLX matmul."""
-    shapes = {}
-    layer = model.layers[0]
-    mods = [
-        layer.self_attn.q_proj,
-        layer.self_attn.k_proj,
-        layer.self_attn.o_proj,
-        layer.mlp.gate_proj,
-        layer.mlp.down_proj,
-    ]
-    ws = [m.weight for m in mods if hasattr(m, "weight") and not hasattr(m, "scales")]
-    head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
-    if head.dtype in (mx.bfloat16, mx.float16):
-        ws.append(head)
-    out = {}
-    for w in ws:
-        key = f"{w.shape[0]}x{w.shape[1]}"
-        if key in shapes:
-            continue
-        shapes[key] = True
-        for m in (1, 8):
-            x = mx.random.normal((m, w.shape[1])).astype(w.dtype)
-            res = {}
-            kernel = _gemv_kernel()
-            for name, fn in (("gemv", lambda: _gemv_call(kernel, x, w)), ("mlx", lambda: x @ w.T)):
-                with gemv_disabled() if name == "mlx" else contextlib.nullcontext():
-                    for _ in range(3):
-                        mx.eval(fn())
-                    reps = 20
-                    t0 = time.perf_counter()
-                    ys = [fn() for _ in range(reps)]
-                    mx.eval(ys)
-                    dt = (time.perf_counter() - t0) / reps
-                res[f"{name}_us"] = 1e6 * dt
-                res[f"{name}_gbs"] = w.nbytes / dt / 1e9
-            y1 = _gemv_call(_gemv_kernel(), x, w).astype(mx.float32)
-            y2 = (x @ w.T).astype(mx.float32)
-            res["max_abs_diff"] = mx.abs(y1 - y2).max().item()
-            out[f"{key}_M{m}"] = res
     return out
 
 
@@ -273,12 +230,6 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--skip-eager", action="store_true", help="only the default engine (no A/B variants)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant; the best is reported")
-    p.add_argument(
-        "--gemv-bench",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="time the CUDA GEMV kernel against MLX's matmul on the model's weight shapes",
-    )
     p.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth for the roofline")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -310,34 +261,18 @@ def main() -> None:
         "roofline_tok_s": roofline,
         "date": time.strftime("%Y-%m-%d"),
     }
-    # ours: compiled decode + CUDA GEMV (where available) — the defaults; the rest are A/B.
-    # variant: (engine, gemv off, fusion off)
-    variants = {"ours": (Engine(loaded.model, eos_token_ids=[], compile_decode=True), False, False)}
+    # ours: the default engine (compiled decode); ours_eager: the eager graph, for A/B.
+    variants = {"ours": Engine(loaded.model, eos_token_ids=[])}
     if not args.skip_eager:
-        if gemv_available():
-            variants["ours_nogemv"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=True), True, False)
-        if os.environ.get("MLX_TRIO_GEMV") == "1" or os.environ.get("MLX_TRIO_FUSE") == "1":
-            # compiled decode without either opt-in: what the server does by default
-            variants["ours_plain"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=True), True, True)
-        # the engine before this work: eager graph, MLX matmuls, separate projections
-        variants["ours_eager"] = (Engine(loaded.model, eos_token_ids=[], compile_decode=False), True, True)
-    result["parity_b1"] = parity(variants["ours"][0], ref_model, prompt)
+        variants["ours_eager"] = Engine(loaded.model, eos_token_ids=[], options=EngineOptions(compile_decode=False))
+    result["parity_b1"] = parity(variants["ours"], ref_model, prompt)
     print(f"parity: {result['parity_b1']}", file=sys.stderr, flush=True)
-    compiled = variants["ours"][0]._compiled
-    result["gemv_policy"] = getattr(compiled, "gemv_report", {})
-    if args.gemv_bench and gemv_available():
-        result["gemv"] = gemv_bench(loaded.model)
-        print(f"gemv: {json.dumps(result['gemv'])}", file=sys.stderr, flush=True)
     for b in [int(x) for x in args.batches.split(",")]:
         runs: dict[str, list[float]] = {}
         splits: dict[str, dict] = {}
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
-            for name, (engine, no_gemv, no_fuse) in variants.items():
-                with (
-                    gemv_disabled() if no_gemv else contextlib.nullcontext(),
-                    fusion_disabled() if no_fuse else contextlib.nullcontext(),
-                ):
-                    rate, split = ours_decode(engine, prompt, args.steps, b)
+            for name, engine in variants.items():
+                rate, split = ours_decode(engine, prompt, args.steps, b)
                 runs.setdefault(name, []).append(rate)
                 if rate >= max(runs[name]):
                     splits[name] = split

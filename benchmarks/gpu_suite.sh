@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The H200 benchmark suite behind docs/performance.md, in one call (writes everything under $OUT).
+# The GPU benchmark suite behind docs/performance.md, in one call (writes everything under $OUT).
+# (The dated A/B suites of earlier runs are in git history; their switches are decided and gone.)
 #   OUT=/tmp/out bash benchmarks/gpu_suite.sh
 # Needs mlx (CUDA), mlx-lm, trio, hypercorn, quart-trio importable (PYTHONPATH). Each step has its
 # own time limit so one slow step cannot starve the rest; results land as they finish, and are
@@ -42,127 +43,6 @@ spy_c32() {
   pack
 }
 
-if [ "${SUITE:-full}" = "mini" ]; then  # the open questions of 2026-12-04: decode graphs per KV capacity,
-  # the unfused hit prefill at c=8/c=32, and an A/B of the experimental decode-capacity warm-up
-  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 90 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --sections longdecode,hit --out "$RES/shape-q06-bf16.json"
-  step 60 python3 benchmarks/restore_cost.py --out "$RES/restore-q06-4k.json"
-  step 150 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
-  for cap in 0 8192; do
-    step 90 env MLX_TRIO_WARM_DECODE_CAPACITY=$cap $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT \
-      --concurrency 1 --repeats 1 --only ours --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort \
-      --exit-streams 0 --restart-words 1100 --out "$RES/sb-q06-bf16-warmcap$cap.json"
-  done
-  spy_c32 q06-bf16
-  pack
-  exit 0
-fi
-if [ "${SUITE:-full}" = "s3" ]; then  # the evening of 2026-12-04: the serve table with capacity warm-up
-  # and the direct SSD import on by default, engine B=1..32, and a hit prefill's first-time cost by shape
-  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 60 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --sections hitshape --out "$RES/shape-q06-bf16.json"
-  step 60 python3 benchmarks/restore_cost.py --out "$RES/restore-q06-4k.json"
-  step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
-  step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
-    --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
-  pack
-  exit 0
-fi
-if [ "${SUITE:-full}" = "s4" ]; then  # the last run of 2026-12-04: hit-prefill warm-up, clear-cache A/B
-  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 60 python3 benchmarks/shape_cost.py --model $M/q06-bf16 --sections hitshape --out "$RES/shape-q06-bf16.json"
-  step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
-    --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
-  for cc in 1 0; do
-    step 90 env MLX_TRIO_CLEAR_CACHE=$cc $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 \
-      --repeats 2 --only ours --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 \
-      --out "$RES/sb-q06-bf16-clearcache$cc.json"
-  done
-  pack
-  exit 0
-fi
-if [ "${SUITE:-full}" = "s5" ]; then  # check: restore's first import in a process, clear-cache A/B reversed
-  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 40 python3 benchmarks/restore_cost.py --repeats 2 --out "$RES/restore-q06-4k.json"
-  step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens 16 --concurrency 1 --repeats 1 --only ours \
-    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --restart-words 1100 --out "$RES/sb-q06-restart.json"
-  for cc in 0 1; do
-    step 70 env MLX_TRIO_CLEAR_CACHE=$cc $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 \
-      --repeats 2 --only ours --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 \
-      --out "$RES/sb-q06-bf16-clearcache$cc.json"
-  done
-  step 120 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 \
-    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16-c8-c32.json"
-  pack
-  exit 0
-fi
-if [ "${SUITE:-full}" = "s6" ]; then  # 2026-12-05: the whole serve table again with the last defaults, engine B=1..32
-  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 300 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 3 --system-words 1500 --joiner-words 3000 --exit-streams 8 --ours-args "--shutdown-timeout 10" \
-    --restart-words 1100 --out "$RES/sb-q06-bf16.json" --plots "$RES"
-  step 120 $DE --model $M/q06-bf16 --batches 1,8,32 --repeats 2 --out "$RES/de-q06-bf16.json"
-  pack
-  exit 0
-fi
-if [ "${SUITE:-full}" = "s7" ]; then  # 2026-12-05: 8B roofline, c=8/32 again, the joiner chunk on a GPU
-  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  step 120 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 --repeats 2 \
-    --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16-c8-c32.json"
-  for chunk in 0 512; do
-    step 60 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8 --repeats 1 --only ours \
-      --agent-turns 0 --joiner-words 3000 --no-abort --exit-streams 0 --ours-args "--decoding-prefill-chunk $chunk" \
-      --out "$RES/sb-q06-bf16-joiner-chunk$chunk.json"
-  done
-  step 90 python3 benchmarks/synth_fast.py $M/l8-bf16 $L8 bfloat16 none
-  step 150 $DE --model $M/l8-bf16 --batches 1 --repeats 2 --out "$RES/de-l8-bf16.json"
-  pack
-  exit 0
-fi
-if [ "${SUITE:-full}" = "s8" ]; then  # 2026-12-05: a groupable queue head waits for the next group (A/B), c=8/32 again
-  step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  for round in 1 2; do
-    for w in 1 0; do
-      step 75 env MLX_TRIO_GROUP_HEAD_WAITS=$w $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT \
-        --concurrency 8,32 --repeats 2 --only ours --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 \
-        --out "$RES/sb-q06-bf16-headwaits$w-r$round.json"
-    done
-  done
-  step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16.json"
-  pack
-  exit 0
-fi
-if [ "${SUITE:-full}" = "s9" ] || [ "${SUITE:-full}" = "s9r" ]; then  # 2026-12-05: the arrival hold (A/B), then side by side
-  [ -d $M/q06-bf16 ] || step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  if [ "$SUITE" = "s9" ]; then order="10 0 always"; else order="always 0 10"; fi  # s9r: a second round, reversed
-  for v in $order; do
-    if [ "$v" = always ]; then env="MLX_TRIO_ARRIVAL_HOLD_ALWAYS=1"; w=10; else env="MLX_TRIO_ARRIVAL_HOLD_ALWAYS=0"; w=$v; fi
-    step 75 env $env $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-      --only ours --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 --ours-args "--arrival-window-ms $w" \
-      --out "$RES/sb-q06-bf16-arrival-$v-$SUITE.json"
-  done
-  step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16-$SUITE.json"
-  pack
-  exit 0
-fi
-if [ "${SUITE:-full}" = "s10" ]; then  # 2026-12-05: chat rows with a boundary snapshot join group prefills (A/B), then side by side
-  [ -d $M/q06-bf16 ] || step 30 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
-  for v in 1 0 0 1; do
-    n=$(( ${n:-0} + 1 ))
-    step 75 env MLX_TRIO_GROUP_SNAPSHOT_ROWS=$v $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 8,32 \
-      --repeats 2 --only ours --agent-turns 0 --joiner-words 0 --no-abort --exit-streams 0 \
-      --out "$RES/sb-q06-bf16-snaprows$v-$n.json"
-  done
-  step 200 $SB --model $M/q06-bf16 --dtype bfloat16 --max-tokens $MT --concurrency 1,8,32 --repeats 2 \
-    --agent-turns 3 --system-words 1500 --joiner-words 0 --no-abort --exit-streams 0 --out "$RES/sb-q06-bf16-s10.json" --plots "$RES"
-  pack
-  exit 0
-fi
 # the full run behind docs/performance.md
 step 60 python3 benchmarks/synth_fast.py $M/q06-bf16 $Q06 bfloat16 none
 # first-time cost of new attention shapes, and bucketed / grouped prefill against exact widths

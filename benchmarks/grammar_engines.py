@@ -480,7 +480,8 @@ def main() -> None:
         results[name] = r
         print(f"\n== {name}: tokenizer prep {r['prepare_tokenizer_ms']:.0f} ms")
         print(
-            f"{'case':18s} {'compile ms':>10s} {'1st mask ms':>11s} {'trace us/tok':>12s} {'p99':>8s} {'walk us/tok':>11s} {'p99':>8s}"
+            f"{'case':18s} {'compile ms':>10s} {'1st mask ms':>11s} {'trace us/tok':>12s} {'p99':>8s} "
+            f"{'walk us/tok':>11s} {'p99':>8s}"
         )
         for case, c in r["cases"].items():
             print(

@@ -27,9 +27,9 @@ BLAS = preload_optimized_blas()
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from benchmarks.serve_bench import SHAPES  # noqa: E402
+from benchmarks.synth_fast import SHAPES  # noqa: E402
+from model.decoder import swiglu  # noqa: E402
 from model.kv_cache import make_caches  # noqa: E402
-from model.layers import swiglu  # noqa: E402
 from model.loader import load_model  # noqa: E402
 
 

@@ -31,6 +31,7 @@ from cache.boundary import stable_prefix_length  # noqa: E402
 from cache.prompt_cache import PromptCache  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
+from model.options import EngineOptions  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -83,13 +84,18 @@ def main() -> None:
     system = " ".join(words[: args.system_words])
     turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the rules above."}]
     p1 = tok.encode_chat(turn1)
-    cold_engine = Engine(model, eos_token_ids=[], prefill_chunk=args.prefill_chunk)
+    cold_engine = Engine(model, eos_token_ids=[], options=EngineOptions(prefill_chunk=args.prefill_chunk))
     ttft(cold_engine, 0, p1)  # warm-up
     cold_engine.close_row(0)
 
     colds, hots, cached = [], [], 0
     for r in range(args.repeats):
-        hot = Engine(model, eos_token_ids=[], prefill_chunk=args.prefill_chunk, prompt_cache=PromptCache(1 << 30))
+        hot = Engine(
+            model,
+            eos_token_ids=[],
+            prompt_cache=PromptCache(1 << 30),
+            options=EngineOptions(prefill_chunk=args.prefill_chunk),
+        )
         t1, _, first = ttft(hot, 1, p1, snapshot_at=stable_prefix_length(tok, turn1, prompt_tokens=p1))
         reply = tok.decode(finish(hot, 1, first), skip_special_tokens=True)
         turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "Now in one line."}]

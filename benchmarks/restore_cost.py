@@ -27,7 +27,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cache.ssd_store as ssd_store  # noqa: E402
-from cache.ssd_store import Identity, SsdStore  # noqa: E402
+from cache.ssd_identity import Identity  # noqa: E402
+from cache.ssd_store import SsdStore  # noqa: E402
 from cache.tiered import TieredPromptCache, spill_item  # noqa: E402
 from model.kv_cache import KVCache  # noqa: E402
 
@@ -76,8 +77,7 @@ def import_variants(count: int, shape: tuple[int, ...]) -> dict:
     variant("zeros(cpu) + copyto, pool", lambda: into(mx.cpu))
     variant("zeros(gpu) + copyto, pool", lambda: into(mx.default_device()))
     big = np.concatenate([s.reshape(-1) for s in src])
-    n = src[0].size
-    variant("one mx.array, split", lambda: [a.reshape(shape) for a in mx.split(mx.array(big), count)])
+    variant("one mx.array, split", lambda big=big: [a.reshape(shape) for a in mx.split(mx.array(big), count)])
     del big
     pool.shutdown()
     return out
@@ -105,7 +105,7 @@ def main() -> None:
     results: dict = {
         "shape": list(shape),
         "layers": args.layers,
-        "threads": ssd_store._RESTORE_THREADS,
+        "threads": ssd_store.RESTORE_THREADS,
         "device": str(mx.default_device()),
     }
     with tempfile.TemporaryDirectory(dir=str(Path.home())) as tmp:

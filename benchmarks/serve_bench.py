@@ -45,62 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SHAPES = {
-    # Real architectures, random weights (only shapes matter for speed).
-    "qwen3-0.6b": dict(
-        family="qwen3",
-        hidden_size=1024,
-        num_hidden_layers=28,
-        intermediate_size=3072,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-    ),
-    "llama3-8b": dict(
-        family="llama",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-        rope_scaling="llama3",
-        max_position_embeddings=131072,
-    ),
-    "cpu-small": dict(
-        family="qwen3",
-        hidden_size=256,
-        num_hidden_layers=4,
-        intermediate_size=768,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-    # The server's own per-token host work, with the engine nearly free (as on a fast GPU).
-    "cpu-tiny": dict(
-        family="qwen3",
-        hidden_size=64,
-        num_hidden_layers=1,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-    ),
-    "cpu-medium": dict(
-        family="qwen3",
-        hidden_size=512,
-        num_hidden_layers=8,
-        intermediate_size=1536,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-    ),
-}
+from benchmarks.synth_fast import SHAPES, fast_model_dir  # noqa: E402
 
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -762,8 +707,6 @@ def main() -> None:
     tmp = None
     model = args.model
     if model is None:
-        from benchmarks.synth_fast import fast_model_dir
-
         tmp = tempfile.TemporaryDirectory()
         shape = dict(SHAPES[args.synth or "cpu-small"])
         if args.layers:

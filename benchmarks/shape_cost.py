@@ -95,18 +95,21 @@ def prefill_section(model, vocab: int) -> dict:
 def exact_section(model, vocab: int, gen: int = 24) -> dict:
     """Engine-level: greedy tokens of exact-width solo prefill (the reference, as mlx-lm runs it)
     against bucketed solo prefill and against one group prefill of all rows (bucketed)."""
-    from model.engine import Engine, decode_to_the_end, generate_tokens
+    from model.engine import Engine
+    from model.options import EngineOptions
     from model.params import SamplingParams
     from model.rows import RowSpec
+    from tests.engine_helpers import decode_to_the_end, generate_tokens
 
     lengths = (37, 70, 77, 100, 129, 200, 64, 5)
     specs = [
         RowSpec(i, tuple((11 * n + 17 * j) % (vocab - 10) + 5 for j in range(n)), SamplingParams(), gen)
         for i, n in enumerate(lengths)
     ]
-    reference = generate_tokens(Engine(model, eos_token_ids=[], prefill_bucket=0), specs)
-    bucketed = generate_tokens(Engine(model, eos_token_ids=[], prefill_bucket=64), specs)
-    engine = Engine(model, eos_token_ids=[], prefill_bucket=64)
+    bucket = EngineOptions(prefill_bucket=64)
+    reference = generate_tokens(Engine(model, eos_token_ids=[], options=EngineOptions(prefill_bucket=0)), specs)
+    bucketed = generate_tokens(Engine(model, eos_token_ids=[], options=bucket), specs)
+    engine = Engine(model, eos_token_ids=[], options=bucket)
     for spec in specs:
         engine.open_row(spec)
     engine.prefill_group([s.row_id for s in specs])
@@ -175,16 +178,23 @@ def hit_section(model, vocab: int, gen: int = 24) -> dict:
     """After a prompt-cache hit: greedy tokens of the suffix prefilled with fused attention and
     unfused (matmuls) against a cold run, and each one's first-time cost at new offsets."""
     from cache.prompt_cache import PromptCache
-    from model.engine import Engine, generate_tokens
+    from model.engine import Engine
+    from model.options import EngineOptions
     from model.params import SamplingParams
     from model.rows import RowSpec
+    from tests.engine_helpers import generate_tokens
 
     system = [(13 * j) % (vocab - 10) + 5 for j in range(1000)]
     seed = RowSpec(0, tuple(system + [7, 8]), SamplingParams(), 2)
     out: dict = {}
     for name, unfused in (("fused", False), ("unfused", True)):
-        cold = Engine(model, eos_token_ids=[], unfused_hit_prefill=False)
-        hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 32), unfused_hit_prefill=unfused)
+        cold = Engine(model, eos_token_ids=[], options=EngineOptions(unfused_hit_prefill=False))
+        hot = Engine(
+            model,
+            eos_token_ids=[],
+            prompt_cache=PromptCache(1 << 32),
+            options=EngineOptions(unfused_hit_prefill=unfused),
+        )
         generate_tokens(hot, [seed], reusable=True)
         rows = []
         for i, n in enumerate((23, 37, 50, 81, 120)):
@@ -241,9 +251,10 @@ def hitshape_section(model, vocab: int) -> dict:
     import os
 
     from cache.prompt_cache import PromptCache
-    from model.engine import Engine, generate_tokens
+    from model.engine import Engine
     from model.params import SamplingParams
     from model.rows import RowSpec
+    from tests.engine_helpers import generate_tokens
 
     base = [(13 * j) % (vocab - 10) + 5 for j in range(1400)]
     hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 32))
@@ -280,8 +291,8 @@ def capacity_section(model, vocab: int, steps: int = 600) -> dict:
     """What the ~0.8 s decode stalls at each 256-token KV growth are keyed by: one row past
     several growths, the same again (a per-shape cache would make it free), then 8 rows (per
     batch size?), then 8 again; plus the raw cost of allocating and first-writing a new-size
-    buffer. The engine's warm-up runs first (MLX_TRIO_WARM_DECODE_CAPACITY=0 leaves the
-    capacities out of it)."""
+    buffer. The engine's warm-up runs first, meeting the capacities up to the device's default
+    warm_decode_capacity (none on the CPU)."""
     import statistics
 
     from model.engine import Engine
@@ -293,7 +304,7 @@ def capacity_section(model, vocab: int, steps: int = 600) -> dict:
     t = time.perf_counter()
     engine.warm_up(8)
     out["warm_up_s"] = round(time.perf_counter() - t, 2)
-    out["warm_decode_capacity"] = engine.warm_decode_capacity
+    out["warm_decode_capacity"] = engine.options.warm_decode_capacity
 
     def run(rows: int, tag: int) -> dict:
         ids = [1000 * tag + r for r in range(rows)]

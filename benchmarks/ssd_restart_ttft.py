@@ -36,10 +36,12 @@ except Exception as e:  # noqa: BLE001 - a benchmark still runs on the bundled B
 
 import numpy as np  # noqa: E402
 
-from cache.ssd_store import Identity, SsdStore, model_fingerprint, scheme_key, tokenizer_hash  # noqa: E402
+from cache.ssd_identity import Identity, model_fingerprint, scheme_key, tokenizer_hash  # noqa: E402
+from cache.ssd_store import SsdStore  # noqa: E402
 from cache.tiered import TieredPromptCache  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
+from model.options import EngineOptions  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402
 from tests.fixtures.synth import write_model_dir  # noqa: E402
@@ -84,6 +86,7 @@ def main() -> None:
             max_position_embeddings=max(8192, 2 * args.tokens),
         )
         lm = load_model(model_dir)
+        options = EngineOptions(prefill_chunk=args.prefill_chunk)
         identity = Identity(
             lm.name,
             model_fingerprint(model_dir),
@@ -97,7 +100,7 @@ def main() -> None:
         # -- before the restart: turn 1, then its entry written as the spill queue writes it
         store = SsdStore(ssd, identity, max_bytes=64 << 30).open()
         cache = TieredPromptCache(8 << 30, store)
-        engine = Engine(lm.model, eos_token_ids=[], prompt_cache=cache, prefill_chunk=args.prefill_chunk)
+        engine = Engine(lm.model, eos_token_ids=[], prompt_cache=cache, options=options)
         _, _, reply = ttft(engine, 1, turn1)
         # ttft() closed the row non-reusable; put turn 1's prompt KV the way a finished row would.
         engine.open_row(RowSpec(2, turn1 + tuple(reply), SamplingParams(), 1))
@@ -130,12 +133,12 @@ def main() -> None:
             store = SsdStore(ssd, identity, max_bytes=64 << 30, verify=not args.no_verify).open()
             scan_ms.append((time.perf_counter() - started) * 1000)
             cache = TieredPromptCache(8 << 30, store)
-            warm = Engine(lm.model, eos_token_ids=[], prompt_cache=cache, prefill_chunk=args.prefill_chunk)
+            warm = Engine(lm.model, eos_token_ids=[], prompt_cache=cache, options=options)
             t, cached, warm_out = ttft(warm, 10 + r, turn2)
             assert cached == len(tokens) and cache.restores == 1, (cached, cache.restores)
             restore_ms.append(cache.restore_ms_last)
             store.close()
-            cold = Engine(lm.model, eos_token_ids=[], prefill_chunk=args.prefill_chunk)
+            cold = Engine(lm.model, eos_token_ids=[], options=options)
             tc, cached_cold, cold_out = ttft(cold, 100 + r, turn2)
             assert cached_cold == 0
             if r:  # the first round is the warm-up

@@ -41,14 +41,10 @@ except Exception as e:  # noqa: BLE001
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cache.ssd_store import (  # noqa: E402
-    PIECE_BYTES,
-    Identity,
-    LayerMeta,
-    SpillItem,
-    SpillTensor,
-    SsdStore,
-)
+from cache.spill_item import LayerMeta, SpillItem, SpillTensor  # noqa: E402
+from cache.ssd_identity import Identity  # noqa: E402
+from cache.ssd_store import SsdStore  # noqa: E402
+from cache.ssd_writer import PIECE_BYTES  # noqa: E402
 from cache.tiered import TieredPromptCache, spill_item  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
@@ -216,10 +212,12 @@ def main() -> None:
     ms = lambda s: s * 1000  # noqa: E731
     print(f"context {args.context} tokens, hidden {args.hidden}, {args.layers} layers, {args.steps} steps")
     print(
-        f"decode step, no writes:            p50 {ms(statistics.median(baseline)):6.2f} ms  p99 {ms(pct(baseline, 0.99)):6.2f} ms"
+        f"decode step, no writes:            p50 {ms(statistics.median(baseline)):6.2f} ms  "
+        f"p99 {ms(pct(baseline, 0.99)):6.2f} ms"
     )
     print(
-        f"decode step, writer thread busy:   p50 {ms(statistics.median(contended)):6.2f} ms  p99 {ms(pct(contended, 0.99)):6.2f} ms"
+        f"decode step, writer thread busy:   p50 {ms(statistics.median(contended)):6.2f} ms  "
+        f"p99 {ms(pct(contended, 0.99)):6.2f} ms"
         f"  ({written[0]} pieces of {PIECE_BYTES >> 20} MiB written meanwhile)"
     )
     print(
@@ -228,7 +226,8 @@ def main() -> None:
         f"{ms(statistics.median(idle_steps)):6.2f} ms"
     )
     print(
-        f"one {PIECE_BYTES >> 20} MiB piece on the engine thread: p50 {ms(statistics.median(piece_times[:-1])):6.2f} ms  "
+        f"one {PIECE_BYTES >> 20} MiB piece on the engine thread: "
+        f"p50 {ms(statistics.median(piece_times[:-1])):6.2f} ms  "
         f"max {ms(max(piece_times)):6.2f} ms; commit (fsync+rename) {ms(commit_s):.1f} ms"
     )
     print(

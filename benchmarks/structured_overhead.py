@@ -203,7 +203,8 @@ def main() -> None:
             r = run(kind, Path(tmp), args.steps, args.repeats)
             results[kind] = r
             print(
-                f"\n== vocab {r['vocab']} (grammar tokenizer prep {r['compiler_prep_ms']:.0f} ms), device {mx.default_device()}"
+                f"\n== vocab {r['vocab']} (grammar tokenizer prep {r['compiler_prep_ms']:.0f} ms), "
+                f"device {mx.default_device()}"
             )
             print(f"{'case':38s} {'ms/step':>8s} {'ms/token':>9s} {'grammar host us/row/step':>24s}")
             for case, m in r["cases"].items():

@@ -1,7 +1,7 @@
 """Random-weight model directories at real shapes, fast: weights drawn with MLX on the default
 device (the GPU where there is one) instead of numpy on one CPU core.
 
-Same tensor names, gains and special-row scaling as `model.synth.write_model_dir` (only the
+Same tensor names, gains and special-row scaling as `tests.fixtures.synth.write_model_dir` (only the
 random stream differs), written through synth's own writer, so config, tokenizer, quantization
 layout and safetensors format are exactly what the tests use. Only shapes matter for speed.
 
@@ -12,13 +12,17 @@ layout and safetensors format are exactly what the tests use. Only shapes matter
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from tests.fixtures import synth
+if __name__ == "__main__":  # run as a script: the repository root is not on sys.path yet
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.fixtures import synth  # noqa: E402
 
 
 def _fast_tensors(plan: Any, rng: Any) -> dict[str, mx.array]:
@@ -82,12 +86,65 @@ def fast_model_dir(path: Path | str, **kw: Any) -> Path:
     return out
 
 
+SHAPES = {
+    # Real architectures, random weights (only shapes matter for speed).
+    "qwen3-0.6b": dict(
+        family="qwen3",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "llama3-8b": dict(
+        family="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_scaling="llama3",
+        max_position_embeddings=131072,
+    ),
+    "cpu-small": dict(
+        family="qwen3",
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=768,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    # The server's own per-token host work, with the engine nearly free (as on a fast GPU).
+    "cpu-tiny": dict(
+        family="qwen3",
+        hidden_size=64,
+        num_hidden_layers=1,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    ),
+    "cpu-medium": dict(
+        family="qwen3",
+        hidden_size=512,
+        num_hidden_layers=8,
+        intermediate_size=1536,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
+}
+
+
 if __name__ == "__main__":  # python benchmarks/synth_fast.py DIR SHAPE DTYPE QUANT|none [LAYERS]
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.serve_bench import SHAPES
-
     target, shape_name, dtype_name, quant_name = sys.argv[1:5]
     shape = dict(SHAPES[shape_name])
     if len(sys.argv) > 5:

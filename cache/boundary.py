@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from cache.prompt_cache import common_prefix_length
+from cache.prefix_match import common_prefix_length
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -20,18 +20,15 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
+from cache.prefix_match import common_prefix_length
 from model.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-# Prefix comparison looks at this many tokens first and doubles: most entries diverge early, so
-# the cost per entry tracks the match length rather than the prompt length.
-_FIRST_WINDOW = 256
-
 PutHook = Callable[[str, tuple[int, ...]], None]
 
 
-class _Key:
+class EntryKey:
     """(namespace, tokens) with its hash computed once: tuple hashes are not cached, and the
     C OrderedDict re-hashes keys while iterating, which for 100k-token keys dominated a take."""
 
@@ -46,7 +43,7 @@ class _Key:
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, _Key)
+            isinstance(other, EntryKey)
             and self._hash == other._hash
             and self.namespace == other.namespace
             and self.tokens == other.tokens
@@ -55,23 +52,11 @@ class _Key:
 
 @attrs.define(eq=False)
 class _Entry:
-    key: _Key
+    key: EntryKey
     ids: np.ndarray
     caches: list[KVCache]
     nbytes: int
     trimmable: bool
-
-
-def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.shape[0], b.shape[0])
-    start, window = 0, _FIRST_WINDOW
-    while start < n:
-        end = min(n, start + window)
-        diff = np.flatnonzero(a[start:end] != b[start:end])
-        if diff.size:
-            return start + int(diff[0])
-        start, window = end, window * 2
-    return n
 
 
 def _coverage(caches: Sequence[KVCache]) -> int | None:
@@ -83,7 +68,7 @@ def _coverage(caches: Sequence[KVCache]) -> int | None:
 class PromptCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max(0, int(max_bytes))
-        self._entries: OrderedDict[_Key, _Entry] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[EntryKey, _Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
         self.hits = 0
         self.misses = 0
@@ -154,7 +139,7 @@ class PromptCache:
     def find_exact(self, tokens: Sequence[int], namespace: str = "") -> list[KVCache] | None:
         """Read-only clones of the entry keyed exactly `tokens` (for durability snapshots); does
         not count as a hit or touch the LRU order."""
-        entry = self._entries.get(_Key(namespace, tuple(int(t) for t in tokens)))
+        entry = self._entries.get(EntryKey(namespace, tuple(int(t) for t in tokens)))
         return None if entry is None else [c.clone() for c in entry.caches]
 
     # -- put ---------------------------------------------------------------------------------
@@ -174,7 +159,7 @@ class PromptCache:
             )
             return False
         entry = _Entry(
-            key=_Key(namespace, key_tokens),
+            key=EntryKey(namespace, key_tokens),
             ids=ids,
             caches=list(caches),
             nbytes=sum(c.nbytes for c in caches),
@@ -202,7 +187,7 @@ class PromptCache:
                 log.exception("prompt cache on_put hook failed")
         return True
 
-    def _remove(self, key: _Key) -> None:
+    def _remove(self, key: EntryKey) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes

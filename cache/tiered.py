@@ -1,7 +1,7 @@
 """The prompt cache with an SSD tier under it: what the engine is given when `--ssd-cache` is on.
 
-`TieredPromptCache` is a `PromptCache` (same take / put / find_exact / stats / on_put), so
-model/engine.py needs no change. What it adds, all on the GPU-worker thread:
+`TieredPromptCache` is a `PromptCache` (same take / put / find_exact / stats / on_put): the
+engine sees either as a `model.kv_cache.PrefixCache`. What it adds, all on the GPU-worker thread:
 
 * `take` tiers: the SSD entry wins only with a strictly longer usable prefix than the best RAM
   entry (and at least `min_restore_tokens`); it is read, verified, turned into owned KV caches
@@ -24,8 +24,10 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from cache.prompt_cache import PromptCache, _Key
-from cache.ssd_store import IndexEntry, LayerMeta, SpillItem, SpillTensor, SsdStore
+from cache.prompt_cache import EntryKey, PromptCache
+from cache.spill_item import LayerMeta, SpillItem, SpillTensor
+from cache.ssd_index import IndexEntry
+from cache.ssd_store import SsdStore, TensorSpec
 from model.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class _DirectImport:
     def __init__(self) -> None:
         self.arrays: dict[str, mx.array] = {}
 
-    def __call__(self, specs: list[tuple[str, str, list[int]]]) -> dict[str, np.ndarray] | None:
+    def __call__(self, specs: list[TensorSpec]) -> dict[str, np.ndarray] | None:
         if not _views_alias():
             return None
         try:
@@ -80,7 +82,7 @@ class _DirectImport:
             views = {name: np.asarray(a).reshape(-1).view(np.uint8) for name, a in arrays.items()}
         except (KeyError, TypeError, ValueError):
             return None
-        for name, tag, shape in specs:
+        for name in views:
             v = views[name]
             if not v.flags.writeable or v.flags.owndata or v.nbytes != arrays[name].nbytes:
                 return None
@@ -104,7 +106,7 @@ def _views_alias() -> bool:
             mx.eval(probe)
             view = np.asarray(probe)
             view[4095] = 0xBEEF
-            _ALIAS_CHECKED.append(view.flags.writeable and not view.flags.owndata and int(probe[4095].item()) == 0xBEEF)
+            _ALIAS_CHECKED.append(view.flags.writeable and not view.flags.owndata and probe[4095].item() == 0xBEEF)
         except Exception:  # noqa: BLE001 - no aliasing: the copying import serves
             _ALIAS_CHECKED.append(False)
     return _ALIAS_CHECKED[0]
@@ -116,7 +118,7 @@ def spill_item(namespace: str, tokens: Sequence[int], caches: Sequence[KVCache])
     n = len(tokens)
     layers, tensors = [], []
     for i, cache in enumerate(caches):
-        if type(cache) is not KVCache or cache.keys is None or cache.offset != n:
+        if type(cache) is not KVCache or cache.keys is None or cache.values is None or cache.offset != n:
             return None
         names = (f"l{i}.keys", f"l{i}.values")
         for name, full in zip(names, (cache.keys, cache.values)):
@@ -145,7 +147,7 @@ class TieredPromptCache(PromptCache):
         self.restore_misses = 0  # an SSD candidate that failed to restore (quarantined)
         self.restore_ms_last = 0.0
         self.demotions = 0
-        self._last_used: dict[_Key, float] = {}
+        self._last_used: dict[EntryKey, float] = {}
 
     # -- take ----------------------------------------------------------------------------------
 
@@ -160,7 +162,7 @@ class TieredPromptCache(PromptCache):
                 and found[1] > (ram[1] if ram else 0)
                 and found[1] >= max(self.min_restore_tokens, min_tokens)
             ):
-                caches = self._restore(*found)
+                caches = self._restore(self.ssd, *found)
                 if caches is not None:
                     return caches, found[1]
         caches, usable = super().take(prompt, namespace, min_tokens)
@@ -168,11 +170,11 @@ class TieredPromptCache(PromptCache):
             self._last_used[next(reversed(self._entries))] = self.clock()  # the hit is now the MRU
         return caches, usable
 
-    def _restore(self, entry: IndexEntry, usable: int) -> list[KVCache] | None:
+    def _restore(self, ssd: SsdStore, entry: IndexEntry, usable: int) -> list[KVCache] | None:
         started = time.perf_counter()
         try:
             direct = _DirectImport()
-            header, arrays = self.ssd.read(entry, into=direct)
+            header, arrays = ssd.read(entry, into=direct)
             tags = header["tensors"]
             imported = direct.arrays or {name: _import(a, tags[name]["dtype"]) for name, a in arrays.items()}
             caches = []
@@ -194,11 +196,11 @@ class TieredPromptCache(PromptCache):
             mx.eval([c.state for c in caches])
         except FileNotFoundError:
             self.restore_misses += 1
-            self.ssd.forget(entry)  # evicted by the writer between lookup and read: a plain miss
+            ssd.forget(entry)  # evicted by the writer between lookup and read: a plain miss
             return None
         except Exception as e:  # noqa: BLE001 - any doubt is a miss
             self.restore_misses += 1
-            self.ssd.discard(entry, str(e) or type(e).__name__)
+            ssd.discard(entry, str(e) or type(e).__name__)
             return None
         self.restores += 1
         self.restore_ms_last = (time.perf_counter() - started) * 1000
@@ -216,7 +218,7 @@ class TieredPromptCache(PromptCache):
     # -- for the durability and demotion actors (run_exclusive jobs) ----------------------------
 
     def snapshot(self, tokens: Sequence[int], namespace: str = "") -> SpillItem | None:
-        entry = self._entries.get(_Key(namespace, tuple(int(t) for t in tokens)))
+        entry = self._entries.get(EntryKey(namespace, tuple(int(t) for t in tokens)))
         if entry is None:
             return None
         return spill_item(namespace, entry.key.tokens, entry.caches)

@@ -1,7 +1,7 @@
 """Give MLX's Linux CPU backend an optimized BLAS instead of the bundled reference one.
 
     !!! preload_optimized_blas() MUST run before the first `import mlx` anywhere in the  !!!
-    !!! process (including indirect imports: model.loader, model.layers, mlx_lm, ...).   !!!
+    !!! process (including indirect imports: model.loader, model.decoder, mlx_lm, ...).  !!!
     !!! Once libmlx.so is loaded its cblas_* references are bound and this is a no-op.   !!!
 
 Why this works: the `mlx[cpu]` wheel (mlx-cpu 0.32.4) ships libmlx.so with `cblas_sgemm`,
@@ -16,19 +16,20 @@ unaffected. See docs/blas.md for the measurements.
 Usage (first lines of the server entry point, before anything imports mlx):
 
     from model.blas import preload_optimized_blas
-    BLAS_INFO = preload_optimized_blas()
+    BLAS_INFO = preload_optimized_blas(setting)  # "auto", "off", or a library path
     ...
     log.info(BLAS_INFO.log_line())
 
-Search order (first that loads and passes a tiny cblas_sgemm sanity check wins):
-  1. env MLX_TRIO_BLAS=/path/to/lib.so   (MLX_TRIO_BLAS=off|0|none|bundled disables)
-  2. pip wheel: `mkl` (libmkl_rt.so.N, unprefixed cblas_*), then `ngsolve-openblas` /
+`setting`: "auto" searches (below); "off", "none" or "bundled" keeps the bundled BLAS; anything
+else is the path of the library to load. The search (first that loads and passes a tiny
+cblas_sgemm sanity check wins):
+  1. pip wheel: `mkl` (libmkl_rt.so.N, unprefixed cblas_*), then `ngsolve-openblas` /
      `cmeel-openblas` (these two need the system libgfortran.so.5)
-  3. system libs: libopenblas.so.0, libblas.so.3 (only when it resolves to
+  2. system libs: libopenblas.so.0, libblas.so.3 (only when it resolves to
      OpenBLAS/BLIS/MKL, e.g. via Debian alternatives), libblis.so.4, libmkl_rt.so.
-It only acts on Linux with the CPU-only MLX build: skipped when MLX_TRIO_DEVICE names a GPU
-or a `mlx-cuda*` distribution is installed, and on macOS (Accelerate is already used).
-Every failure falls back silently to the bundled BLAS; BlasInfo.reason says why.
+It only acts on Linux with the CPU-only MLX build: skipped when a `mlx-cuda*` distribution is
+installed, and on macOS (Accelerate is already used). Every failure falls back silently to the
+bundled BLAS; BlasInfo.reason says why.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ __all__ = ["BlasInfo", "preload_optimized_blas", "BUNDLED_NAME", "INSTALL_HINT"]
 
 BUNDLED_NAME = "bundled reference BLAS (slow)"
 INSTALL_HINT = "apt-get install libopenblas0-pthread (or pip install mkl) for ~40x faster CPU matmuls"
-_OFF_VALUES = {"off", "0", "none", "no", "false", "bundled"}
-_GPU_DEVICES = {"gpu", "cuda", "metal", "mps"}
+AUTO = "auto"
+_OFF_VALUES = {"off", "none", "bundled"}
 # Symbols libmlx.so leaves undefined for BLAS; a candidate must export all of them.
 _REQUIRED = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
 _CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS = 101, 111
@@ -74,17 +75,18 @@ class BlasInfo:
         return f"BLAS: {BUNDLED_NAME} [{self.reason}] - {INSTALL_HINT}"
 
 
-def preload_optimized_blas(*, force: bool = False) -> BlasInfo:
+def preload_optimized_blas(setting: str = AUTO, *, force: bool = False) -> BlasInfo:
     """Preload an optimized BLAS with RTLD_GLOBAL so MLX's CPU backend binds to it.
 
+    `setting`: "auto" (search), "off" / "none" / "bundled" (skip), or a library path.
     MUST be called before the first `import mlx` in the process. Idempotent (the first
-    result is cached; a library cannot be unloaded anyway). Never raises.
+    result is cached, whatever a later setting; a library cannot be unloaded anyway). Never raises.
     """
     global _cached
     if _cached is not None and not force:
         return _cached
     try:
-        _cached = _preload()
+        _cached = _preload(setting.strip())
     except Exception as e:  # never let BLAS selection break start-up
         _cached = _bundled(f"preload failed: {type(e).__name__}: {e}")
     return _cached
@@ -97,23 +99,22 @@ def _bundled(reason: str) -> BlasInfo:
     return BlasInfo(name=BUNDLED_NAME, path=None, reason=reason)
 
 
-def _preload() -> BlasInfo:
+def _preload(setting: str) -> BlasInfo:
     if not sys.platform.startswith("linux"):
         return BlasInfo(name="platform BLAS", path=None, reason=f"not Linux ({sys.platform}); nothing to do")
-    setting = os.environ.get("MLX_TRIO_BLAS", "").strip()
     if setting.lower() in _OFF_VALUES:
-        return _bundled(f"disabled by MLX_TRIO_BLAS={setting}")
+        return _bundled(f"disabled by the blas setting {setting!r}")
     if "mlx.core" in sys.modules:
         return _bundled("mlx was imported before preload_optimized_blas(); call it first")
     skip = _gpu_reason()
     if skip:
         return BlasInfo(name="MLX default (BLAS preload skipped)", path=None, reason=skip)
 
-    if setting:
-        info = _try_load(setting, "MLX_TRIO_BLAS")
+    if setting and setting.lower() != AUTO:
+        info = _try_load(setting, "requested path")
         if isinstance(info, BlasInfo):
             return info
-        return _bundled(f"MLX_TRIO_BLAS={setting} unusable ({info})")
+        return _bundled(f"requested BLAS {setting} unusable ({info})")
 
     errors: list[str] = []
     for path, source in _candidates():
@@ -127,14 +128,11 @@ def _preload() -> BlasInfo:
 
 
 def _gpu_reason() -> str | None:
-    device = os.environ.get("MLX_TRIO_DEVICE", "").strip().lower()
-    if device in _GPU_DEVICES:
-        return f"MLX_TRIO_DEVICE={device}: not the CPU backend"
     try:
         from importlib import metadata
 
         for dist in metadata.distributions():
-            name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+            name = (dist.name or "").lower().replace("_", "-")
             if name.startswith("mlx-cuda"):
                 return f"{name} installed: MLX uses CUDA, leaving its BLAS alone"
     except Exception:
@@ -181,7 +179,7 @@ def _dist_files(dist_name: str, pattern: str) -> list[Path]:
         dist = metadata.distribution(dist_name)
         rx = re.compile(pattern)
         return sorted(
-            (Path(dist.locate_file(f)).resolve() for f in (dist.files or []) if rx.search(str(f))),
+            (Path(str(dist.locate_file(f))).resolve() for f in (dist.files or []) if rx.search(str(f))),
             key=lambda p: str(p),
             reverse=True,  # libmkl_rt.so.3 before libmkl_rt.so.2
         )
@@ -322,5 +320,5 @@ def _describe(lib: ctypes.CDLL, kind: str) -> str:
     return {"openblas": "OpenBLAS", "blis": "BLIS", "mkl": "Intel MKL"}.get(kind, "optimized BLAS")
 
 
-if __name__ == "__main__":  # python -m model.blas  -> prints what would be used
-    print(preload_optimized_blas().log_line())
+if __name__ == "__main__":  # python -m model.blas [SETTING]  -> prints what would be used
+    print(preload_optimized_blas(*sys.argv[1:2]).log_line())

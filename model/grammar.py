@@ -9,9 +9,9 @@ applies after the logits processors. Once the grammar can accept nothing more, t
 only EOS, so the row ends with finish "stop".
 
 Nothing here imports MLX; the sampler (model/sampling.py) turns masks into arrays.
-llguidance is optional: without it (or with MLX_BUN_GRAMMAR=0) `available()` is False, no
-compiler is built and constrained requests are served unconstrained with a Warning header
-(api/structured.py).
+llguidance is optional: without it `available()` is False, no compiler is built and constrained
+requests are served unconstrained with a Warning header (api/structured.py). Tests simulate its
+absence by setting the module's `_ll` to None.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -32,8 +32,6 @@ from model.params import Constraint
 
 log = logging.getLogger(__name__)
 
-ENGINE = "llguidance"
-DISABLE_ENV = "MLX_BUN_GRAMMAR"  # "0" turns enforcement off (spec §1.10)
 COMPILED_CACHE_SIZE = 128
 
 # JSON is generated compact, with OpenAI's separators: no free whitespace means a model cannot
@@ -41,10 +39,16 @@ COMPILED_CACHE_SIZE = 128
 # override these (llguidance applies defaults → x-guidance → overrides).
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-try:  # optional dependency (pyproject extra "grammar")
-    import llguidance as _ll
-except ImportError:  # pragma: no cover - exercised by the not-installed test via monkeypatch
-    _ll = None
+
+def _import_engine() -> ModuleType | None:
+    try:
+        import llguidance
+    except ImportError:  # an optional dependency
+        return None
+    return llguidance
+
+
+_ll = _import_engine()  # llguidance, or None when it is not installed
 
 
 class GrammarError(ValueError):
@@ -52,11 +56,13 @@ class GrammarError(ValueError):
 
 
 def available() -> bool:
-    return _ll is not None and os.environ.get(DISABLE_ENV, "1") != "0"
+    return _ll is not None
 
 
-def engine_version() -> str | None:
-    return getattr(_ll, "__version__", None) if _ll is not None else None
+def _engine() -> ModuleType:
+    if _ll is None:
+        raise GrammarError("no grammar engine installed (pip install llguidance)")
+    return _ll
 
 
 # Tool-call wrappers per format (api/pipeline/tools parses the same shapes back):
@@ -77,9 +83,8 @@ def grammar_text(constraint: Constraint) -> str:
 def _grammar_text(constraint: Constraint, specials: frozenset[tuple[str, int]]) -> str:
     # `specials`: (marker, id) for markers that are one special token in the model's vocabulary;
     # grammars must name those by id (<[id]>), since a special token does not match its text.
-    if _ll is None:
-        raise GrammarError("no grammar engine installed (pip install llguidance)")
-    M = _ll.LLMatcher
+    ll = _engine()
+    M = ll.LLMatcher
     kind, spec = constraint.kind, constraint.spec
     try:
         if kind == "json_object":
@@ -98,7 +103,7 @@ def _grammar_text(constraint: Constraint, specials: frozenset[tuple[str, int]]) 
                 raise GrammarError("choices must be a non-empty array of strings")
             return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         if kind == "grammar":
-            return _ll.grammar_from("grammar", spec)  # EBNF / GBNF, or Lark as is
+            return ll.grammar_from("grammar", spec)  # EBNF / GBNF, or Lark as is
         if kind == "lark":
             return M.grammar_from_lark(spec)
         if kind == "tool_call":
@@ -165,7 +170,7 @@ def _validation(constraint: Constraint) -> str:
         grammar = grammar_text(constraint)
     except GrammarError as exc:
         return str(exc) or "invalid grammar"
-    return _ll.LLMatcher.validate_grammar(grammar)
+    return _engine().LLMatcher.validate_grammar(grammar)
 
 
 def validate(constraint: Constraint) -> None:
@@ -179,12 +184,11 @@ class GrammarCompiler:
     """Binds grammars to one model's tokenizer. Lives on the GPU-worker thread."""
 
     def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
-        if _ll is None:
-            raise GrammarError("no grammar engine installed (pip install llguidance)")
+        ll = _engine()
         self.eos_token_ids = sorted(set(eos_token_ids))
         if not self.eos_token_ids:
             raise GrammarError("the model has no EOS token: a finished grammar could not end the row")
-        self.tokenizer = _ll.LLTokenizer(tokenizer_json, n_vocab=vocab_size or None, eos_token=self.eos_token_ids)
+        self.tokenizer = ll.LLTokenizer(tokenizer_json, n_vocab=vocab_size or None, eos_token=self.eos_token_ids)
         self.vocab_size = self.tokenizer.vocab_size
         self.mask_words = (self.vocab_size + 31) // 32
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
@@ -211,7 +215,7 @@ class GrammarCompiler:
             if compiled is not None:
                 self._compiled.move_to_end(constraint)
                 return compiled
-        matcher = _ll.LLMatcher(self.tokenizer, self._grammar(constraint), log_level=0)
+        matcher = _engine().LLMatcher(self.tokenizer, self._grammar(constraint), log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error().strip())
         with self._lock:
@@ -312,7 +316,7 @@ def fill_masks(grammars: list[RowGrammar]) -> None:
     if len(grammars) < 2:
         return  # one row: its own mask() call is just as fast
     if _executor is None:
-        _executor = _ll.LLExecutor()
+        _executor = _engine().LLExecutor()
     words = grammars[0]._words.shape[0]
     buffer = np.zeros((len(grammars), words), dtype=np.int32)
     _executor.unsafe_compute_mask_ptr(

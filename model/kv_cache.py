@@ -11,7 +11,7 @@ buffers: cheap, and writes to either side never show through to the other.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -32,7 +32,7 @@ def _grow(store: mx.array | None, used: int, incoming: mx.array) -> mx.array:
     a multiple of STEP. A cold sequence grows exactly as mlx-lm's cache does; a trimmed, cloned
     or restored one (used not a multiple) is rounded up to the same capacities too, because on
     CUDA the first decode against a buffer of a new capacity costs ~0.4 s (H200) and warm-up
-    meets only multiples of STEP (Engine._warm_decode_capacities)."""
+    meets only multiples of STEP (model/warm_up.py)."""
     B, H, n, D = incoming.shape
     if store is None:
         return mx.zeros((B, H, -(-n // STEP) * STEP, D), incoming.dtype)
@@ -55,33 +55,34 @@ class KVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev = self.offset
-        if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
-            self.keys = _grow(self.keys, prev, keys)
-            self.values = _grow(self.values, prev, values)
+        stored_keys, stored_values = self.keys, self.values
+        if stored_keys is None or stored_values is None or prev + keys.shape[2] > stored_keys.shape[2]:
+            stored_keys = self.keys = _grow(stored_keys, prev, keys)
+            stored_values = self.values = _grow(stored_values, prev, values)
             self.pinned_slots = 0  # a fresh buffer: no view is held any more
         self.offset += keys.shape[2]
-        self.keys[..., prev : self.offset, :] = keys
-        self.values[..., prev : self.offset, :] = values
-        if self.offset < self.keys.shape[2]:
-            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-        return self.keys, self.values
+        stored_keys[..., prev : self.offset, :] = keys
+        stored_values[..., prev : self.offset, :] = values
+        if self.offset < stored_keys.shape[2]:
+            return stored_keys[..., : self.offset, :], stored_values[..., : self.offset, :]
+        return stored_keys, stored_values
 
     def row(self, i: int, length: int) -> KVCache:
         """Row i's first `length` positions as a one-row cache of its own (a copy)."""
         cache = KVCache()
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             cache.keys = mx.contiguous(self.keys[i : i + 1, :, :length])
             cache.values = mx.contiguous(self.values[i : i + 1, :, :length])
             cache.offset = length
         return cache
 
-    def make_mask(self, N: int) -> Any:
+    def make_mask(self, N: int) -> str | None:
         # None / "causal" let the fused kernel build the mask (mlx-lm's choice, same numerics).
         return None if N == 1 else "causal"
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
     def is_trimmable(self) -> bool:
         return True
@@ -93,7 +94,7 @@ class KVCache:
 
     def clone(self) -> KVCache:
         other = KVCache()
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             other.keys = self.keys[..., : self.offset, :]
             other.values = self.values[..., : self.offset, :]
             other.pinned_slots = max(self.keys.shape[2], self.pinned_slots)
@@ -102,7 +103,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return 0
         # Bytes of the buffer held: the grown buffer's spare slots, or a view's whole source
         # buffer, count too, so a byte cap bounds real memory (clones sharing one buffer are
@@ -132,13 +133,14 @@ class BatchKVCache:
         if max_length == 0:
             return cls([0] * len(caches))
         padding = [max_length - n for n in lengths]
-        ref = next(c for c in caches if c.keys is not None)
-        _, H, _, Dk = ref.keys.shape
-        Dv = ref.values.shape[3]
-        keys = mx.zeros((len(caches), H, max_length, Dk), dtype=ref.keys.dtype)
-        values = mx.zeros((len(caches), H, max_length, Dv), dtype=ref.values.dtype)
+        ref_keys, ref_values = next((c.keys, c.values) for c in caches if c.keys is not None)
+        assert ref_keys is not None and ref_values is not None  # keys and values are set together
+        _, H, _, Dk = ref_keys.shape
+        Dv = ref_values.shape[3]
+        keys = mx.zeros((len(caches), H, max_length, Dk), dtype=ref_keys.dtype)
+        values = mx.zeros((len(caches), H, max_length, Dv), dtype=ref_values.dtype)
         for i, (p, c) in enumerate(zip(padding, caches)):
-            if c.keys is None:
+            if c.keys is None or c.values is None:
                 continue
             keys[i : i + 1, :, p : p + c.offset] = c.keys[..., : c.offset, :]
             values[i : i + 1, :, p : p + c.offset] = c.values[..., : c.offset, :]
@@ -154,14 +156,15 @@ class BatchKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev = self._idx
-        if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
-            self.keys = _grow(self.keys, prev, keys)
-            self.values = _grow(self.values, prev, values)
+        stored_keys, stored_values = self.keys, self.values
+        if stored_keys is None or stored_values is None or prev + keys.shape[2] > stored_keys.shape[2]:
+            stored_keys = self.keys = _grow(stored_keys, prev, keys)
+            stored_values = self.values = _grow(stored_values, prev, values)
         self.offset = self.offset + keys.shape[2]
         self._idx += keys.shape[2]
-        self.keys[..., prev : self._idx, :] = keys
-        self.values[..., prev : self._idx, :] = values
-        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+        stored_keys[..., prev : self._idx, :] = keys
+        stored_values[..., prev : self._idx, :] = values
+        return stored_keys[..., : self._idx, :], stored_values[..., : self._idx, :]
 
     def make_mask(self, N: int) -> mx.array:
         return causal_mask(N, self._idx, left_padding=self.left_padding)
@@ -169,12 +172,12 @@ class BatchKVCache:
     @property
     def state(self) -> list[mx.array]:
         arrays = [self.offset, self.left_padding]
-        return arrays if self.keys is None else arrays + [self.keys, self.values]
+        return arrays if self.keys is None or self.values is None else arrays + [self.keys, self.values]
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only the rows at `keep` (in that order), then drop padding no row needs."""
         idx = mx.array(list(keep))
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             self.keys = self.keys[idx]
             self.values = self.values[idx]
         self.offset = self.offset[idx]
@@ -182,7 +185,7 @@ class BatchKVCache:
         self.pads = [self.pads[i] for i in keep]
         min_pad = min(self.pads)
         if min_pad > 0:
-            if self.keys is not None:
+            if self.keys is not None and self.values is not None:
                 self.keys = self.keys[..., min_pad:, :]
                 self.values = self.values[..., min_pad:, :]
             self._idx -= min_pad
@@ -197,17 +200,18 @@ class BatchKVCache:
             self.pads = self.pads + other.pads
             return
         max_idx = max(self._idx, other._idx)
-        ref = self if self.keys is not None else other
-        _, H, _, Dk = ref.keys.shape
-        Dv = ref.values.shape[3]
+        ref_keys, ref_values = (self.keys, self.values) if self.keys is not None else (other.keys, other.values)
+        assert ref_keys is not None and ref_values is not None
+        _, H, _, Dk = ref_keys.shape
+        Dv = ref_values.shape[3]
         max_size = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
 
         def pad(c: BatchKVCache) -> tuple[mx.array, mx.array, mx.array, mx.array]:
             k, v = c.keys, c.values
-            if k is None:
+            if k is None or v is None:
                 rows = c.offset.shape[0]
-                k = mx.zeros((rows, H, 0, Dk), dtype=ref.keys.dtype)
-                v = mx.zeros((rows, H, 0, Dv), dtype=ref.values.dtype)
+                k = mx.zeros((rows, H, 0, Dk), dtype=ref_keys.dtype)
+                v = mx.zeros((rows, H, 0, Dv), dtype=ref_values.dtype)
             left = max_idx - c._idx
             right = max_size - k.shape[2] - left
             if right < 0:
@@ -218,14 +222,15 @@ class BatchKVCache:
             return k, v, c.offset, c.left_padding + left
 
         self.pads = [p + max_idx - self._idx for p in self.pads] + [p + max_idx - other._idx for p in other.pads]
-        self.keys, self.values, self.offset, self.left_padding = map(mx.concatenate, zip(pad(self), pad(other)))
+        mine, theirs = pad(self), pad(other)
+        self.keys, self.values, self.offset, self.left_padding = (mx.concatenate([a, b]) for a, b in zip(mine, theirs))
         self._idx = max_idx
 
     def extract(self, i: int) -> KVCache:
         """Row i as a solo cache with its padding stripped."""
         pad = self.pads[i]
         cache = KVCache()
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             cache.keys = mx.contiguous(self.keys[i : i + 1, :, pad : self._idx])
             cache.values = mx.contiguous(self.values[i : i + 1, :, pad : self._idx])
             cache.offset = cache.keys.shape[2]
@@ -233,7 +238,23 @@ class BatchKVCache:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
+
+    def to_solo(self) -> KVCache:
+        """A one-row batch as a solo cache. With no padding it is exactly one: the buffers are
+        handed over; a padded row's are views past its padding (pinning the whole buffer)."""
+        solo = KVCache()
+        if self.keys is not None and self.values is not None:
+            pad = self.pads[0]
+            solo.keys = self.keys[..., pad:, :] if pad else self.keys
+            solo.pinned_slots = self.keys.shape[2] if pad else 0
+            solo.values = self.values[..., pad:, :] if pad else self.values
+            solo.offset = self._idx - pad
+        return solo
+
+
+# One layer's cache, for a solo row or a batch: what a model's forward updates.
+LayerCache = KVCache | BatchKVCache
 
 
 def make_caches(num_layers: int) -> list[KVCache]:

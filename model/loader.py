@@ -11,11 +11,10 @@ import attrs
 import mlx.core as mx
 
 from model.config import ModelConfig, load_config
-from model.errors import ModelLoadError
-from model.families import check_supported, decoder_args
-from model.layers import DecoderModel
+from model.families import build_model, family_for
+from model.language_model import LanguageModel
 from model.resolve import resolve_model_dir
-from model.weights import apply_quantization, load_into, parameter_bytes, read_weights, sanitize
+from model.weights import apply_quantization, load_into, parameter_bytes, read_weights
 
 
 @attrs.define
@@ -23,7 +22,7 @@ class LoadedModel:
     path: Path
     name: str
     config: ModelConfig
-    model: DecoderModel
+    model: LanguageModel
     weights_bytes: int
     kv_dtype: mx.Dtype
 
@@ -35,14 +34,10 @@ class LoadedModel:
 def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
     model_dir = resolve_model_dir(str(spec))
     config = load_config(model_dir)
-    check_supported(config.model_type)  # before touching gigabytes of weights
+    family_for(config.model_type)  # before touching gigabytes of weights
     weights = read_weights(model_dir)
-    args = decoder_args(config.model_type, config.raw, has_lm_head="lm_head.weight" in weights)
-    try:
-        model = DecoderModel(args)
-    except ValueError as e:
-        raise ModelLoadError(f"{model_dir}: {e}") from None
-    weights = sanitize(weights, tied=args.tie_word_embeddings)
+    model = build_model(config.model_type, config.raw, has_lm_head="lm_head.weight" in weights)
+    weights = model.sanitize(weights)
     if config.quantization is not None:
         apply_quantization(model, config.quantization, weights)
     load_into(model, weights, model_dir)
@@ -53,10 +48,5 @@ def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
         config=config,
         model=model,
         weights_bytes=parameter_bytes(model),
-        kv_dtype=_activation_dtype(model),
+        kv_dtype=model.activation_dtype(),
     )
-
-
-def _activation_dtype(model: DecoderModel) -> mx.Dtype:
-    """KV entries take the dtype of the norms (quantized weights keep float scales/norms)."""
-    return model.model.norm.weight.dtype

@@ -1,8 +1,9 @@
 """The engine's device and shape choices, as one options object (built from CLI flags).
 
-`None` means "the device's default", resolved by `resolve()` on the MLX thread, where the device
-is known: the defaults differ between CUDA (where every new kernel shape costs a graph build and
-fresh buffers are first-touched managed memory) and CPU / Metal (where neither is true).
+`None` means "the device's default", resolved by `EngineOptions.resolve()` on the MLX thread
+(the engine does it once, at construction), where the device is known: the defaults differ
+between CUDA (where every new kernel shape costs a graph build and fresh buffers are
+first-touched managed memory) and CPU / Metal (where neither is true).
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ class EngineOptions:
     # Prompt tokens per prefill forward (a longer prompt takes several chunks).
     prefill_chunk: int = 2048
     # Right-pad a row's own prefill forwards to a multiple of this (0 = exact widths: a cold
-    # prompt keeps mlx-lm's shapes, and so its greedy tokens, on CUDA too).
+    # prompt keeps mlx-lm's shapes, and so its greedy tokens, on CUDA too). The padding sits
+    # after the real tokens, so causal attention keeps it out of their keys and values, and it
+    # is trimmed off the caches: the same math, but on CUDA cuBLAS picks GEMM kernels by shape,
+    # and on the 8B shape a padded prefill's greedy tokens left mlx-lm's at token 0.
     prefill_bucket: int = 0
     # The same for a group prefill's shared width. None: GPU_GROUP_BUCKET on a GPU, else 0.
     group_bucket: int | None = None
-    # A prefill after a prompt-cache hit runs its attention as matmuls (no per-shape cuDNN graph).
-    # None: on under CUDA only.
+    # A prefill after a prompt-cache hit runs its attention as matmuls: MLX's own fallback formula,
+    # which builds no per-shape cuDNN graph (a suffix after a hit has a new k length almost every
+    # time). A cold prompt never takes it, so its tokens stay mlx-lm's. None: on under CUDA only.
     unfused_hit_prefill: bool | None = None
     # Warm-up meets KV buffers of every capacity up to this. None: CUDA_WARM_DECODE_CAPACITY on
     # CUDA, else 0.
@@ -40,11 +45,12 @@ class EngineOptions:
     # eager graph (tests compare the two).
     compile_decode: bool = True
 
-    def resolve(self, *, gpu: bool, cuda: bool) -> EngineOptions:
-        """Every `None` replaced by the default for this device."""
-        return attrs.evolve(
-            self,
-            group_bucket=self.group_bucket if self.group_bucket is not None else (GPU_GROUP_BUCKET if gpu else 0),
+    def resolve(self, *, gpu: bool, cuda: bool) -> ResolvedOptions:
+        """Every `None` replaced by the default for this device (`cuda` implies `gpu`)."""
+        return ResolvedOptions(
+            prefill_chunk=self.prefill_chunk,
+            prefill_bucket=max(0, self.prefill_bucket),
+            group_bucket=max(0, self.group_bucket if self.group_bucket is not None else GPU_GROUP_BUCKET if gpu else 0),
             unfused_hit_prefill=self.unfused_hit_prefill if self.unfused_hit_prefill is not None else cuda,
             warm_decode_capacity=(
                 self.warm_decode_capacity
@@ -52,4 +58,18 @@ class EngineOptions:
                 else (CUDA_WARM_DECODE_CAPACITY if cuda else 0)
             ),
             clear_cache=self.clear_cache if self.clear_cache is not None else not cuda,
+            compile_decode=self.compile_decode,
         )
+
+
+@attrs.frozen
+class ResolvedOptions:
+    """`EngineOptions` for one device: the same fields, none left to a default."""
+
+    prefill_chunk: int
+    prefill_bucket: int
+    group_bucket: int
+    unfused_hit_prefill: bool
+    warm_decode_capacity: int
+    clear_cache: bool
+    compile_decode: bool

@@ -40,16 +40,12 @@ def read_weights(model_dir: Path) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     for path in weight_files(model_dir):
         try:
-            weights.update(mx.load(str(path)))
+            arrays = mx.load(str(path))
         except Exception as e:  # mlx raises bare RuntimeError/ValueError for corrupt headers
             raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from None
-    return weights
-
-
-def sanitize(weights: dict[str, mx.array], *, tied: bool) -> dict[str, mx.array]:
-    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-    if tied:
-        weights.pop("lm_head.weight", None)
+        if not isinstance(arrays, dict):  # (a .safetensors file always loads as a name -> array map)
+            raise ModelLoadError(f"{path}: not a safetensors weight map")
+        weights.update(arrays)
     return weights
 
 
@@ -91,4 +87,6 @@ def load_into(model: nn.Module, weights: dict[str, mx.array], model_dir: Path) -
 def parameter_bytes(model: nn.Module) -> int:
     from mlx.utils import tree_flatten
 
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    flat = tree_flatten(model.parameters())
+    assert isinstance(flat, list)  # (a dict only when one is passed as `destination`)
+    return sum(v.nbytes for _, v in flat)

@@ -8,8 +8,8 @@ Test rules for this suite:
   `autojump_clock` (MockClock), never real sleeps.
 * Real-engine tests (actual MLX forward passes) get a generous `trio.fail_after`, so a hang fails
   the test instead of the run, without flaking on a slow CI machine.
-* Models: tiny synthetic ones only (hidden_size <= 256), written by `model.synth`; never a
-  downloaded checkpoint.
+* Models: tiny synthetic ones only (hidden_size <= 256), written by `tests.fixtures.synth`; never
+  a downloaded checkpoint.
 """
 
 from __future__ import annotations

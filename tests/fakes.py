@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from actors.arrivals import Arrivals
-from actors.messages import Enqueue, Lane
+from actors.messages import NULL_OBSERVER, Enqueue, Lane, RequestObserver
 from actors.scheduler import Scheduler
 from actors.worker_api import ModelInfo
 from model.params import SamplingParams
@@ -277,11 +277,18 @@ class SchedulerHarness:
         self.receivers: dict[int, trio.MemoryReceiveChannel] = {}
 
     def submit(
-        self, row_id: int, prompt: tuple[int, ...], max_tokens: int = 4, lane: Lane = "batched", *, collect: bool = True
+        self,
+        row_id: int,
+        prompt: tuple[int, ...],
+        max_tokens: int = 4,
+        lane: Lane = "batched",
+        *,
+        collect: bool = True,
+        observer: RequestObserver = NULL_OBSERVER,
     ) -> RowLog:
         send, recv = trio.open_memory_channel(math.inf)
         spec = RowSpec(row_id, prompt, SamplingParams(seed=row_id), max_tokens)
-        self.inbox.send_nowait(Enqueue(spec=spec, lane=lane, rows=send))
+        self.inbox.send_nowait(Enqueue(spec=spec, lane=lane, rows=send, observer=observer))
         self.receivers[row_id] = recv
         log = RowLog()
         if collect:

@@ -28,6 +28,7 @@ from actors.options import ServeConfig
 from actors.root import start_actors
 from actors.worker_api import ModelInfo
 from api.app import create_app
+from model.options import EngineOptions
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.tokenizer import Tokenizer
 
@@ -153,7 +154,7 @@ async def real_server(
     worker = RecordingWorker(
         GpuWorker(
             model_dir,
-            prefill_chunk=prefill_chunk,
+            engine_options=EngineOptions(prefill_chunk=prefill_chunk),
             prompt_cache_bytes=prompt_cache_bytes,
             eos_token_ids=eos_token_ids,
         )
@@ -251,7 +252,7 @@ async def stream(
         if not result.done:
             await conn.disconnect()
             result.cut = True
-            conn._client_send.close()  # quart-trio test client hang workaround (trio-stack.md §4)
+            conn._client_send.close()  # quart-trio's test client hangs on a disconnect unless its send side is closed
     return result
 
 

@@ -1,4 +1,4 @@
-"""Abort storm on the real engine (issue 9 "must show").
+"""Abort storm on the real engine.
 
 Hundreds of streamed /v1/completions over real HTTP — hypercorn on port 0 in this trio loop,
 raw TCP clients, so a cancelled client is a real closed socket — against the real stack (the
@@ -36,8 +36,8 @@ import attrs
 import pytest
 import trio
 
-from model.engine import generate_tokens
 from model.rows import RowSpec
+from tests.engine_helpers import generate_tokens
 from tests.realserver import RealServer, real_server, wait_until
 
 LIMIT_S = 240  # a hang fails the test; a slow shared CI core does not

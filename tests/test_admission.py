@@ -1,4 +1,4 @@
-"""Admission: the memory ceiling and clamp (spec §1.11), the queue bound, placement and seeds."""
+"""Admission: the memory ceiling and clamp, the queue bound, placement and seeds."""
 
 from __future__ import annotations
 
@@ -157,3 +157,38 @@ async def test_a_zero_ceiling_is_a_warning_not_a_refusal(autojump_clock, caplog)
         assert handles.ceiling.max_safe_context == 0
         assert any("every request will be refused" in r.message for r in caplog.records)
         nursery.cancel_scope.cancel()
+
+
+class RecordingObserver:
+    """A `RequestObserver` that lists what it was told."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        return lambda *args: self.events.append((name, *args))
+
+
+async def test_the_requests_observer_is_told_the_decision_and_rides_along_to_the_scheduler():
+    admission, to_scheduler = make_admission()
+    observer = RecordingObserver()
+    rows_send, _ = trio.open_memory_channel(math.inf)
+    reply_send, reply_recv = trio.open_memory_channel(1)
+    admission.handle(Submit(request(), rows_send, reply_send, observer))
+    admitted = reply_recv.receive_nowait()
+    assert observer.events == [("decided", admitted)]
+    assert to_scheduler.receive_nowait().observer is observer
+    admission.close(cutoff_after=1)
+    reply_send, reply_recv = trio.open_memory_channel(1)
+    admission.handle(Submit(request(), rows_send, reply_send, observer))
+    assert observer.events[-1] == ("decided", reply_recv.receive_nowait())
+
+
+async def test_the_observer_hears_of_a_requester_gone_before_the_reply():
+    admission, _ = make_admission()
+    observer = RecordingObserver()
+    rows_send, _ = trio.open_memory_channel(math.inf)
+    reply_send, reply_recv = trio.open_memory_channel(1)
+    reply_recv.close()
+    admission.handle(Submit(request(), rows_send, reply_send, observer))
+    assert observer.events == [("left_before_answer",)]

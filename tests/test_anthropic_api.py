@@ -296,7 +296,7 @@ async def test_client_disconnect_mid_stream_aborts_the_row(autojump_clock):
                 await conn.receive()
             await conn.disconnect()
             left_at = trio.current_time()
-            conn._client_send.close()  # quart-trio test client hang workaround (trio-stack.md §4)
+            conn._client_send.close()  # else the quart-trio test client waits forever after a disconnect
         await trio.sleep(10)
         [row_id] = worker.specs
         closed_at, reusable = worker.closed[row_id]

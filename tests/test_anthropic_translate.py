@@ -1,4 +1,4 @@
-"""Anthropic Messages → chat-body mapping (spec §1.4) and the stream encoder, without a server."""
+"""Anthropic Messages → typed chat request, and the stream encoder, without a server."""
 
 from __future__ import annotations
 
@@ -6,14 +6,21 @@ import json
 
 import pytest
 
-from api.anthropic_translate import AnthropicStream, anthropic_to_chat, message_object, stop_reason, tool_input, usage
+from api.anthropic_encode import AnthropicStream, message_object, stop_reason, tool_input, usage
+from api.anthropic_translate import count_request, messages_request
+from api.chat_request import ReasoningOptions
+from api.completion import Completion
 from api.errors import ApiError
 from api.pipeline.events import TextDelta, ToolCall, ToolCallsEvent
-from api.protocol_common import Completion
+from api.structured import ForcedToolCall
+from model import grammar
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "QUJD"}}
+IMAGE_MESSAGE = "image_url content parts are not supported: this server has no image input (text-only model)"
 
 
 def test_system_blocks_roles_and_generation_fields():
-    chat = anthropic_to_chat(
+    request = messages_request(
         {
             "system": [
                 {"type": "text", "text": "one", "cache_control": {"type": "ephemeral"}},
@@ -35,30 +42,21 @@ def test_system_blocks_roles_and_generation_fields():
             "stream": True,
         }
     )
-    assert chat["messages"] == [
+    assert request.prompt.messages == (
         {"role": "system", "content": "one\ntwo"},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": "c"},
-    ]
-    assert {
-        k: chat[k]
-        for k in ("max_tokens", "temperature", "top_p", "top_k", "stop", "min_p", "repetition_penalty", "stream")
-    } == {
-        "max_tokens": 9,
-        "temperature": 0.5,
-        "top_p": 0.9,
-        "top_k": 40,
-        "stop": ["END"],
-        "min_p": 0.1,
-        "repetition_penalty": 1.1,
-        "stream": True,
-    }
-    assert "metadata" not in chat and "seed" not in chat
+    )
+    generation, sampling = request.generation, request.generation.sampling
+    assert (generation.max_tokens, generation.stream, request.stop) == (9, True, ("END",))
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (0.5, 0.9, 40, 0.1)
+    assert sampling.repetition_penalty == 1.1
+    assert generation.seed is None and not generation.explicit_seed  # no seed key: not a serial request
 
 
 def test_tool_use_tool_result_and_thinking_blocks():
-    chat = anthropic_to_chat(
+    request = messages_request(
         {
             "messages": [
                 {"role": "user", "content": "weather?"},
@@ -84,7 +82,7 @@ def test_tool_use_tool_result_and_thinking_blocks():
             ]
         }
     )
-    assert chat["messages"] == [
+    assert request.prompt.messages == (
         {"role": "user", "content": "weather?"},
         {
             "role": "assistant",
@@ -93,17 +91,17 @@ def test_tool_use_tool_result_and_thinking_blocks():
                 {
                     "id": "toolu_1",
                     "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},  # as templates read it
                 }
             ],
         },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},  # before the turn's text
         {"role": "user", "content": "and then?"},
-    ]
+    )
 
 
 def test_tools_tool_choice_and_thinking_config():
-    chat = anthropic_to_chat(
+    request = messages_request(
         {
             "messages": [{"role": "user", "content": "x"}],
             "tools": [
@@ -114,41 +112,55 @@ def test_tools_tool_choice_and_thinking_config():
             "thinking": {"type": "disabled"},
         }
     )
-    assert chat["tools"] == [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "description": "does f"}}
-    ]
-    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
-    assert chat["chat_template_kwargs"] == {"enable_thinking": False}
-    none = anthropic_to_chat(
+    assert request.prompt.tools == (
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "description": "does f"}},
+    )
+    if grammar.available():  # a named tool is a forced call: a grammar, where an engine runs one
+        assert request.constraint is not None
+        assert request.constraint.forced == ForcedToolCall(tools=(("f", {"type": "object"}),))
+    else:
+        assert request.constraint is None
+    assert request.prompt.reasoning == ReasoningOptions(enable_thinking=False)
+    none = messages_request(
         {
             "messages": [{"role": "user", "content": "x"}],
             "tools": [{"name": "f", "input_schema": {}}],
             "tool_choice": {"type": "none"},
         }
     )
-    assert none["tool_choice"] == "none"
+    assert none.prompt.tools is None and none.constraint is None  # "none" drops the tools
 
 
-def test_images_become_image_url_parts():
-    chat = anthropic_to_chat(
-        {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "see"},
-                        {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "QUJD"}},
-                        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}},
-                    ],
-                }
-            ]
-        }
-    )
-    assert chat["messages"][0]["content"] == [
-        {"type": "text", "text": "see"},
-        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,QUJD"}},
-        {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
-    ]
+@pytest.mark.parametrize("translate", [messages_request, count_request])
+def test_images_are_a_400_after_the_request_shape_checks(translate):
+    url_image = {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}
+    for image in (IMAGE, url_image):
+        with pytest.raises(ApiError) as info:
+            translate({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]})
+        assert (info.value.status, info.value.message) == (400, IMAGE_MESSAGE)
+        assert (info.value.param, info.value.code) == ("messages", "unsupported_content_type")
+    with pytest.raises(ApiError, match="an image needs a base64 or url source"):
+        translate({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]})
+    # The request's own shape is checked first: a later bad block names itself, not the image.
+    with pytest.raises(ApiError, match="unsupported content block type 'document'"):
+        translate(
+            {"messages": [{"role": "user", "content": [IMAGE]}, {"role": "user", "content": [{"type": "document"}]}]}
+        )
+
+
+def test_an_image_is_reported_after_the_shape_and_before_the_generation_fields():
+    with pytest.raises(ApiError, match="stop_sequences"):
+        messages_request({"messages": [{"role": "user", "content": [IMAGE]}], "stop_sequences": "END"})
+    with pytest.raises(ApiError) as info:
+        messages_request({"messages": [{"role": "user", "content": [IMAGE]}], "temperature": "hot"})
+    assert info.value.message == IMAGE_MESSAGE
+
+
+def test_a_tool_result_id_must_be_a_string():
+    body = {"system": "s", "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 5}]}]}
+    with pytest.raises(ApiError) as info:
+        messages_request(body)
+    assert info.value.message == "messages[1].tool_call_id must be a string"  # its place in the template's list
 
 
 @pytest.mark.parametrize(
@@ -169,7 +181,7 @@ def test_images_become_image_url_parts():
 )
 def test_bad_requests_are_400(request_body, message):
     with pytest.raises(ApiError) as info:
-        anthropic_to_chat(request_body)
+        messages_request(request_body)
     assert info.value.status == 400 and message in info.value.message
 
 

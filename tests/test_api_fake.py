@@ -71,7 +71,7 @@ async def test_unknown_route_is_json_404_and_wrong_method_json_405(autojump_cloc
         response = await client.get("/nope")
         assert response.status_code == 404
         assert (await error_of(response))["message"] == "not found"
-        response = await client.get(CHAT)  # issue 4: a wrong method is a 405, not a 404
+        response = await client.get(CHAT)  # a wrong method is a 405, not a 404
         assert response.status_code == 405 and "POST" in response.headers["Allow"]
         assert (await error_of(response))["code"] == "method_not_allowed"
 
@@ -234,7 +234,7 @@ async def test_client_disconnect_aborts_only_that_row(autojump_clock):
                     await conn.receive()
                 await conn.disconnect()
                 left_at = trio.current_time()
-                conn._client_send.close()  # quart-trio test client hang workaround (trio-stack.md §4)
+                conn._client_send.close()  # else the quart-trio test client waits forever after a disconnect
         leaver_prompt = tuple(FakeTokenizer().encode("leaver"))
         [leaver_id] = [rid for rid, spec in worker.specs.items() if spec.prompt == leaver_prompt]
         closed_at, _ = worker.closed[leaver_id]

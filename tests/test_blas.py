@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 _SCRIPT = r"""
 import json, sys
 from model.blas import preload_optimized_blas, BlasInfo
-info = preload_optimized_blas()
+info = preload_optimized_blas(*sys.argv[1:2])  # the setting, when the test passes one
 assert isinstance(info, BlasInfo)
-assert preload_optimized_blas() is info  # idempotent
+assert preload_optimized_blas("off") is info  # idempotent: the first result stands
 import mlx.core as mx
 import numpy as np
 mx.set_default_device(mx.cpu)
@@ -43,13 +43,13 @@ print("JSON:" + json.dumps({"name": info.name, "path": info.path, "reason": info
 """
 
 
-def _run(**env_over: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("MLX_TRIO_BLAS", None)
-    env.pop("MLX_TRIO_DEVICE", None)
-    env.update(env_over)
+def _run(*setting: str, path: Path | None = None) -> dict:
+    """Run the script with `preload_optimized_blas(*setting)`; `path`: a directory put first on
+    the subprocess's import path."""
+    paths = [str(p) for p in (path, ROOT) if p is not None]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _SCRIPT, *setting], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:"))
@@ -68,25 +68,30 @@ def test_default_preload_gives_correct_matmul():
     assert "imported before" in r["late_reason"]
 
 
-def test_off_reports_bundled():
-    r = _run(MLX_TRIO_BLAS="off")
+@pytest.mark.parametrize("setting", ["off", "none", "bundled"])
+def test_off_reports_bundled(setting):
+    r = _run(setting)
     assert r["ok"], r
     assert not r["optimized"] and r["path"] is None
-    assert "bundled" in r["name"] and "MLX_TRIO_BLAS" in r["reason"]
+    assert "bundled" in r["name"] and f"blas setting {setting!r}" in r["reason"]
     assert "install" in r["log"]
 
 
 def test_bad_explicit_path_falls_back_silently(tmp_path):
     bogus = tmp_path / "libnotblas.so"
     bogus.write_bytes(b"not an ELF file")
-    r = _run(MLX_TRIO_BLAS=str(bogus))
+    r = _run(str(bogus))
     assert r["ok"], r
     assert not r["optimized"] and "unusable" in r["reason"]
 
 
-def test_gpu_device_skips_preload():
-    r = _run(MLX_TRIO_DEVICE="gpu")
-    assert not r["optimized"] and "MLX_TRIO_DEVICE" in r["reason"]
+def test_an_installed_cuda_build_skips_preload(tmp_path):
+    dist = tmp_path / "mlx_cuda_13-0.0.0.dist-info"  # what pip leaves for mlx[cuda13]
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-cuda-13\nVersion: 0.0.0\n")
+    r = _run(path=tmp_path)
+    assert not r["optimized"] and r["path"] is None
+    assert "mlx-cuda-13 installed" in r["reason"]
 
 
 def test_explicit_path_is_used():
@@ -96,15 +101,17 @@ def test_explicit_path_is_used():
     if not cands:
         pytest.skip("no optimized BLAS installed (apt-get install libopenblas0-pthread)")
     path = cands[0][0]
-    r = _run(MLX_TRIO_BLAS=path)
+    r = _run(path)
     assert r["ok"], r
-    assert r["optimized"] and r["path"] == path and r["reason"] == "MLX_TRIO_BLAS"
+    assert r["optimized"] and r["path"] == path and r["reason"] == "requested path"
 
 
 def test_blas_info_is_frozen():
+    import attrs
+
     from model.blas import BUNDLED_NAME, BlasInfo
 
     info = BlasInfo(name=BUNDLED_NAME, path=None, reason="x")
-    with pytest.raises(Exception):
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
         info.name = "y"  # type: ignore[misc]
     assert not info.optimized and "slow" in info.log_line()

@@ -1,5 +1,8 @@
 """Chat-template rendering must equal transformers' apply_chat_template byte for byte."""
 
+# The templates below are real checkpoints' chat templates, kept verbatim (long lines included).
+# ruff: noqa: E501
+
 from __future__ import annotations
 
 import copy

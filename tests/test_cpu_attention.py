@@ -1,10 +1,10 @@
-"""model.cpu_attention: blocked causal attention must give MLX's own CPU bits, not close ones."""
+"""model.kernels.cpu_attention: blocked causal attention must give MLX's own CPU bits, not close ones."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from model import cpu_attention
+from model.kernels import cpu_attention
 
 pytestmark = pytest.mark.skipif(mx.default_device().type != mx.cpu, reason="MLX's CPU fallback")
 

@@ -1,12 +1,12 @@
-"""model.cpu_exact: the CPU SwiGLU must give MLX's own bits, not merely close ones."""
+"""model.kernels.cpu_swiglu: the CPU SwiGLU must give MLX's own bits, not merely close ones."""
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from model import cpu_exact
-from model.layers import swiglu
+from model.decoder import swiglu
+from model.kernels import cpu_swiglu
 
 pytestmark = pytest.mark.skipif(mx.default_device().type != mx.cpu, reason="the CPU backend's formula")
 
@@ -48,8 +48,8 @@ def _inputs() -> mx.array:
 
 def test_exp_and_sigmoid_are_mlx_bit_for_bit():
     x = _inputs()
-    assert _same_bits(cpu_exact.exp_f32(x), mx.exp(x))
-    assert _same_bits(cpu_exact.sigmoid_f32(x), mx.sigmoid(x))
+    assert _same_bits(cpu_swiglu.exp_f32(x), mx.exp(x))
+    assert _same_bits(cpu_swiglu.sigmoid_f32(x), mx.sigmoid(x))
 
 
 def test_swiglu_is_mlx_lm_bit_for_bit_at_every_shape():
@@ -58,17 +58,17 @@ def test_swiglu_is_mlx_lm_bit_for_bit_at_every_shape():
         n = int(np.prod(shape))
         gate = x[:n].reshape(shape)
         up = mx.random.normal(shape, key=mx.random.key(n))
-        assert cpu_exact.applies(gate, up)
+        assert cpu_swiglu.applies(gate, up)
         assert _same_bits(swiglu(gate, up), nn.silu(gate) * up)
 
 
 def test_a_large_swiglu_in_row_pieces_is_still_mlx_lm_bit_for_bit(monkeypatch):
     x = _inputs()
     calls = []
-    real = cpu_exact.swiglu_f32
-    monkeypatch.setattr(cpu_exact, "swiglu_f32", lambda g, u: (calls.append(g.shape), real(g, u))[1])
-    for piece, shape in ((cpu_exact.PIECE_ELEMENTS, (3, 301, 512)), (1000, (2, 37, 96))):
-        monkeypatch.setattr(cpu_exact, "PIECE_ELEMENTS", piece)
+    real = cpu_swiglu.swiglu_f32
+    monkeypatch.setattr(cpu_swiglu, "swiglu_f32", lambda g, u: (calls.append(g.shape), real(g, u))[1])
+    for piece, shape in ((cpu_swiglu.PIECE_ELEMENTS, (3, 301, 512)), (1000, (2, 37, 96))):
+        monkeypatch.setattr(cpu_swiglu, "PIECE_ELEMENTS", piece)
         calls.clear()
         n = int(np.prod(shape))
         gate = x[:n].reshape(shape)
@@ -83,5 +83,5 @@ def test_a_large_swiglu_in_row_pieces_is_still_mlx_lm_bit_for_bit(monkeypatch):
 def test_other_dtypes_keep_mlx_silu():
     gate = mx.random.normal((2, 5, 64)).astype(mx.bfloat16)
     up = mx.random.normal((2, 5, 64)).astype(mx.bfloat16)
-    assert not cpu_exact.applies(gate, up)
+    assert not cpu_swiglu.applies(gate, up)
     assert mx.array_equal(swiglu(gate, up), nn.silu(gate) * up).item()

@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from actors.options import ServeConfig
-from actors.root import HTTP_GRACE_MARGIN_S, run_server
-from actors.shutdown import Shutdown
+from actors.root import run_server
+from actors.shutdown import Shutdown, ShutdownPlan
 from tests.fakes import FakeTokenizer
 from tests.test_shutdown import fake_http, names, order_is, streamer
 from tests.test_ssd_fakes import FakeStore, SsdFakeWorker
@@ -38,7 +38,7 @@ async def run(worker, clients, *, timeout, signals_at, demote_idle_s=300.0):
             config=config,
             make_tokenizer=lambda info: FakeTokenizer(),
             serve_http=fake_http(
-                [partial(c, note) for c in clients], graceful=timeout + HTTP_GRACE_MARGIN_S, note=note
+                [partial(c, note) for c in clients], graceful=ShutdownPlan.for_options(config).http_deadline, note=note
             ),
             shutdown=shutdown,
             flush_hooks=[hook],

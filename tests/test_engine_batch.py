@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from model.engine import Engine, generate_tokens
+from model.engine import Engine
 from model.loader import load_model
+from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
+from tests.engine_helpers import generate_tokens
 
 PROMPTS = {
     1: [5, 17, 42, 99, 3, 250, 11, 7],
@@ -20,7 +22,7 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def engine(qwen3_dir):
-    return Engine(load_model(qwen3_dir).model, eos_token_ids=[], prefill_chunk=16)
+    return Engine(load_model(qwen3_dir).model, eos_token_ids=[], options=EngineOptions(prefill_chunk=16))
 
 
 def spec(row_id, max_tokens=24, **sampling):
@@ -90,7 +92,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine):
 def test_eos_and_length_finish(engine):
     first = solo(engine, 1, max_tokens=6)
     assert len(first) == 6
-    eos_engine = Engine(engine.model, eos_token_ids=[first[2]], prefill_chunk=16)
+    eos_engine = Engine(engine.model, eos_token_ids=[first[2]], options=EngineOptions(prefill_chunk=16))
     stopped = generate_tokens(eos_engine, [spec(1, 20)])[1]
     assert stopped == first[:3]  # the EOS token is reported, then the row ends
 
@@ -141,11 +143,12 @@ def test_a_joiner_prefilled_in_small_chunks_beside_a_running_row_equals_solo(eng
 
 
 def test_keeping_freed_buffers_changes_no_output_and_holds_no_memory_once_rows_close(engine, monkeypatch):
-    """CUDA's default (model.engine.CLEAR_CACHE off): MLX's freed buffers stay in its cache for
+    """CUDA's default (clear_cache off): MLX's freed buffers stay in its cache for
     reuse. Results are the same, and once every row is closed the active memory is back where it
     was — the kept buffers count as cache, not as memory the engine holds."""
     import gc
 
+    import attrs
     import mlx.core as mx
 
     from model import engine as engine_module
@@ -155,7 +158,7 @@ def test_keeping_freed_buffers_changes_no_output_and_holds_no_memory_once_rows_c
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    monkeypatch.setattr(engine_module, "CLEAR_CACHE", False)
+    monkeypatch.setattr(engine, "options", attrs.evolve(engine.options, clear_cache=False))
     monkeypatch.setattr(engine_module, "CLEAR_CACHE_EVERY", 4)
     for _ in range(2):
         assert generate_tokens(engine, [spec(r) for r in (1, 3, 4)]) == expected
@@ -195,4 +198,4 @@ def test_rows_closed_between_two_steps_leave_the_kv_in_one_filter_and_the_rest_s
     assert {r: got[r] for r in (3, 5)} == alone
     engine.close_row(3)
     engine.close_row(5)
-    assert engine.batch_size == 0 and engine._caches is None  # the last leave frees the KV now
+    assert engine.batch_size == 0 and engine._caches == []  # the last leave frees the KV now

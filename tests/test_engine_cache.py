@@ -1,23 +1,26 @@
 """The engine with a prompt cache: a hit never changes greedy output, only the work done.
 
 Every hit result is compared with a cold run of the same prompt on a cache-less engine sharing
-the model, with the attention after a hit fused and unfused. Prompts are >= 300 tokens with prefill_chunk=64, so restored prefixes, chunk splits
-and snapshots land mid-chunk.
+the model, with the attention after a hit fused and unfused. Prompts are >= 300 tokens with
+prefill_chunk=64, so restored prefixes, chunk splits and snapshots land mid-chunk.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
 from cache.boundary import stable_prefix_length
 from cache.prompt_cache import PromptCache
-from model.engine import Engine, generate_tokens
+from model.engine import Engine
 from model.loader import load_model
+from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
 from model.tokenizer import Tokenizer
+from tests.engine_helpers import generate_tokens
 
 CHUNK = 64
 N_TOKENS = 12
@@ -32,11 +35,18 @@ def rand_tokens(n, seed):
 P = rand_tokens(400, 1)
 
 
-@pytest.fixture(autouse=True, params=["0", "1"], ids=["fused", "unfused-hit"])
+UNFUSED_HIT = False  # the engines' unfused_hit_prefill, set per test by `hit_attention`
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["fused", "unfused-hit"])
 def hit_attention(request, monkeypatch):
     # every test twice: a prefill after a hit with the fused attention kernel, and as matmuls
     # (the CUDA default, test_engine_unfused_hit.py)
-    monkeypatch.setenv("MLX_TRIO_UNFUSED_HIT", request.param)
+    monkeypatch.setattr(sys.modules[__name__], "UNFUSED_HIT", request.param)
+
+
+def options(chunk=CHUNK, **kw):
+    return EngineOptions(prefill_chunk=chunk, unfused_hit_prefill=UNFUSED_HIT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +56,11 @@ def model(qwen3_dir):
 
 @pytest.fixture(scope="module")
 def cold(model):
-    return Engine(model, eos_token_ids=[], prefill_chunk=CHUNK)
+    return Engine(model, eos_token_ids=[], options=EngineOptions(prefill_chunk=CHUNK))
 
 
-def hot_engine(model, max_bytes=1 << 30, **kw):
-    return Engine(model, eos_token_ids=[], prefill_chunk=CHUNK, prompt_cache=PromptCache(max_bytes), **kw)
+def hot_engine(model, max_bytes=1 << 30):
+    return Engine(model, eos_token_ids=[], prompt_cache=PromptCache(max_bytes), options=options())
 
 
 def spec(row_id, prompt, max_tokens=N_TOKENS, **kw):
@@ -182,7 +192,7 @@ def test_snapshot_does_not_disturb_the_row_that_takes_it(model, cold):
 def test_group_prefilled_rows_take_their_snapshots(model, cold):
     # Chat rows carry a boundary snapshot; the group forward takes them like a solo prefill
     # (before, such rows were left out of the group and prefilled alone afterwards).
-    hot = Engine(model, eos_token_ids=[], prefill_chunk=512, prompt_cache=PromptCache(1 << 30), group_bucket=0)
+    hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 30), options=options(512, group_bucket=0))
     a, b = P[:300] + rand_tokens(30, 5), rand_tokens(350, 6)
     hot.open_row(spec(1, a, snapshot_at=300))
     hot.open_row(spec(2, b, snapshot_at=349))  # the boundary at the very end of prompt[:-1]
@@ -345,7 +355,7 @@ def test_a_failing_put_still_lets_the_row_leave_cleanly(model, cold):
         def put(self, tokens, caches, namespace=""):
             raise RuntimeError("boom")
 
-    engine = Engine(model, eos_token_ids=[], prefill_chunk=CHUNK, prompt_cache=Broken(1 << 30))
+    engine = Engine(model, eos_token_ids=[], prompt_cache=Broken(1 << 30), options=options())
     specs = [spec(1, P, max_tokens=4), spec(2, rand_tokens(320, 10), max_tokens=N_TOKENS)]
     assert generate_tokens(engine, specs, reusable=True) == generate_tokens(cold, specs)
     assert engine.active_rows == 0 and engine.batch_size == 0

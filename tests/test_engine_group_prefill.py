@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from model.engine import Engine, decode_to_the_end, generate_tokens
+from model.engine import Engine
 from model.loader import load_model
+from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
+from tests.engine_helpers import decode_to_the_end, generate_tokens
 
 
 def specs(n: int, max_tokens: int = 12) -> list[RowSpec]:
@@ -25,8 +27,8 @@ def test_group_prefill_decodes_like_solo_prefill(tiny_model_factory, family):
     # test_engine_prefill_bucket.py)
     loaded = load_model(tiny_model_factory(family))
     rows = specs(5)
-    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], prefill_bucket=0), rows)
-    engine = Engine(loaded.model, eos_token_ids=[], group_bucket=0)
+    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], options=EngineOptions(prefill_bucket=0)), rows)
+    engine = Engine(loaded.model, eos_token_ids=[], options=EngineOptions(group_bucket=0))
     for spec in rows:
         engine.open_row(spec)
     assert all(engine.groupable(s.row_id) for s in rows)
@@ -38,7 +40,7 @@ def test_group_prefill_decodes_like_solo_prefill(tiny_model_factory, family):
 
 
 def test_group_prefill_refuses_rows_it_cannot_take(qwen3_dir):
-    engine = Engine(load_model(qwen3_dir).model, eos_token_ids=[], prefill_chunk=16)
+    engine = Engine(load_model(qwen3_dir).model, eos_token_ids=[], options=EngineOptions(prefill_chunk=16))
     short, long_ = specs(1)[0], RowSpec(9, tuple(range(5, 40)), SamplingParams(), 4)
     engine.open_row(short)
     engine.open_row(long_)

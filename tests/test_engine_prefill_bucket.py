@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 
 from cache.prompt_cache import PromptCache
-from model.engine import Engine, decode_to_the_end, generate_tokens
+from model.engine import Engine
 from model.loader import load_model
+from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
+from tests.engine_helpers import decode_to_the_end, generate_tokens
 
 
 class WidthRecorder:
@@ -40,9 +42,9 @@ def prompts(n: int, base: int = 11) -> list[RowSpec]:
 def test_bucketed_prefill_decodes_like_exact(tiny_model_factory, family):
     loaded = load_model(tiny_model_factory(family))
     rows = prompts(4)
-    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], prefill_bucket=0), rows)
+    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], options=EngineOptions(prefill_bucket=0)), rows)
     recorder = WidthRecorder(loaded.model)
-    bucketed = Engine(recorder, eos_token_ids=[], prefill_bucket=16, compile_decode=False)
+    bucketed = Engine(recorder, eos_token_ids=[], options=EngineOptions(prefill_bucket=16, compile_decode=False))
     assert generate_tokens(bucketed, rows) == expected
     prefill_widths = {w for b, w in recorder.widths if w > 1}
     assert prefill_widths and all(w % 16 == 0 for w in prefill_widths)  # really padded
@@ -56,7 +58,10 @@ def test_bucketed_chunks_cache_hit_and_snapshot_match_exact(qwen3_dir):
 
     def run(bucket: int) -> tuple[dict[int, list[int]], int]:
         engine = Engine(
-            loaded.model, eos_token_ids=[], prefill_chunk=128, prefill_bucket=bucket, prompt_cache=PromptCache(1 << 30)
+            loaded.model,
+            eos_token_ids=[],
+            prompt_cache=PromptCache(1 << 30),
+            options=EngineOptions(prefill_chunk=128, prefill_bucket=bucket),
         )
         out = generate_tokens(engine, [first])
         opened = engine.open_row(second)  # restores the snapshot at the boundary
@@ -77,9 +82,9 @@ def test_bucketed_group_prefill_runs_one_forward_per_bucket_and_decodes_like_exa
         RowSpec(i, tuple((7 * i + 3 * j) % 200 + 4 for j in range(9 + 5 * i)), SamplingParams(), 10)
         for i in range(1, 6)
     ]
-    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], prefill_bucket=0), rows)
+    expected = generate_tokens(Engine(loaded.model, eos_token_ids=[], options=EngineOptions(prefill_bucket=0)), rows)
     recorder = WidthRecorder(loaded.model)
-    engine = Engine(recorder, eos_token_ids=[], group_bucket=16, compile_decode=False)
+    engine = Engine(recorder, eos_token_ids=[], options=EngineOptions(group_bucket=16, compile_decode=False))
     for spec in rows:
         engine.open_row(spec)
     progress = engine.prefill_group([s.row_id for s in rows])

@@ -7,13 +7,15 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-import model.layers as layers
 from cache.prompt_cache import PromptCache
 from model import engine as engine_module
-from model.engine import Engine, generate_tokens
+from model.engine import Engine
+from model.kernels import unfused_attention
 from model.loader import load_model
+from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
+from tests.engine_helpers import generate_tokens
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -27,19 +29,19 @@ def test_unfused_attention_is_bit_identical_to_the_fused_call(shape, dtype):
         for i, s in enumerate([(B, H, L, D), (B, Hk, K, D), (B, Hk, K, D)])
     )
     fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask="causal")
-    assert mx.array_equal(layers.unfused_causal_attention(q, k, v, D**-0.5), fused).item()
+    assert mx.array_equal(unfused_attention.unfused_causal_attention(q, k, v, D**-0.5), fused).item()
 
 
 @pytest.fixture
 def unfused_calls(monkeypatch):
     calls = []
-    real = layers.unfused_causal_attention
+    real = unfused_attention.unfused_causal_attention
 
     def counting(q, k, v, scale):
         calls.append((q.shape[2], k.shape[2]))  # (suffix width, keys)
         return real(q, k, v, scale)
 
-    monkeypatch.setattr(layers, "unfused_causal_attention", counting)
+    monkeypatch.setattr(unfused_attention, "unfused_causal_attention", counting)
     return calls
 
 
@@ -50,8 +52,12 @@ SECOND = RowSpec(2, SYSTEM + (21, 22, 23, 24, 25, 26), SamplingParams(), 8)
 
 def test_a_hit_prefills_unfused_and_decodes_like_a_cold_run(qwen3_dir, unfused_calls):
     model = load_model(qwen3_dir).model
-    cold = generate_tokens(Engine(model, eos_token_ids=[], unfused_hit_prefill=False), [FIRST, SECOND])
-    hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 30), unfused_hit_prefill=True)
+    cold = generate_tokens(
+        Engine(model, eos_token_ids=[], options=EngineOptions(unfused_hit_prefill=False)), [FIRST, SECOND]
+    )
+    hot = Engine(
+        model, eos_token_ids=[], prompt_cache=PromptCache(1 << 30), options=EngineOptions(unfused_hit_prefill=True)
+    )
     first = generate_tokens(hot, [FIRST], reusable=True)
     assert unfused_calls == []  # a cold prompt keeps the fused kernel (mlx-lm's numerics)
     opened = hot.open_row(SECOND)
@@ -67,7 +73,9 @@ def test_a_hit_prefills_unfused_and_decodes_like_a_cold_run(qwen3_dir, unfused_c
 def test_a_large_scores_matrix_keeps_the_fused_kernel(qwen3_dir, unfused_calls, monkeypatch):
     monkeypatch.setattr(engine_module, "UNFUSED_SCORES_BYTES", 1024)
     model = load_model(qwen3_dir).model
-    hot = Engine(model, eos_token_ids=[], prompt_cache=PromptCache(1 << 30), unfused_hit_prefill=True)
+    hot = Engine(
+        model, eos_token_ids=[], prompt_cache=PromptCache(1 << 30), options=EngineOptions(unfused_hit_prefill=True)
+    )
     generate_tokens(hot, [FIRST], reusable=True)
     assert hot.open_row(SECOND).cached_tokens > 0  # a hit, but its scores would exceed 1 KiB
     while hot.prefill(SECOND.row_id).remaining:

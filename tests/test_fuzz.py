@@ -1,4 +1,4 @@
-"""Fuzz every body-reading route with hypothesis, on a FakeWorker (issue 9 "must show").
+"""Fuzz every body-reading route with hypothesis, on a FakeWorker.
 
 Routes: /v1/chat/completions, /v1/completions (OpenAI), /v1/messages, /v1/messages/count_tokens
 (Anthropic), /v1/responses (OpenAI Responses) and /admin/cache/flush. Bodies are malformed and
@@ -13,8 +13,8 @@ fast), must never answer 5xx, and must answer in THAT route's API:
 * Anthropic: `{"type": "error", "error": {"type", "message"}}` (type matching the status), or a
   `message` object / a native event stream (message_start ... message_stop), validated by the
   anthropic SDK's pydantic models; count_tokens: `{"input_tokens": n}`;
-* Responses: OpenAI's envelope with type `invalid_request_error` (api/responses_translate.py's
-  `error_body`), or a Response object / its event stream (sequence numbers 0.., ending in
+* Responses: OpenAI's envelope with type `invalid_request_error` (api/errors.py's
+  `responses_error_body`), or a Response object / its event stream (sequence numbers 0.., ending in
   response.completed), validated by the openai SDK's models.
 
 Afterwards each server is back at baseline (nothing in flight, no rows, no worker protocol

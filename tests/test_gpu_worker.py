@@ -8,11 +8,12 @@ import pytest
 import trio
 
 from actors.gpu_worker import GpuWorker, WorkerDied
-from model.engine import Engine, generate_tokens
+from model.engine import Engine
 from model.errors import ModelLoadError
 from model.loader import load_model
 from model.params import SamplingParams
 from model.rows import RowSpec
+from tests.engine_helpers import generate_tokens
 
 PROMPT = (5, 17, 42, 99, 3, 250, 11, 7)
 

@@ -7,10 +7,12 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from model.engine import Engine, generate_tokens
+from model.engine import Engine
 from model.loader import load_model
+from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
+from tests.engine_helpers import generate_tokens
 
 PROMPTS = [
     [5, 17, 42, 99, 3, 250, 11, 7],
@@ -23,7 +25,7 @@ N_TOKENS = 32
 
 
 def ours(model_dir, prompts, *, prefill_chunk=2048, sampling=SamplingParams()):
-    engine = Engine(load_model(model_dir).model, eos_token_ids=[], prefill_chunk=prefill_chunk)
+    engine = Engine(load_model(model_dir).model, eos_token_ids=[], options=EngineOptions(prefill_chunk=prefill_chunk))
     results = []
     for i, prompt in enumerate(prompts):
         results.append(generate_tokens(engine, [RowSpec(i, tuple(prompt), sampling, N_TOKENS)])[i])

@@ -60,7 +60,8 @@ CODER_TEMPLATE = """\
 {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}
 {%- endfor %}
 {%- if tools %}
-{{- '<|im_start|>system\\nCall tools as <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}
+{{- '<|im_start|>system\\nCall tools as <tool_call>\\n<function=NAME>\\n'
+    + '<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}
 {%- endif %}
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\\n<think>\\n' }}

@@ -1,4 +1,4 @@
-"""Request validation on the OpenAI routes (spec §1.2/§1.3/§1.6/§1.7): every invalid field is a
+"""Request validation on the OpenAI routes: every invalid field is a
 400 with the documented message in the OpenAI error shape, and no input at all gives a 500.
 Valid fields reach the row's SamplingParams and the chat template as the spec maps them.
 
@@ -18,7 +18,7 @@ import trio
 from actors.options import ServeConfig
 from actors.root import start_actors
 from api.app import create_app
-from api.openai_routes import REASONING_EFFORT_MESSAGE
+from api.fields import REASONING_EFFORT_MESSAGE
 from model.params import SamplingParams
 from tests.fakes import FakeTokenizer, FakeWorker
 

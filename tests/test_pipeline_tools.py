@@ -12,7 +12,8 @@ from mlx_lm.tool_parsers import json_tools as mlx_json_tools
 from mlx_lm.tool_parsers import mistral as mlx_mistral
 from test_pipeline_sink import calls_of, stream, texts
 
-from api.pipeline.tools import detect_tool_format, make_tool_router
+from api.pipeline.tools import make_tool_router
+from api.pipeline.tools.detect import detect_tool_format
 from api.pipeline.tools.hermes import parse_hermes_body
 from api.pipeline.tools.mistral import parse_mistral_body
 
@@ -247,7 +248,10 @@ def test_detection_from_template_agrees_with_mlx_lm(expected):
 
 
 def test_detection_of_llama3_and_family_fallbacks():
-    llama31 = '{{- "<|python_tag|>" + tool_call.name }} {"name": function name, "parameters": dictionary of argument name and its value}'
+    llama31 = (
+        '{{- "<|python_tag|>" + tool_call.name }} '
+        '{"name": function name, "parameters": dictionary of argument name and its value}'
+    )
     assert detect_tool_format(llama31, "llama") == "llama3_json"
     assert detect_tool_format(None, "qwen3") == "hermes"
     assert detect_tool_format("{{ messages }}", "mistral") == "mistral"

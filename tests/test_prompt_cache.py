@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cache.prompt_cache import PromptCache, common_prefix_length
+from cache.prefix_match import common_prefix_length
+from cache.prompt_cache import PromptCache
 from model.kv_cache import KVCache
 
 LAYERS = 2

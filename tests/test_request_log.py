@@ -103,7 +103,7 @@ async def test_a_client_that_leaves_is_logged_as_an_abort(autojump_clock, lines)
             for _ in range(3):
                 await conn.receive()
             await conn.disconnect()
-            conn._client_send.close()  # quart-trio test client hang workaround (trio-stack.md §4)
+            conn._client_send.close()  # quart-trio's test client hangs on a disconnect unless its send side is closed
         await trio.sleep(2)
     [line] = lines()
     assert line["client_abort"] is True and line["finish_reason"] == "abort"

@@ -1,4 +1,4 @@
-"""Responses → chat-body mapping (spec §1.5), continuation input, and the stream encoder."""
+"""Responses → typed chat request, continuation input, and the stream encoder."""
 
 from __future__ import annotations
 
@@ -6,20 +6,18 @@ import json
 
 import pytest
 
+from api.chat_request import ChatRequest, ReasoningOptions
 from api.errors import ApiError
 from api.pipeline.events import TextDelta, ToolCall, ToolCallsEvent
-from api.responses_translate import (
-    ResponseMeta,
-    ResponsesStream,
-    input_items,
-    output_to_input,
-    reasoning_token_estimate,
-    responses_to_chat,
-)
+from api.responses_encode import ResponseMeta, ResponsesStream, reasoning_token_estimate
+from api.responses_translate import input_items, output_to_input, responses_request
+from api.structured import ForcedToolCall
+from model import grammar
+from model.params import Constraint
 
 
-def chat_of(body: dict, instructions: str | None = None) -> dict:
-    return responses_to_chat(body, input_items(body.get("input")), instructions)
+def chat_of(body: dict, instructions: str | None = None) -> ChatRequest:
+    return responses_request(body, input_items(body.get("input")), instructions, vocab_size=None)
 
 
 def test_string_input_and_generation_fields():
@@ -36,11 +34,11 @@ def test_string_input_and_generation_fields():
         },
         "sys",
     )
-    assert chat["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
-    assert chat["max_tokens"] == 7 and chat["temperature"] == 0.2 and chat["top_k"] == 3
-    assert chat["logit_bias"] == {"5": 1} and chat["stream"] is False
-    assert "store" not in chat and "truncation" not in chat
-    assert chat_of({"input": "x", "max_tokens": 3})["max_tokens"] == 3
+    assert chat.prompt.messages == ({"role": "system", "content": "sys"}, {"role": "user", "content": "hi"})
+    generation, sampling = chat.generation, chat.generation.sampling
+    assert generation.max_tokens == 7 and sampling.temperature == 0.2 and sampling.top_k == 3
+    assert sampling.logit_bias == ((5, 1.0),) and generation.stream is False
+    assert chat_of({"input": "x", "max_tokens": 3}).generation.max_tokens == 3
 
 
 def test_items_system_merge_function_calls_and_outputs():
@@ -68,25 +66,25 @@ def test_items_system_merge_function_calls_and_outputs():
         },
         "instructions",
     )
-    assert chat["messages"] == [
+    assert chat.prompt.messages == (
         {"role": "system", "content": "instructions\n\ndev rules\n\nlate system"},  # one leading system message
         {"role": "user", "content": "weather in Paris?"},
         {
             "role": "assistant",
             "content": "Checking.",
-            "tool_calls": [
+            "tool_calls": [  # arguments as templates read them
                 {
                     "id": "call_1",
                     "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
                 },
-                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}},
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
         {"role": "user", "content": "unknown role"},
-    ]
+    )
 
 
 def test_tools_flat_to_nested_tool_choice_reasoning_and_text_format():
@@ -108,20 +106,27 @@ def test_tools_flat_to_nested_tool_choice_reasoning_and_text_format():
             "text": {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}, "strict": True}},
         }
     )
-    assert chat["tools"] == [
+    assert chat.prompt.tools == (
         {
             "type": "function",
             "function": {"name": "f", "parameters": {"type": "object"}, "description": "does f", "strict": True},
+        },
+    )
+    assert chat.prompt.reasoning == ReasoningOptions(enable_thinking=True, effort="low")
+    if grammar.available():
+        # The named function is a forced call (it wins); text.format is kept for a model whose
+        # tool markup has no grammar.
+        assert chat.constraint is not None
+        assert chat.constraint.forced == ForcedToolCall(tools=(("f", {"type": "object"}),), strict=True)
+        assert chat.constraint.fields.response_format == {
+            "type": "json_schema",
+            "json_schema": {"name": "out", "schema": {"type": "object"}, "strict": True},
         }
-    ]
-    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
-    assert chat["reasoning_effort"] == "low"
-    assert chat["response_format"] == {
-        "type": "json_schema",
-        "json_schema": {"name": "out", "schema": {"type": "object"}, "strict": True},
-    }
-    assert chat_of({"input": "x", "tool_choice": "none"})["tool_choice"] == "none"
-    assert "response_format" not in chat_of({"input": "x", "text": {"format": {"type": "text"}}})
+        text_only = chat_of({"input": "x", "text": {"format": {"type": "json_object"}}})
+        assert text_only.constraint is not None and text_only.constraint.constraint == Constraint("json_object")
+    tools = [{"type": "function", "name": "f"}]
+    assert chat_of({"input": "x", "tools": tools, "tool_choice": "none"}).prompt.tools is None
+    assert chat_of({"input": "x", "text": {"format": {"type": "text"}}}).constraint is None
 
 
 def test_stored_output_becomes_input_without_reasoning():
@@ -166,6 +171,29 @@ def test_bad_input_is_400(body, message):
     with pytest.raises(ApiError) as info:
         chat_of(body)
     assert info.value.status == 400 and message in info.value.message
+
+
+def test_media_and_call_ids_are_a_400_after_the_request_shape_checks():
+    image = {
+        "role": "user",
+        "content": [{"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "x"}],
+    }
+    with pytest.raises(ApiError) as info:
+        chat_of({"input": [image]})
+    assert (
+        info.value.message
+        == "image_url content parts are not supported: this server has no image input (text-only model)"
+    )
+    assert (info.value.status, info.value.param, info.value.code) == (400, "messages", "unsupported_content_type")
+    with pytest.raises(ApiError, match="input_audio content parts are not supported"):
+        chat_of({"input": [{"role": "assistant", "content": [{"type": "input_audio"}]}]})
+    with pytest.raises(ApiError, match="stream must be a boolean"):  # the request's own shape first
+        chat_of({"input": [image], "stream": "yes"})
+    with pytest.raises(ApiError, match="image_url content parts"):  # then media, before the generation fields
+        chat_of({"input": [image], "temperature": "hot"})
+    with pytest.raises(ApiError) as info:
+        chat_of({"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]}, "sys")
+    assert info.value.message == "messages[1].tool_call_id must be a string"  # its place after the system message
 
 
 def test_reasoning_token_estimate():

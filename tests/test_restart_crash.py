@@ -5,8 +5,8 @@ scan reaped every temp file the last kill left, replays a few earlier prompts (a
 is restored; the output must equal the prompt's first, cold, answer), then sends two new prompts
 and kills the server -9 in the middle of the writes their puts cause: mostly during an admin
 flush (forced writes), every fourth iteration during the background write-behind (1 s after the
-put). Pieces are slowed to 10 ms each through the store's fault-injection knob (a file here is
-~8 pieces) so a random kill often lands mid-file.
+put). Pieces are slowed to 10 ms each (`cache.ssd_writer.PIECE_DELAY_S`, set by the server's
+launcher; a file here is ~8 pieces) so a random kill often lands mid-file.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import time
 
 import httpx
 
-from cache.ssd_store import PIECE_DELAY_ENV, QUARANTINE, TMP_SUFFIX
+from cache.ssd_format import TMP_SUFFIX
+from cache.ssd_store import QUARANTINE
 from tests.test_restart_ssd import Server
 
 ITERATIONS = 20
@@ -44,7 +45,7 @@ def test_kill_9_during_writes_never_serves_a_corrupt_entry(qwen3_dir, tmp_path):
     sent: list[str] = []
     reaped = restores = mid_write_kills = 0
     for it in range(ITERATIONS):
-        server = Server(qwen3_dir, "--ssd-cache", str(ssd), env={PIECE_DELAY_ENV: "10"})
+        server = Server(qwen3_dir, "--ssd-cache", str(ssd), piece_delay_s=0.01)
         try:
             assert temp_files(ssd) == [], "the start-up scan left temp orphans"
             before = server.stats()["ssd_cache"]

@@ -7,7 +7,6 @@ cached tokens restored from disk; its greedy output equals a cold server's.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,19 +19,29 @@ import pytest
 from tests.test_e2e_serve import ROOT, free_port, wait_healthy
 
 SHUTDOWN_TIMEOUT = 10
+# `actors.serve.main` with every SSD piece write slowed down first (cache.ssd_writer imports no
+# MLX, so the server still binds its BLAS before MLX loads).
+_SLOW_WRITES_SERVE = (
+    "import sys; import cache.ssd_writer as writer; writer.PIECE_DELAY_S = {delay!r}; "
+    "from actors.serve import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 class Server:
-    """One `python -m actors.serve` subprocess on a free port; output collected in `log`."""
+    """One `python -m actors.serve` subprocess on a free port; output collected in `log`.
+    `piece_delay_s` > 0 sleeps that long before every SSD piece write (the crash test's kills
+    then land mid-file)."""
 
-    def __init__(self, model_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: Path, *args: str, piece_delay_s: float = 0.0) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        launcher = (
+            ["-c", _SLOW_WRITES_SERVE.format(delay=float(piece_delay_s))] if piece_delay_s else ["-m", "actors.serve"]
+        )
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "actors.serve",
+                *launcher,
                 "--model",
                 str(model_dir),
                 "--port",
@@ -45,7 +54,6 @@ class Server:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)

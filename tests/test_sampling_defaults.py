@@ -45,8 +45,10 @@ async def test_request_beats_defaults(tiny_model_factory):
         loaded = await nursery.start(worker.run)
         defaults = sampling_defaults_for(ServeConfig(), loaded)
         assert (defaults.temperature, defaults.top_p) == (0.7, 0.8)
-        from api.openai_routes import parse_generation
+        from api.chat import resolve_generation
+        from api.fields import parse_generation
 
-        gen = parse_generation({"temperature": 0.1}, defaults=defaults, default_max_tokens=8, chat=True)
+        fields = parse_generation({"temperature": 0.1}, vocab_size=None)
+        gen = resolve_generation(fields, defaults=defaults, default_max_tokens=8)
         assert (gen.sampling.temperature, gen.sampling.top_p) == (0.1, 0.8)
         nursery.cancel_scope.cancel()

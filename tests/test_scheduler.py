@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import trio
 
-from actors.messages import Abort, RowFailed, StopRow
+from actors.messages import Abort, NullObserver, RowEvent, RowFailed, StopRow
 from model.rows import RowOpened, TokenOut
 from tests.fakes import EOS, FakeWorker, scheduler_harness
+
+
+class Observer(NullObserver):
+    """Records what the scheduler tells a request's observer, with virtual timestamps."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, RowEvent]] = []
+        self.ended: list[float] = []
+
+    def row_event(self, event: RowEvent) -> None:
+        self.events.append((trio.current_time(), event))
+
+    def row_ended(self) -> None:
+        self.ended.append(trio.current_time())
 
 
 async def settle() -> None:
@@ -295,3 +309,49 @@ async def test_a_row_nobody_reads_is_aborted_once_its_backlog_passes_the_limit(a
     assert unread <= 5 + 2  # RowOpened + a token or two past the limit, not 40 tokens
     assert h.scheduler.counters.aborted_rows == 1
     assert reader.tokens == worker.expected(prompt(3), 40)  # the reading row is untouched
+
+
+async def test_the_observer_sees_each_delivered_event_and_the_end(autojump_clock):
+    worker = FakeWorker()
+    seen = {i: Observer() for i in (1, 2, 3)}
+    async with scheduler_harness(worker, capacity=1) as h:
+        rows = {i: h.submit(i, prompt(5, salt=i), max_tokens=4, observer=seen[i]) for i in (1, 2, 3)}
+        await trio.sleep(2.5)  # row 1 prefills; rows 2 and 3 queue behind it
+        h.inbox.send_nowait(Abort(3))  # queued: dropped at once
+        await settle()
+        assert seen[3].ended == [2.5]
+        await trio.sleep(0.75)
+        h.inbox.send_nowait(Abort(1))  # mid-step: that step's token is discarded
+        await trio.sleep(30)
+    for i in (1, 2):
+        assert seen[i].events == rows[i].events  # exactly what the channel delivered
+        assert seen[i].ended == [rows[i].ended_at]
+    # Row 1: opened at 0, token 0 from its join at 2, one step's token at 3; the step in flight
+    # at the abort (3-4) is discarded, for the observer too.
+    assert isinstance(seen[1].events[0][1], RowOpened) and rows[1].token_times == [2, 3]
+    assert worker.closed[1] == (4.0, False)
+    assert seen[3].events == [] and rows[3].events == []
+    assert rows[2].tokens == worker.expected(prompt(5, salt=2), 4)
+
+
+async def test_cancellation_ends_every_row_and_tells_its_observer(autojump_clock):
+    worker = FakeWorker()
+    seen = {i: Observer() for i in (1, 2, 3)}
+    async with scheduler_harness(worker, capacity=1) as h:
+        for i in (1, 2, 3):
+            h.submit(i, prompt(1, salt=i), max_tokens=50, observer=seen[i])
+        await trio.sleep(5.5)  # row 1 decodes, 2 and 3 are queued
+    # The harness cancelled the scheduler: every row's stream ended, running or queued.
+    assert [seen[i].ended for i in (1, 2, 3)] == [[5.5], [5.5], [5.5]]
+    assert len(seen[1].events) > 1 and seen[2].events == seen[3].events == []
+
+
+async def test_cancellation_during_a_close_still_ends_the_other_leavers(autojump_clock):
+    worker = FakeWorker(close_cost=1.0)
+    seen = {i: Observer() for i in (1, 2)}
+    async with scheduler_harness(worker) as h:
+        rows = {i: h.submit(i, prompt(1, salt=i), max_tokens=n, observer=seen[i]) for i, n in ((1, 2), (2, 1))}
+        await trio.sleep(3.5)  # both rows finished with the step at 3; close_row(1) runs 3-4
+        assert [arg for _, call, arg in worker.calls if call == "close_row"] == [1]
+    assert [seen[i].ended for i in (1, 2)] == [[3.0], [3.5]]  # row 2: ended by the cancellation
+    assert len(rows[2].tokens) == 1

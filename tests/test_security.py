@@ -10,6 +10,7 @@ import trio
 
 from actors.options import ServeConfig
 from actors.root import start_actors
+from actors.shutdown import ShutdownPlan
 from api.app import create_app
 from api.security import SecurityOptions, check_access, is_loopback, parse_origins, presented_credentials
 from tests.fakes import FakeTokenizer, FakeWorker
@@ -77,7 +78,7 @@ def test_options_from_config():
     options = SecurityOptions.from_config(ServeConfig(max_body_mb=0, cors_origins=("https://x/",)))
     assert options.max_body_bytes is None and options.cors_origins == ("https://x",)
     assert SecurityOptions.from_config(ServeConfig()).max_body_bytes == 16 * 2**20
-    assert SecurityOptions.from_config(object()).api_key is None  # an older config: defaults
+    assert SecurityOptions.from_config(ServeConfig(api_key="", admin_token="")) == SecurityOptions()  # empty: none
 
 
 # --- /v1/* and the API key -------------------------------------------------------------------
@@ -376,8 +377,10 @@ async def test_serve_http_sets_the_idle_timeout_and_no_read_timeout(monkeypatch)
         seen["config"] = config
 
     monkeypatch.setattr("hypercorn.trio.serve", fake_serve)
-    await serve._serve_http(ServeConfig(idle_timeout=7.5, port=0), None, None)
+    config = ServeConfig(idle_timeout=7.5, port=0, shutdown_timeout=3.0)
+    await serve._serve_http(config, ShutdownPlan.for_options(config), None, None)
     config = seen["config"]
     assert config.keep_alive_timeout == 7.5
     assert config.read_timeout is None  # a silent streaming client must not be cut
     assert config.accesslog is None  # api/request_log.py is the access log
+    assert config.graceful_timeout == 5.0  # the plan's HTTP deadline: 3 s of drain + 2 s of grace

@@ -1,4 +1,4 @@
-"""Real-engine serving tests on tiny random-weight models (issue 3 "must show", issue 6 agent replay).
+"""Real-engine serving tests on tiny random-weight models, an agent chat replay among them.
 
 Everything is real except the socket: the GPU worker's MLX thread, the scheduler, admission, the
 request actors and the quart-trio app, driven through quart-trio's test client. A thin
@@ -250,7 +250,7 @@ async def test_long_prompt_joiner_interleaves_its_chunks_with_decode_steps(model
     assert results[99].finish_reason == "length" and results[99].usage["completion_tokens"] == 8
 
 
-# -- e. (issue 6) a 10-turn agent chat hits the prompt cache every turn and matches a cold server --
+# -- e. a 10-turn agent chat hits the prompt cache every turn and matches a cold server --
 
 
 async def replay_chat(server: RealServer, system: str, turns: int) -> list[tuple[list[dict], Streamed]]:

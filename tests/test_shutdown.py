@@ -10,8 +10,8 @@ from functools import partial
 import trio
 
 from actors.options import ServeConfig
-from actors.root import HTTP_GRACE_MARGIN_S, run_server
-from actors.shutdown import Shutdown
+from actors.root import run_server
+from actors.shutdown import Shutdown, ShutdownPlan
 from tests.fakes import FakeTokenizer, FakeWorker
 
 
@@ -48,7 +48,9 @@ async def run(worker, clients, *, timeout, signals_at):
                 config=config,
                 make_tokenizer=lambda info: FakeTokenizer(),
                 serve_http=fake_http(
-                    [partial(c, note) for c in clients], graceful=timeout + HTTP_GRACE_MARGIN_S, note=note
+                    [partial(c, note) for c in clients],
+                    graceful=ShutdownPlan.for_options(config).http_deadline,
+                    note=note,
                 ),
                 shutdown=shutdown,
                 flush_hooks=[flush],

@@ -1,6 +1,6 @@
-"""Ctrl-C under load (issue 9 "must show"): `python -m actors.serve` as a subprocess with a tiny
-random-weight model, `--batch 8 --shutdown-timeout 3 --ssd-cache DIR`, and 32 streams in flight
-(8 decoding, 24 admitted and waiting in the scheduler's queue).
+"""Ctrl-C under load: `python -m actors.serve` as a subprocess with a tiny random-weight model,
+`--batch 8 --shutdown-timeout 3 --ssd-cache DIR`, and 32 streams in flight (8 decoding, 24
+admitted and waiting in the scheduler's queue).
 
 * One SIGINT: every stream ends cleanly — its final chunk (finish_reason "length": the shutdown
   deadline cut it) and then `data: [DONE]` — about `--shutdown-timeout` after the signal; the
@@ -29,7 +29,7 @@ import attrs
 import httpx
 import pytest
 
-from actors.root import HTTP_GRACE_MARGIN_S
+from actors.shutdown import ShutdownPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = 32
@@ -175,7 +175,7 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
         chunks_before = {s.index: s.chunks for s in streams}
         signalled = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        budget = SHUTDOWN_TIMEOUT_S + HTTP_GRACE_MARGIN_S + 10.0
+        budget = ShutdownPlan(drain=SHUTDOWN_TIMEOUT_S).http_deadline + 10.0
         try:
             code = proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:

@@ -2,7 +2,8 @@
 time inline, a worker port, and a FakeWorker with the SSD tier attached.
 
 Everything runs on the trio thread with `await trio.sleep(cost)`, so under `autojump_clock`
-every timestamp is exact (a real thread would let autojump fire timers early; trio-stack.md §4).
+every timestamp is exact (while a real thread works, autojump sees no runnable task and fires
+the next timer early).
 """
 
 from __future__ import annotations

@@ -11,23 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache.ssd_store import (
-    QUARANTINE,
-    Identity,
-    LayerMeta,
-    SpillItem,
-    SsdStore,
-    SsdUnavailable,
-    model_fingerprint,
-    namespace_dirname,
-    scheme_key,
-    tokenizer_hash,
-)
+from cache.spill_item import LayerMeta, SpillItem
+from cache.ssd_format import namespace_dirname
+from cache.ssd_identity import Identity, model_fingerprint, scheme_key, tokenizer_hash
+from cache.ssd_store import QUARANTINE, SsdStore, SsdUnavailable
 from cache.tiered import TieredPromptCache
-from model.engine import Engine, generate_tokens
+from model.engine import Engine
 from model.loader import load_model
 from model.params import SamplingParams
 from model.rows import RowSpec
+from tests.engine_helpers import generate_tokens
 
 RNG = np.random.default_rng(7)
 PROMPT = tuple(int(x) for x in RNG.integers(1, 400, 200))

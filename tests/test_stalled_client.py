@@ -3,9 +3,10 @@
 Real sockets, real hypercorn, real signals: `python -m actors.serve`'s `main()` in a subprocess,
 with the model plan swapped for a FakeWorker (no MLX) that streams tokens as fast as it can. The
 client shrinks its receive buffer, asks for a huge stream and never reads, so hypercorn's
-shielded `send_all` blocks (trio-stack.md §1.4) and no cancel can free the connection. After
-SIGINT the process must still be gone by `--shutdown-timeout` + the HTTP grace + the watchdog
-slack: the watchdog's `os._exit(1)` is the only way out, and it is taken.
+shielded `send_all` blocks and no cancel can free the connection. After
+SIGINT the process must still be gone by the shutdown plan's watchdog deadline (`--shutdown-timeout`
++ the HTTP grace + the watchdog slack): the watchdog's `os._exit(1)` is the only way out, and it
+is taken.
 """
 
 from __future__ import annotations
@@ -23,21 +24,26 @@ from pathlib import Path
 
 import pytest
 
-from actors.root import HTTP_GRACE_MARGIN_S
+from actors.shutdown import ShutdownPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 SHUTDOWN_TIMEOUT_S = 1.0
 WATCHDOG_SLACK_S = 1.0
 STARTUP_LIMIT_S = 60.0
+PLAN = ShutdownPlan(drain=SHUTDOWN_TIMEOUT_S, watchdog_slack=WATCHDOG_SLACK_S)
 
 SERVER = textwrap.dedent(
     """
     import sys
     import attrs
     import actors.serve as serve
+    from actors.shutdown import ShutdownPlan
     from tests.fakes import FakeTokenizer, FakeWorker
 
-    serve.WATCHDOG_SLACK_S = float(sys.argv[1])
+    planned = ShutdownPlan.for_options
+    ShutdownPlan.for_options = classmethod(  # a short watchdog slack, so the test is quick
+        lambda cls, options: attrs.evolve(planned(options), watchdog_slack=float(sys.argv[1]))
+    )
 
     def plan(config):
         worker = FakeWorker(prefill_cost=0.0, join_cost=0.0, step_cost=0.0)
@@ -100,7 +106,7 @@ def test_a_client_that_stops_reading_does_not_block_exit_past_the_deadline(tmp_p
         assert proc.poll() is None
         signalled = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        budget = SHUTDOWN_TIMEOUT_S + HTTP_GRACE_MARGIN_S + WATCHDOG_SLACK_S
+        budget = PLAN.watchdog
         try:
             proc.wait(timeout=budget + 10.0)
         except subprocess.TimeoutExpired:
@@ -133,7 +139,7 @@ def test_a_reading_client_gets_a_clean_end_and_exit_0(tmp_path):
     try:
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=SHUTDOWN_TIMEOUT_S + HTTP_GRACE_MARGIN_S + WATCHDOG_SLACK_S + 10.0)
+        proc.wait(timeout=PLAN.watchdog + 10.0)
         reader.join(timeout=5.0)
     finally:
         sock.close()

@@ -16,8 +16,10 @@ from model.params import Constraint  # noqa: E402
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-def c(body, **kw):
-    return structured.constraint_from_body(body, **kw)
+def c(body, tool_format=None):
+    """The constraint an OpenAI body asks for, once the model's tool-call format is known."""
+    request = structured.body_constraint(body)
+    return None if request is None else request.for_tool_format(tool_format)
 
 
 def test_no_fields_and_text_mean_no_constraint():
@@ -100,6 +102,10 @@ def test_forced_tool_call():
     )
     assert json.loads(got.spec)["tools"][0]["name"] == "h"
     assert c({"tools": tools, "tool_choice": "required"}, tool_format="qwen3_coder") is None  # not constrainable
+    # A markup without a grammar falls back on the other constraint fields.
+    body = {"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    assert c(body, tool_format="qwen3_coder") == Constraint("json_object")
+    assert c(body).kind == "tool_call"  # ... which a forced call otherwise wins over
     with pytest.raises(ApiError) as e:
         c({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert e.value.status == 400
@@ -150,10 +156,12 @@ def test_strict_rejects_unknown_formats_non_strict_ignores_them():
 
 
 def test_without_an_engine_requests_are_served_unconstrained(monkeypatch):
-    monkeypatch.setenv(grammar.DISABLE_ENV, "0")
+    monkeypatch.setattr(grammar, "_ll", None)
     assert not grammar.available()
     body = {"response_format": {"type": "json_object"}}
-    assert structured.request_constraint(body) is None  # served, not enforced
-    assert "not enforced" in structured.not_enforced_warning(Constraint("json_object"))
-    monkeypatch.delenv(grammar.DISABLE_ENV)
-    assert structured.request_constraint(body) == Constraint("json_object")
+    assert structured.body_constraint(body) is None  # served, not enforced
+    assert structured.not_enforced_warning(Constraint("json_object")) == (
+        '299 - "response_format json_object not enforced: no grammar engine installed"'
+    )
+    monkeypatch.undo()
+    assert c(body) == Constraint("json_object")

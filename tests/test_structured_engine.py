@@ -16,6 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from model.engine import Engine  # noqa: E402
 from model.grammar import GrammarCompiler, GrammarError, RowGrammar, grammar_text, validate  # noqa: E402
 from model.loader import load_model  # noqa: E402
+from model.options import EngineOptions  # noqa: E402
 from model.params import Constraint, SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -45,7 +46,12 @@ class Setup:
         self.compiler = GrammarCompiler.from_model_dir(
             model_dir, vocab_size=loaded.config.raw["vocab_size"], eos_token_ids=self.eos
         )
-        self.engine = Engine(loaded.model, eos_token_ids=self.eos, prefill_chunk=16, grammar_compiler=self.compiler)
+        self.engine = Engine(
+            loaded.model,
+            eos_token_ids=self.eos,
+            grammar_compiler=self.compiler,
+            options=EngineOptions(prefill_chunk=16),
+        )
         self.prompt = tuple(self.tok.encode("Tell me about yourself in JSON."))
 
     def text(self, ids):

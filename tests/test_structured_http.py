@@ -124,7 +124,7 @@ async def test_eight_concurrent_constrained_and_free_requests_equal_solo(model_d
 
 
 async def test_without_a_grammar_engine_the_request_is_served_with_a_warning(model_dir, monkeypatch):
-    monkeypatch.setenv(grammar.DISABLE_ENV, "0")
+    monkeypatch.setattr(grammar, "_ll", None)
     with trio.fail_after(LIMIT_S):
         async with real_server(model_dir, batch=2) as server:
             status, body, headers = await post(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,7 +11,6 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from model.demo import DEMO_MODEL_NAME, DEMO_SCRIPT, ensure_demo_model, write_demo_model
 from tests.fixtures.synth import write_model_dir, write_scripted_model_dir
 
 PROMPTS = ("Hello, how are you?", "Write a poem about the sea.", "What is 2 + 2?")
@@ -143,28 +141,3 @@ def test_scripted_model_emits_its_script_then_eos(tmp_path, template, quant):
         assert tokens[-1] in tokenizer.eos_token_ids
         assert tokens[-1] == read_json(model_dir / "config.json")["eos_token_id"]
         assert min(gaps) > 1.0
-
-
-def test_demo_model_is_deterministic_fast_and_labelled(tmp_path):
-    start = time.perf_counter()
-    first = ensure_demo_model(tmp_path / "cache-a")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 5.0
-    second = write_demo_model(tmp_path / "again")
-    for path in sorted(p for p in first.iterdir() if p.is_file() and not p.name.startswith(".")):
-        assert path.read_bytes() == (second / path.name).read_bytes(), path.name
-    assert first == tmp_path / "cache-a" / "demo-v1"
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert ensure_demo_model(tmp_path / "cache-a") == first
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp, "a complete copy is reused"
-    assert "demo" in DEMO_MODEL_NAME
-
-    model, tokenizer = load(str(first))
-    tokens, _ = greedy(model, chat_ids(tokenizer, "hi"), n=len(DEMO_SCRIPT) + 1)
-    assert tokenizer.decode(tokens[:-1]) == "".join(DEMO_SCRIPT)
-    assert tokens[-1] in tokenizer.eos_token_ids
-
-
-def test_demo_model_cache_dir_follows_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_TRIO_CACHE", str(tmp_path / "env-cache"))
-    assert ensure_demo_model() == tmp_path / "env-cache" / "demo-v1"

@@ -6,11 +6,13 @@ from __future__ import annotations
 import trio
 
 from actors.gpu_worker import GpuWorker
-from model.engine import Engine, generate_tokens
+from model.engine import Engine
 from model.kv_cache import KVCache
 from model.loader import load_model
+from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
+from tests.engine_helpers import generate_tokens
 
 SPECS = [RowSpec(i, (5 + i, 17, 42, 99, 3, 250 - i, 11, 7), SamplingParams(), 10) for i in range(1, 4)]
 
@@ -72,10 +74,12 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
     from tests.test_engine_prefill_bucket import WidthRecorder
 
     loaded = load_model(qwen3_dir)
-    cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1], prefill_bucket=8), SPECS)
+    cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1], options=EngineOptions(prefill_bucket=8)), SPECS)
     recorder = WidthRecorder(load_model(qwen3_dir).model)
     warmed = Engine(
-        recorder, eos_token_ids=[0, 1], prefill_bucket=8, group_bucket=8, prefill_chunk=64, compile_decode=False
+        recorder,
+        eos_token_ids=[0, 1],
+        options=EngineOptions(prefill_bucket=8, group_bucket=8, prefill_chunk=64, compile_decode=False),
     )
     shapes = warmed.prefill_shapes(4)
     # one row at 8..64 (the chunk), groups of 2 and 4 rows at 8 and 16
@@ -84,8 +88,8 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
     assert set(shapes) <= set(recorder.widths)
     assert warmed.active_rows == 0 and warmed.batch_size == 0
     assert generate_tokens(warmed, SPECS) == cold
-    assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=0).prefill_shapes(4) == []
-    assert Engine(loaded.model, eos_token_ids=[], prefill_bucket=0, group_bucket=8).prefill_shapes(2) == [
+    assert Engine(loaded.model, eos_token_ids=[], options=EngineOptions(group_bucket=0)).prefill_shapes(4) == []
+    assert Engine(loaded.model, eos_token_ids=[], options=EngineOptions(group_bucket=8)).prefill_shapes(2) == [
         (2, 8),
         (2, 16),
     ]
@@ -98,12 +102,14 @@ async def test_prefill_bucket_flag_reaches_the_engine(qwen3_dir):
     args = parse_args(["--prefill-bucket", "16"])
     assert args.prefill_bucket == 16 and parse_args([]).prefill_bucket == 0
     _, planned, _ = _load_plan(ServeConfig(model=str(qwen3_dir), prefill_bucket=args.prefill_bucket))
-    assert planned.prefill_bucket == 16
-    worker = GpuWorker(qwen3_dir, eos_token_ids=[], prefill_bucket=planned.prefill_bucket)
+    assert planned.engine_options.prefill_bucket == 16
+    worker = GpuWorker(qwen3_dir, eos_token_ids=[], engine_options=planned.engine_options)
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
-            buckets = await worker.run_exclusive(lambda engine: (engine.prefill_bucket, engine.group_bucket))
+            buckets = await worker.run_exclusive(
+                lambda engine: (engine.options.prefill_bucket, engine.options.group_bucket)
+            )
             assert buckets == (16, 0)  # the group bucket is a GPU default; this is the CPU
             nursery.cancel_scope.cancel()
 
@@ -124,8 +130,7 @@ class Recorder:
         return getattr(self.model, name)
 
 
-def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir, monkeypatch):
-    monkeypatch.setenv("MLX_TRIO_WARM_DECODE_CAPACITY", "600")  # capacities 256 and 512
+def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir):
     loaded = load_model(qwen3_dir)
     cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1]), SPECS)
     solo_decode = Recorder(
@@ -136,7 +141,10 @@ def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir, monkeypatch):
             else None
         ),
     )
-    warmed = Engine(solo_decode, eos_token_ids=[0, 1], compile_decode=False)
+    # capacities 256 and 512
+    warmed = Engine(
+        solo_decode, eos_token_ids=[0, 1], options=EngineOptions(compile_decode=False, warm_decode_capacity=600)
+    )
     warmed.warm_up(2)
     assert (256, 255) in solo_decode.seen and (512, 511) in solo_decode.seen
     assert warmed.active_rows == 0 and warmed.batch_size == 0
@@ -145,9 +153,9 @@ def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir, monkeypatch):
 
 def test_warm_up_meets_hit_prefill_widths_when_those_run_unfused(qwen3_dir, monkeypatch):
     from cache.prompt_cache import PromptCache
-    from model import engine as engine_module
+    from model import warm_up
 
-    monkeypatch.setattr(engine_module, "HIT_WARM_WIDTHS", (1, 5, 9))
+    monkeypatch.setattr(warm_up, "HIT_WARM_WIDTHS", (1, 5, 9))
     loaded = load_model(qwen3_dir)
     cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1]), SPECS)
     model = load_model(qwen3_dir).model
@@ -157,11 +165,18 @@ def test_warm_up_meets_hit_prefill_widths_when_those_run_unfused(qwen3_dir, monk
 
     cache = PromptCache(1 << 30)
     recorder = Recorder(model, unfused)
-    warmed = Engine(recorder, eos_token_ids=[0, 1], compile_decode=False, prompt_cache=cache, unfused_hit_prefill=True)
+    warmed = Engine(
+        recorder,
+        eos_token_ids=[0, 1],
+        prompt_cache=cache,
+        options=EngineOptions(compile_decode=False, unfused_hit_prefill=True),
+    )
     warmed.warm_up(2)
     assert recorder.seen == [(1, 256), (5, 256), (9, 256)]  # each width once, after the 256-token prefix
     assert warmed.active_rows == 0 and len(cache) == 0  # nothing the throwaway rows made was kept
     assert generate_tokens(warmed, SPECS) == cold
     recorder = Recorder(model, unfused)
-    Engine(recorder, eos_token_ids=[0, 1], compile_decode=False, unfused_hit_prefill=False).warm_up(2)
+    Engine(
+        recorder, eos_token_ids=[0, 1], options=EngineOptions(compile_decode=False, unfused_hit_prefill=False)
+    ).warm_up(2)
     assert recorder.seen == []

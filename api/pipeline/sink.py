@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallsEvent
 from api.pipeline.stop import StopMatcher
 from api.pipeline.think import PassthroughSplitter, ThinkSplitter
-from api.pipeline.tools import RoutedItem, make_tool_router
+from api.pipeline.tools import make_tool_router
+from api.pipeline.tools.base import RoutedItem
 
-FinishCause = Literal["stop", "length", "eos"]
-FinishReason = Literal["stop", "length", "tool_calls"]
+FINISH_CAUSES = ("stop", "length", "eos")  # why generation ended: a stop string, the length cap, EOS
 
 
 class StreamingDetokenizer(Protocol):
@@ -56,7 +56,7 @@ class CompletionSink:
         self.tool_calls: list[ToolCall] = []
         self.content = ""
         self.reasoning = ""
-        self.finish_reason: FinishReason | None = None
+        self.finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once finished
 
     @property
     def matched_stop(self) -> str | None:
@@ -66,12 +66,12 @@ class CompletionSink:
         if self.stopped or self._finished:
             return []
         self._detokenizer.add_token(token_id)
-        return self._record(self._route(self._router.feed(self._detokenizer.last_segment)))
+        return list(self._record(self._route(self._router.feed(self._detokenizer.last_segment))))
 
-    def finish(self, *, reason: FinishCause) -> list[Event]:
+    def finish(self, *, reason: str) -> list[Event]:
         """End of generation. Held-back text is released unless a stop string matched, in which
         case it (and whatever the detokenizer still buffers) lies after the match and is dropped."""
-        if reason not in ("stop", "length", "eos"):
+        if reason not in FINISH_CAUSES:
             raise ValueError(f"unknown finish reason {reason!r}")
         if self._finished:
             raise RuntimeError("finish() called twice")

@@ -1,53 +1,36 @@
-"""Model families: `model_type` → a function building `DecoderArgs` from config.json.
+"""Model families: each module serves some `model_type`s and builds their model (common.Family).
 
-Adding a family = one file here that calls `register(...)`, plus its import below.
+Adding a family = one module here, listed in FAMILIES.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from model.errors import ModelLoadError
-from model.layers import DecoderArgs
+from model.families import llama, qwen2, qwen3
+from model.families.common import Family
+from model.language_model import LanguageModel
 
-ArgsBuilder = Callable[[dict[str, Any], bool], DecoderArgs]
-_FAMILIES: dict[str, ArgsBuilder] = {}
-
-
-def register(*model_types: str) -> Callable[[ArgsBuilder], ArgsBuilder]:
-    def add(builder: ArgsBuilder) -> ArgsBuilder:
-        for t in model_types:
-            _FAMILIES[t] = builder
-        return builder
-
-    return add
+FAMILIES: tuple[Family, ...] = (llama, qwen2, qwen3)
+_BY_TYPE: dict[str, Family] = {t: family for family in FAMILIES for t in family.MODEL_TYPES}
 
 
 def supported_model_types() -> list[str]:
-    return sorted(_FAMILIES)
+    return sorted(_BY_TYPE)
 
 
-def check_supported(model_type: str) -> ArgsBuilder:
-    builder = _FAMILIES.get(model_type)
-    if builder is None:
+def family_for(model_type: str) -> Family:
+    family = _BY_TYPE.get(model_type)
+    if family is None:
         raise ModelLoadError(f"unsupported model_type {model_type!r} (supported: {', '.join(supported_model_types())})")
-    return builder
+    return family
 
 
-def decoder_args(model_type: str, raw: dict[str, Any], has_lm_head: bool) -> DecoderArgs:
-    """`has_lm_head`: the checkpoint ships lm_head.weight (decides tying when config is silent)."""
-    builder = check_supported(model_type)
+def build_model(model_type: str, config: dict[str, Any], has_lm_head: bool) -> LanguageModel:
+    """The family's model for this config.json, its parameters not yet loaded."""
+    family = family_for(model_type)
     try:
-        return builder(raw, has_lm_head)
+        return family.build(config, has_lm_head)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"config.json for {model_type!r} is invalid: {e!r}") from None
-
-
-def tie_embeddings(raw: dict[str, Any], has_lm_head: bool, *, default: bool | None) -> bool:
-    """config's tie_word_embeddings, else the family default, else: tied iff no lm_head weight."""
-    value = raw.get("tie_word_embeddings", default)
-    return (not has_lm_head) if value is None else bool(value)
-
-
-from model.families import llama, qwen2, qwen3  # noqa: E402,F401  (registration side effects)

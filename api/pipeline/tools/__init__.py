@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from api.pipeline.tools.base import PlainRouter, RoutedItem, ToolRouter
-from api.pipeline.tools.detect import detect_tool_format
+from api.pipeline.tools.base import PlainRouter, ToolRouter
 from api.pipeline.tools.hermes import hermes_router
 from api.pipeline.tools.llama3_json import Llama3JsonRouter
 from api.pipeline.tools.mistral import mistral_router
@@ -29,13 +28,3 @@ def make_tool_router(tool_format: str | None, *, tools_present: bool) -> ToolRou
         return _ROUTERS[tool_format]()
     except KeyError:
         raise ValueError(f"unknown tool format {tool_format!r}; known: {TOOL_FORMATS}") from None
-
-
-__all__ = [
-    "TOOL_FORMATS",
-    "PlainRouter",
-    "RoutedItem",
-    "ToolRouter",
-    "detect_tool_format",
-    "make_tool_router",
-]

@@ -56,10 +56,11 @@ class TaggedCallRouter:
             self._state = "call"
             return True
         if self._state == "call":
-            at = buffer.find(self._end) if self._end else -1
-            if at < 0:
+            end = self._end
+            at = buffer.find(end) if end else -1
+            if end is None or at < 0:
                 return False
-            self._buffer = buffer[at + len(self._end) :]
+            self._buffer = buffer[at + len(end) :]
             items.extend(self._parsed_or_verbatim(buffer[:at], closed=True))
             return True
         # after_call: whitespace is held until we know whether another call follows.

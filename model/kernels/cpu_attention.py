@@ -23,7 +23,7 @@ against 70-74 ms on 2 cores.
 
 On first use it also compares itself with MLX on small inputs and turns itself off on any
 difference (a newer MLX with its own CPU kernel, say): then a prefill is only slower, never
-different. MLX_TRIO_CPU_EXACT_ATTENTION=0 turns it off.
+different.
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ BLOCK = 64
 _LOWEST = float(np.finfo(np.float32).min)
 # Streams a one-block softmax is split over (one per core, at most this many). Splitting the
 # blocked path's softmax did not help (322 vs 314 ms for 7 x 290 tokens: OpenBLAS has the cores).
-SPLIT_STREAMS = int(os.environ.get("MLX_TRIO_CPU_SOFTMAX_STREAMS", 2))
+SPLIT_STREAMS = 2
 # Fewer queries than this: MLX's own kernel (a split is not worth its extra ops).
 MIN_SPLIT_QUERIES = 16
 _per_thread = threading.local()
-_state: dict = {"enabled": os.environ.get("MLX_TRIO_CPU_EXACT_ATTENTION", "1") != "0", "checked": False}
+# Whether the self-check against MLX has run, and what it found (checked on first use).
+_state: dict[str, bool] = {"enabled": True, "checked": False}
 
 
 def _blocks_pay(L: int, kL: int) -> bool:
@@ -102,7 +103,7 @@ def _split_softmax(scores: mx.array) -> mx.array:
     return mx.concatenate(parts, axis=-2)
 
 
-def _streams() -> list:
+def _streams() -> list[mx.Stream]:
     """The default CPU stream and one more per further core, up to SPLIT_STREAMS; made on first
     use in each thread, because MLX's streams belong to the thread that made them (a test suite
     runs one MLX thread per server, one after another)."""

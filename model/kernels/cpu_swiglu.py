@@ -19,7 +19,6 @@ shape is traced once, ~1 ms; the fused C++ kernels are shared by every shape.
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import mlx.core as mx
@@ -71,7 +70,7 @@ def swiglu_f32(gate: mx.array, x: mx.array) -> mx.array:
 # Elements per fused call. Past a few hundred thousand floats one call of the fused kernel slowed
 # from ~11 to 20-30 ns per element (cpu-small MLP, 2030 x 768 gate: 45 ms whole, 23 ms in
 # 64K-element pieces), so a prefill's gate is run in row blocks of about this size.
-PIECE_ELEMENTS = int(os.environ.get("MLX_TRIO_CPU_SWIGLU_PIECE", 1 << 16))
+PIECE_ELEMENTS = 1 << 16
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
@@ -90,8 +89,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 # MLX fuses a compiled CPU graph into C++ it builds with `g++` at run time; without one it runs
 # the ops one by one, and this formula is then slower than `mx.sigmoid` (3.9 vs 3.3 ms for a
 # 250 x 768 gate, 2.0 vs 3.2 ms with g++).
-# MLX_TRIO_CPU_EXACT_SWIGLU=0 turns it off.
-ENABLED = shutil.which("g++") is not None and os.environ.get("MLX_TRIO_CPU_EXACT_SWIGLU", "1") != "0"
+ENABLED = shutil.which("g++") is not None
 
 
 def applies(gate: mx.array, x: mx.array) -> bool:

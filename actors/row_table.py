@@ -1,0 +1,183 @@
+"""The scheduler's row table: which rows are queued, staged, joining and running.
+
+Plain state and the FIFO admission rule; no trio, no I/O. `actors/scheduling.py` reads it to
+decide what happens next and `actors/scheduler.py` changes it as it carries the decisions out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+
+from actors.messages import NULL_OBSERVER, Lane, RequestObserver, RowEvent
+from model.rows import RowSpec
+
+if TYPE_CHECKING:
+    import trio
+
+Phase = Literal["queued", "joining", "running"]
+LeaveReason = Literal["finish", "stop", "abort", "error"]
+
+
+@attrs.define(eq=False)
+class Row:
+    spec: RowSpec
+    lane: Lane
+    out: trio.MemorySendChannel[RowEvent]  # the row's event channel; closing it ends the row
+    observer: RequestObserver = NULL_OBSERVER  # told of every delivered event and of the end
+    seq: int = 0  # arrival order
+    phase: Phase = "queued"
+    leaving: LeaveReason | None = None  # set once; the first reason wins
+    to_prefill: int = 0
+    opened: bool = False  # the worker holds state for it (close_row owed)
+    enqueued_at: float = 0.0  # trio time it reached the scheduler
+    held_since: float | None = None  # when the scheduler first held it at the head for arrivals
+
+    @property
+    def row_id(self) -> int:
+        return self.spec.row_id
+
+
+class RowTable:
+    """Which rows are queued, which one is joining, which are running, and who may go next.
+
+    Admission is strictly FIFO over one queue shared by both lanes (no reordering):
+    * only the queue head is ever considered, and only when no joiner is mid-prefill;
+    * a batched head joins while fewer than `capacity` rows run and no serial row runs;
+    * a serial head waits until nothing runs and nothing prefills (the drain), then runs alone;
+      everything behind it waits, so batch rows that arrived later never overtake it.
+    FIFO makes both starvation properties structural: a serial row waits only for rows that
+    arrived before it, and batch rows behind a serial row wait for that one row only.
+
+    Group prefill (`admit_group`): batched rows at the head of the queue may be admitted
+    together — opened and prefilled in one forward — and wait in `staged` until they join the
+    batch together (`staged_ready`); one the group could not prefill becomes the joiner
+    (`promote`). Nothing else is admitted until they have all joined.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.queue: deque[Row] = deque()
+        self.joiner: Row | None = None
+        self.staged: list[Row] = []  # admitted together (group prefill), waiting to join
+        self.running: dict[int, Row] = {}
+        self._seq = 0
+
+    # -- arrivals and departures
+
+    def enqueue(self, row: Row) -> None:
+        self._seq += 1
+        row.seq = self._seq
+        row.phase = "queued"
+        self.queue.append(row)
+
+    def mark_leaving(self, row_id: int, reason: LeaveReason) -> Row | None:
+        """A queued row leaves at once (returned, already out of the table); an active row is
+        marked and leaves at the next boundary via `take_leavers`."""
+        for row in self.queue:
+            if row.row_id == row_id:
+                self.queue.remove(row)
+                row.leaving = row.leaving or reason
+                return row
+        active = self.active(row_id)
+        if active is not None and active.leaving is None:
+            active.leaving = reason
+        return None
+
+    def take_leavers(self) -> list[Row]:
+        leavers = [r for r in self._active_rows() if r.leaving is not None]
+        for row in leavers:
+            if row is self.joiner:
+                self.joiner = None
+            if row in self.staged:
+                self.staged.remove(row)
+            self.running.pop(row.row_id, None)
+        return leavers
+
+    # -- admission
+
+    def admissible_head(self) -> Row | None:
+        if self.joiner is not None or self.staged or not self.queue:
+            return None
+        head = self.queue[0]
+        if self.serial_running:
+            return None
+        if head.lane == "serial":
+            return head if not self.running else None
+        return head if len(self.running) < self.capacity else None
+
+    def admit(self, row: Row) -> None:
+        """The admissible head becomes the joiner."""
+        assert row is self.admissible_head(), "admit() of a row that is not the admissible head"
+        self.queue.popleft()
+        row.phase = "joining"
+        self.joiner = row
+
+    def admit_group(self, rows: Sequence[Row]) -> None:
+        """The rows at the head of the queue leave it together, staged to prefill as one."""
+        assert not self.staged and self.joiner is None, "admit_group() while rows are joining"
+        for row in rows:
+            assert self.queue[0] is row, "admit_group() of rows that are not the queue head"
+            self.queue.popleft()
+            row.phase = "joining"
+        self.staged = list(rows)
+
+    def promote(self, row: Row) -> None:
+        """The first staged row becomes the joiner (it prefills alone)."""
+        assert self.joiner is None and self.staged and self.staged[0] is row, "promote() out of turn"
+        self.joiner = self.staged.pop(0)
+
+    def staged_ready(self) -> list[Row]:
+        """Staged rows with nothing left to prefill: they can join together."""
+        return [r for r in self.staged if r.to_prefill == 0 and r.opened and r.leaving is None]
+
+    def joined_staged(self, row: Row) -> None:
+        self.staged.remove(row)
+        row.phase = "running"
+        self.running[row.row_id] = row
+
+    def joined(self, row: Row) -> None:
+        assert row is self.joiner
+        self.joiner = None
+        row.phase = "running"
+        self.running[row.row_id] = row
+
+    # -- views
+
+    def active(self, row_id: int) -> Row | None:
+        if self.joiner is not None and self.joiner.row_id == row_id:
+            return self.joiner
+        for row in self.staged:
+            if row.row_id == row_id:
+                return row
+        return self.running.get(row_id)
+
+    def rows(self) -> list[Row]:
+        """Every row in the table: queued, staged, running, then the joiner."""
+        rows = [*self.queue, *self.staged, *self.running.values()]
+        if self.joiner is not None:
+            rows.append(self.joiner)
+        return rows
+
+    def _active_rows(self) -> list[Row]:
+        rows = list(self.running.values())
+        if self.joiner is not None:
+            rows.append(self.joiner)
+        return rows + self.staged
+
+    @property
+    def serial_running(self) -> bool:
+        return any(r.lane == "serial" for r in self.running.values())
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to do until something arrives or leaves."""
+        return not self.running and self.joiner is None and not self.staged and self.admissible_head() is None
+
+    @property
+    def draining(self) -> bool:
+        """A serial row waits at the head for the batch to empty."""
+        return bool(self.queue) and self.queue[0].lane == "serial" and bool(self._active_rows())

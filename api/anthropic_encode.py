@@ -1,0 +1,167 @@
+"""An admitted generation's text events → an Anthropic `message` object or its native SSE event
+stream (message_start, content blocks, message_delta, message_stop).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from api.completion import Completion
+from api.pipeline.events import Event, ToolCall, ToolCallsEvent
+from api.wire import sse_event
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def stop_reason(finish_reason: str | None, matched_stop: str | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence)."""
+    if finish_reason == "stop" and matched_stop is not None:
+        return "stop_sequence", matched_stop
+    return STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
+
+
+def usage(openai_usage: Mapping[str, Any]) -> dict[str, Any]:
+    """Anthropic usage: `input_tokens` excludes prompt-cache reads, which are reported apart
+    (so input_tokens + cache_read_input_tokens is the whole prompt, as clients sum them)."""
+    prompt = int(openai_usage.get("prompt_tokens") or 0)
+    cached = int((openai_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    out: dict[str, Any] = {
+        "input_tokens": prompt - cached,
+        "output_tokens": int(openai_usage.get("completion_tokens") or 0),
+    }
+    if cached > 0:
+        out["cache_read_input_tokens"] = cached
+    return out
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the `input` object; unparseable ones are kept as `{"_raw": ...}`."""
+    try:
+        value = json.loads(arguments)
+    except (TypeError, ValueError):
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}
+
+
+def message_object(completion: Completion, *, message_id: str, model: str) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if completion.reasoning:
+        content.append({"type": "thinking", "thinking": completion.reasoning, "signature": ""})
+    if completion.content or not completion.calls:
+        content.append({"type": "text", "text": completion.content})
+    for call in completion.calls:
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call.arguments)})
+    reason, sequence = stop_reason(completion.finish_reason, completion.matched_stop)
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(completion.usage),
+    }
+
+
+class AnthropicStream:
+    """The native Messages event stream, built from the completion's text events."""
+
+    def __init__(self, *, message_id: str, model: str, input_tokens: int) -> None:
+        self.message_id = message_id
+        self.model = model
+        self.input_tokens = input_tokens
+        self._index = -1
+        self._open: str | None = None  # "thinking" | "text"
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
+        return sse_event("message_start", {"type": "message_start", "message": message}) + self.ping()
+
+    @staticmethod
+    def ping() -> bytes:
+        return sse_event("ping", {"type": "ping"})
+
+    def add(self, events: list[Event]) -> bytes:
+        out = b""
+        for event in events:
+            if isinstance(event, ToolCallsEvent):
+                out += self._close()
+                for call in event.calls:
+                    out += self._tool_use(call)
+            elif event.text:
+                kind = "thinking" if event.kind == "reasoning" else "text"
+                if self._open != kind:
+                    out += self._close() + self._open_block(kind)
+                delta = (
+                    {"type": "thinking_delta", "thinking": event.text}
+                    if kind == "thinking"
+                    else {"type": "text_delta", "text": event.text}
+                )
+                out += self._delta(delta)
+        return out
+
+    def finish(self, *, finish_reason: str | None, matched_stop: str | None, openai_usage: Mapping[str, Any]) -> bytes:
+        out = self._close()
+        if self._index < 0:  # an empty generation still has one (empty) text block
+            out += self._open_block("text") + self._close()
+        reason, sequence = stop_reason(finish_reason, matched_stop)
+        out += sse_event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage(openai_usage),
+            },
+        )
+        return out + sse_event("message_stop", {"type": "message_stop"})
+
+    def error(self, message: str, *, error_type: str = "api_error") -> bytes:
+        return sse_event("error", {"type": "error", "error": {"type": error_type, "message": message}})
+
+    def _open_block(self, kind: str) -> bytes:
+        self._index += 1
+        self._open = kind
+        block = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
+        return sse_event(
+            "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
+        )
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        out = b""
+        if self._open == "thinking":  # a thinking block ends with its (empty) signature
+            out += self._delta({"type": "signature_delta", "signature": ""})
+        self._open = None
+        return out + sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+    def _tool_use(self, call: ToolCall) -> bytes:
+        self._index += 1
+        block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+        partial = json.dumps(tool_input(call.arguments), ensure_ascii=False)
+        return (
+            sse_event(
+                "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
+            )
+            + self._delta({"type": "input_json_delta", "partial_json": partial})
+            + sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        )

@@ -1,0 +1,101 @@
+"""The typed requests every protocol translates into, and the chat core (api/chat.py) runs.
+
+Everything here is already validated and holds only what the request itself said: the server's
+defaults (sampling, max_tokens) are applied by the chat core, so `None` means "not set".
+Messages and tools are in the shape chat templates read (OpenAI-style dicts: `developer` already
+`system`, text parts flattened, tool-call arguments parsed to objects where they are JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from api.structured import ConstraintRequest
+from model.params import SamplingParams
+
+
+@attrs.frozen
+class SamplingOverrides:
+    """The sampling fields the request set (None: the server's default applies)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_context_size: int | None = None
+    presence_context_size: int | None = None
+    frequency_context_size: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+
+    def apply(self, defaults: SamplingParams) -> SamplingParams:
+        """`defaults` with every field the request set replaced."""
+        values = attrs.asdict(self, recurse=False)
+        return attrs.evolve(defaults, **{k: v for k, v in values.items() if v is not None})
+
+
+@attrs.frozen
+class GenerationFields:
+    """Length, seed, stream and logprobs fields as the request gave them."""
+
+    sampling: SamplingOverrides = SamplingOverrides()
+    max_tokens: int | None = None  # None: the route's default
+    seed: int | None = None  # already reduced to 32 bits
+    explicit_seed: bool = False  # the request carried a `seed` key (even null): it runs serial
+    stream: bool = False
+    logprobs: bool = False  # asked for; a stream never captures them
+    top_logprobs: int = 0
+
+
+@attrs.frozen
+class ReasoningOptions:
+    """Thinking switches passed to the chat template."""
+
+    enable_thinking: bool | None = None  # None: the template's default
+    preserve_thinking: bool | None = None
+    effort: str | None = None  # template depth ("low" | "medium" | "xhigh"), for templates that read one
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        if self.preserve_thinking is not None:
+            kwargs["preserve_thinking"] = self.preserve_thinking
+        if self.effort is not None:
+            kwargs["reasoning_effort"] = self.effort
+        return kwargs
+
+
+@attrs.frozen
+class ChatPrompt:
+    """What the chat template renders."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None = None  # None: no tools (absent, empty or disabled)
+    reasoning: ReasoningOptions = ReasoningOptions()
+
+
+@attrs.frozen
+class ChatRequest:
+    """A chat turn: the prompt to template, how to generate, where to stop, what to constrain."""
+
+    prompt: ChatPrompt
+    generation: GenerationFields = GenerationFields()
+    stop: tuple[str, ...] = ()
+    constraint: ConstraintRequest | None = None
+
+
+@attrs.frozen
+class TextRequest:
+    """A raw-prompt completion: no template, tools or reasoning split."""
+
+    prompt: str | tuple[int, ...]  # text to encode, or token ids already checked against the vocabulary
+    generation: GenerationFields = GenerationFields()
+    stop: tuple[str, ...] = ()
+    constraint: ConstraintRequest | None = None

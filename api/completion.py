@@ -1,0 +1,89 @@
+"""Reading an admitted generation's text events, whatever protocol encodes them.
+
+A whole-completion collector (for JSON answers), the accumulator the Anthropic and Responses
+streams keep alongside their events, a keepalive-aware wait for the next events, and the log
+line for a stream that fails after its headers went out.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from actors.request import GenerationFailed, RequestActor
+from api.errors import ApiError
+from api.pipeline.events import Event, ToolCall, ToolCallsEvent
+
+log = logging.getLogger(__name__)
+
+
+class _Wait(enum.Enum):
+    TIMED_OUT = "timed out"
+
+
+TIMED_OUT = _Wait.TIMED_OUT
+"""`next_events_or_timeout`'s answer when no event arrived in time."""
+
+
+@attrs.define
+class Completion:
+    """One finished completion, accumulated from the actor's text events."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = attrs.Factory(list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] = attrs.Factory(dict)
+    matched_stop: str | None = None
+
+
+def add_events(completion: Completion, events: list[Event]) -> None:
+    for event in events:
+        if isinstance(event, ToolCallsEvent):
+            completion.calls.extend(event.calls)
+        elif event.kind == "reasoning":
+            completion.reasoning += event.text
+        else:
+            completion.content += event.text
+
+
+def finish(completion: Completion, actor: RequestActor) -> Completion:
+    """Record how the completion ended (the actor's finish reason, usage and stop string)."""
+    completion.finish_reason = actor.finish_reason
+    completion.usage = actor.usage()
+    completion.matched_stop = actor.matched_stop if actor.finish_reason == "stop" else None
+    return completion
+
+
+async def collect(actor: RequestActor) -> Completion:
+    """Run an admitted generation to its end; closes the actor. Engine failure → ApiError(500)."""
+    completion = Completion()
+    try:
+        while (events := await actor.next_events()) is not None:
+            add_events(completion, events)
+    except GenerationFailed as exc:
+        raise ApiError(500, str(exc)) from exc
+    finally:
+        actor.close()
+    return finish(completion, actor)
+
+
+async def next_events_or_timeout(actor: RequestActor, timeout: float) -> list[Event] | None | Literal[_Wait.TIMED_OUT]:
+    """`actor.next_events()`, or `TIMED_OUT` after `timeout` seconds without an event.
+
+    Cancelling the wait loses nothing: the actor only ever blocks in a memory-channel receive,
+    which either delivers an item or raises, and processes what it received synchronously.
+    """
+    result: list[Event] | None | Literal[_Wait.TIMED_OUT] = TIMED_OUT
+    with trio.move_on_after(timeout):
+        result = await actor.next_events()
+    return result
+
+
+def log_stream_failure(exc: BaseException, surface: str) -> None:
+    if not isinstance(exc, GenerationFailed):  # the scheduler already logged a worker failure
+        log.exception("%s stream failed", surface, exc_info=exc)

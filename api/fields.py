@@ -1,0 +1,197 @@
+"""Validators for the generation fields the protocols share, each field checked once.
+
+The Anthropic and Responses translators hand over the fields they accept under the same names
+as OpenAI's, so every protocol answers the same 400 (mlx_lm.server's wording where it has one)
+for the same bad value. Nothing here reads the server's defaults: see api/chat.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from api.chat_request import GenerationFields, ReasoningOptions, SamplingOverrides
+from api.errors import bad_request
+
+MAX_TOP_LOGPROBS = 11  # mlx_lm.server's cap (not OpenAI's 20)
+MAX_CONTEXT_WINDOW = 2**31 - 1  # penalty context sizes are clamped here
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORT_MESSAGE = "reasoning_effort must be one of 'none', 'minimal', 'low', 'medium', 'high', 'xhigh'"
+# Templates with a depth variable get one of three levels; "none" (thinking off) passes none.
+_TEMPLATE_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": "xhigh", "xhigh": "xhigh"}
+TEMPLATE_SWITCHES = ("enable_thinking", "preserve_thinking")  # other chat_template_kwargs are ignored
+
+
+def pick(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields of `body` among `names` (present keys only, null values included)."""
+    return {name: body[name] for name in names if name in body}
+
+
+def parse_generation(
+    fields: Mapping[str, Any], *, vocab_size: int | None, stream: bool | None = None
+) -> GenerationFields:
+    """Every sampling / length / seed / stream / logprobs field, in this order.
+
+    `vocab_size`, when known, bounds `logit_bias` token ids. `stream`, when the protocol has
+    already read its own stream flag, replaces the `stream` field.
+    """
+    sampling = parse_sampling(fields, vocab_size=vocab_size)
+    max_tokens = integer(fields.get("max_tokens"), "max_tokens", minimum=1, what="a positive integer")
+    completion_max = integer(
+        fields.get("max_completion_tokens"), "max_completion_tokens", minimum=1, what="a positive integer"
+    )
+    seed = fields.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad_request("seed must be an integer", param="seed")
+    if stream is None:
+        stream = stream_flag(fields.get("stream", False), "stream must be a boolean")
+    logprobs, top_logprobs = logprobs_fields(fields)
+    return GenerationFields(
+        sampling=sampling,
+        max_tokens=completion_max or max_tokens,  # max_completion_tokens wins over max_tokens
+        seed=None if seed is None else seed & 0xFFFFFFFF,
+        explicit_seed="seed" in fields,
+        stream=stream,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def parse_sampling(fields: Mapping[str, Any], *, vocab_size: int | None) -> SamplingOverrides:
+    def unit(name: str, what: str = "a float between 0 and 1") -> float | None:
+        return number(fields.get(name), name, minimum=0.0, maximum=1.0, what=what)
+
+    values: dict[str, Any] = {
+        "temperature": number(fields.get("temperature"), "temperature", minimum=0.0, what="a non-negative float"),
+        "top_p": unit("top_p"),
+        "top_k": top_k(fields.get("top_k")),
+        "min_p": unit("min_p"),
+        "xtc_probability": unit("xtc_probability", "a float between 0.0 and 1.0"),
+        "xtc_threshold": unit("xtc_threshold", "a float between 0.0 and 1.0"),
+        "repetition_penalty": number(
+            fields.get("repetition_penalty"), "repetition_penalty", minimum=0.0, what="a non-negative float"
+        ),
+        "presence_penalty": number(fields.get("presence_penalty"), "presence_penalty", what="a float"),
+        "frequency_penalty": number(fields.get("frequency_penalty"), "frequency_penalty", what="a float"),
+    }
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        size = integer(fields.get(name), name, minimum=0, what="a non-negative integer")
+        # A window longer than any history is the whole history; MLX slices take 32-bit ints.
+        values[name] = None if size is None else min(size, MAX_CONTEXT_WINDOW)
+    values["logit_bias"] = logit_bias(fields.get("logit_bias"), vocab_size)
+    return SamplingOverrides(**values)
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def number(
+    value: Any, name: str, *, what: str, minimum: float | None = None, maximum: float | None = None
+) -> float | None:
+    if value is None:
+        return None
+    if not _is_number(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise bad_request(f"{name} must be {what}", param=name)
+    return float(value)
+
+
+def integer(value: Any, name: str, *, minimum: int, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():  # JSON writers that emit 64.0
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise bad_request(f"{name} must be {what}", param=name)
+    return value
+
+
+def top_k(value: Any) -> int | None:
+    if value == -1:  # vLLM / llama.cpp clients spell "off" as -1
+        return 0
+    return integer(value, "top_k", minimum=0, what="a non-negative integer")
+
+
+def logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...] | None:
+    """`{"token id": bias}`: JSON keys are strings, coerced to int as mlx_lm does."""
+    if value is None:
+        return None
+    message = "logit_bias must be a dict of int to float"
+    if not isinstance(value, dict):
+        raise bad_request(message, param="logit_bias")
+    bias: dict[int, float] = {}
+    for key, raw in value.items():
+        try:
+            token = int(key)
+            amount = float(raw)
+        except (TypeError, ValueError):
+            raise bad_request(message, param="logit_bias") from None
+        if isinstance(raw, bool) or not math.isfinite(amount):
+            raise bad_request(message, param="logit_bias")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise bad_request(
+                f"logit_bias token id {token} is out of range (vocabulary size {vocab_size})", param="logit_bias"
+            )
+        bias[token] = amount
+    return tuple(sorted(bias.items()))
+
+
+def logprobs_fields(fields: Mapping[str, Any]) -> tuple[bool, int]:
+    """mlx_lm.server's checks and messages; `top_logprobs: -1` (its default) means unset."""
+    logprobs = fields.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs must be of type bool", param="logprobs")
+    top = fields.get("top_logprobs")
+    if top is None or (top == -1 and not isinstance(top, bool)):
+        top = 0
+    elif isinstance(top, bool) or not isinstance(top, int):
+        raise bad_request("top_logprobs must be of type int", param="top_logprobs")
+    elif top < 0:
+        raise bad_request("top_logprobs must be at least 0", param="top_logprobs")
+    elif top > MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    return bool(logprobs), top
+
+
+def stream_flag(value: Any, message: str) -> bool:
+    """A boolean `stream` (null: false); anything else is a 400 with the protocol's `message`."""
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(message, param="stream")
+    return bool(value)
+
+
+def stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise bad_request("stop must be a string or an array of strings", param="stop")
+    return tuple(s for s in value if isinstance(s, str) and s)  # empty / non-string dropped
+
+
+def reasoning_options(template_kwargs: Any, effort: Any) -> ReasoningOptions:
+    """`chat_template_kwargs` and `reasoning_effort`: explicit enable_thinking > the effort
+    ("none" = off, any level = on) > the template's default."""
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    switches: dict[str, bool] = {}
+    for name in TEMPLATE_SWITCHES:
+        value = (template_kwargs or {}).get(name)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise bad_request(f"chat_template_kwargs.{name} must be a boolean", param="chat_template_kwargs")
+        switches[name] = value
+    if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
+        raise bad_request(REASONING_EFFORT_MESSAGE, param="reasoning_effort")
+    thinking = switches.get("enable_thinking")
+    if thinking is None and effort is not None:
+        thinking = effort != "none"
+    return ReasoningOptions(
+        enable_thinking=thinking,
+        preserve_thinking=switches.get("preserve_thinking"),
+        effort=_TEMPLATE_EFFORT.get(effort) if isinstance(effort, str) else None,
+    )

@@ -1,0 +1,157 @@
+"""OpenAI chat-completions and completions bodies → the typed requests of api/chat_request.py.
+
+Every invalid field is a 400 in the OpenAI error shape, never a 500. Fields are read in a fixed
+order (messages, generation fields, structured output, stop, tools, reasoning), so a body with
+several bad fields always names the same one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from api import structured
+from api.chat_request import ChatPrompt, ChatRequest, TextRequest
+from api.errors import bad_request
+from api.fields import parse_generation, reasoning_options, stop_strings
+from api.template_messages import MEDIA_PARTS, media_error, template_arguments, tool_call_id_error
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICES = ("none", "auto", "required")
+TOOL_CHOICE_MESSAGE = "tool_choice must be 'none', 'auto', 'required' or an object"
+_PROMPT_REQUIRED = "prompt (a non-empty string) or a non-empty array of token ids is required (one prompt per request)"
+
+
+def chat_request(body: Mapping[str, Any], *, vocab_size: int | None) -> ChatRequest:
+    """/v1/chat/completions. `vocab_size`, when known, bounds `logit_bias` token ids."""
+    messages = chat_messages(body.get("messages"))
+    generation = parse_generation(body, vocab_size=vocab_size)
+    constraint = structured.body_constraint(body)
+    stop = stop_strings(body.get("stop"))
+    tools = _tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None and not (isinstance(choice, dict) or choice in TOOL_CHOICES):
+        raise bad_request(TOOL_CHOICE_MESSAGE, param="tool_choice")
+    # "auto", "required" and named functions only steer (a forced call is a grammar, where one runs).
+    disabled = choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none")
+    reasoning = reasoning_options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
+    prompt = ChatPrompt(messages=messages, tools=None if disabled or not tools else tuple(tools), reasoning=reasoning)
+    return ChatRequest(prompt=prompt, generation=generation, stop=stop, constraint=constraint)
+
+
+def text_request(body: Mapping[str, Any], *, vocab_size: int | None) -> TextRequest:
+    """/v1/completions: one raw prompt (a string or token ids), no template."""
+    prompt = _text_prompt(body.get("prompt"), vocab_size)
+    generation = parse_generation(body, vocab_size=vocab_size)
+    constraint = structured.body_constraint(body)
+    return TextRequest(prompt=prompt, generation=generation, stop=stop_strings(body.get("stop")), constraint=constraint)
+
+
+def _text_prompt(value: Any, vocab_size: int | None) -> str | tuple[int, ...]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a one-element batch is that prompt
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        bad = next((t for t in value if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if bad is not None:
+            raise bad_request(f"prompt token id {bad} is out of range (vocabulary size {vocab_size})", param="prompt")
+        return tuple(value)
+    raise bad_request(_PROMPT_REQUIRED, param="prompt")
+
+
+def _tools(tools: Any) -> list[Any] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools must be an array of tool definitions", param="tools")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}] must be an object", param="tools")
+        if tool.get("type", "function") == "function":
+            function = tool.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise bad_request(
+                    f'tools[{i}] must be {{"type": "function", "function": {{"name": …}}}}', param="tools"
+                )
+    return tools
+
+
+# --- messages ----------------------------------------------------------------------------------
+
+
+def chat_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    """OpenAI messages → what chat templates read. The body is never mutated.
+
+    `developer` becomes `system`; text part arrays flatten to one string; assistant
+    `tool_calls[].function.arguments` JSON strings are parsed to objects (templates iterate or
+    `tojson` them); media parts are a clear 400 (the server has no multimodal input).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages required", param="messages")
+    return tuple(_chat_message(message, f"messages[{i}]") for i, message in enumerate(messages))
+
+
+def _chat_message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object", param="messages")
+    role = message.get("role")
+    if role not in MESSAGE_ROLES:
+        roles = ", ".join(f"'{r}'" for r in MESSAGE_ROLES)
+        raise bad_request(f"{where}.role must be one of {roles}", param="messages")
+    out = dict(message)
+    if role == "developer":
+        out["role"] = "system"
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant":
+            raise bad_request(f"{where}.tool_calls is only allowed on assistant messages", param="messages")
+        out["tool_calls"] = _history_tool_calls(tool_calls, f"{where}.tool_calls")
+    content = _flat_content(message.get("content"), f"{where}.content")
+    # null content (an assistant turn that only called tools) stays absent for the template;
+    # anywhere else it is an empty string, as in mlx_lm.server.
+    out["content"] = None if content is None and out.get("tool_calls") else (content or "")
+    if role == "tool" and message.get("tool_call_id") is not None and not isinstance(message["tool_call_id"], str):
+        raise tool_call_id_error(where)
+    return out
+
+
+def _flat_content(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of content parts", param="messages")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise bad_request(f"{where} parts must be objects", param="messages")
+        kind = part.get("type")
+        if not isinstance(kind, (str, type(None))):
+            raise bad_request(f"{where} part type must be a string", param="messages")
+        if kind in MEDIA_PARTS:
+            raise media_error(kind)
+        if not isinstance(part.get("text"), str):  # {type:"text"}, {type:"input_text"}, any part with text
+            if kind in ("text", "input_text"):
+                raise bad_request(f"{where} {kind} parts need a string 'text'", param="messages")
+            raise bad_request(
+                f"unsupported content part type {kind!r} in {where}: only text parts are supported",
+                param="messages",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _history_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be an array", param="messages")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f'{where}[{i}] must be {{"function": {{"name", "arguments"}}}}', param="messages")
+        arguments = template_arguments(function.get("arguments"))
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out

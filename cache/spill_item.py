@@ -1,0 +1,58 @@
+"""What travels from the MLX thread to the SSD writer: one entry's exact tokens, its per-layer
+metadata and its tensors as numpy arrays (no MLX here: the writer runs on another thread)."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+# safetensors dtype tag -> numpy storage dtype (bf16 travels as its raw uint16 bits)
+STORAGE_DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+}
+
+
+@attrs.frozen
+class LayerMeta:
+    kind: str  # "kv" (plain KVCache); other kinds are refused until they exist
+    offset: int
+    trimmable: bool
+    tensors: tuple[str, ...]  # names of its tensors (keys, values)
+
+
+@attrs.define(eq=False)
+class SpillTensor:
+    name: str
+    dtype: str  # safetensors tag: F32 / F16 / BF16
+    shape: tuple[int, ...]
+    # Storage-dtype numpy array; may be a strided zero-copy view of an evaluated MLX buffer
+    # (MLX arrays are immutable values, so the memory cannot change under the writer).
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * STORAGE_DTYPES[self.dtype].itemsize
+
+
+@attrs.define(eq=False)
+class SpillItem:
+    """One entry on its way to disk: exact tokens + materialized tensors + namespace."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    layers: list[LayerMeta]
+    tensors: list[SpillTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def trimmable(self) -> bool:
+        return all(layer.trimmable for layer in self.layers)
+
+    def release(self) -> None:
+        """Drop the tensor views (and with them the pinned KV buffers)."""
+        self.tensors = []

@@ -1,0 +1,156 @@
+"""The SSD tier's in-memory index: one entry per file, byte-capped, LRU by file mtime.
+
+Used from the GPU-worker thread (lookups) and from the writer thread (commits), so every access
+holds one lock. It only keeps the books: the store unlinks the files of what it drops.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from cache.prefix_match import common_prefix_length
+
+
+@attrs.define(eq=False)
+class IndexEntry:
+    path: Path
+    namespace: str
+    ids: np.ndarray  # int64 tokens
+    nbytes: int  # file size
+    mtime: float
+    trimmable: bool
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@attrs.frozen
+class Dropped:
+    """Entries a change pushed out of the index; their files are for the caller to remove."""
+
+    superseded: list[IndexEntry] = attrs.Factory(list)  # same key, or an ancestor of a trimmable entry
+    evicted: list[IndexEntry] = attrs.Factory(list)  # over the byte cap, oldest first
+
+    @property
+    def all(self) -> list[IndexEntry]:
+        return [*self.superseded, *self.evicted]
+
+
+class SsdIndex:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Path, IndexEntry] = {}
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    @property
+    def longest(self) -> int:
+        with self._lock:
+            return max((e.length for e in self._entries.values()), default=0)
+
+    def entries(self) -> list[IndexEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    def find(self, prompt: np.ndarray, namespace: str, cap: int) -> tuple[IndexEntry, int] | None:
+        """The entry giving the longest usable prefix of `prompt` (at most `cap` tokens), and
+        that length. Entries that would need a trim they cannot do are never candidates."""
+        best: tuple[IndexEntry, int] | None = None
+        best_key = (0, 0, 0.0)
+        with self._lock:
+            candidates = [e for e in self._entries.values() if e.namespace == namespace]
+        for entry in candidates:
+            usable = min(common_prefix_length(entry.ids, prompt), cap)
+            if usable == 0:
+                continue
+            exact_fit = entry.length == usable
+            if not exact_fit and not entry.trimmable:
+                continue
+            key = (usable, int(exact_fit), entry.mtime)
+            if key > best_key:
+                best, best_key = (entry, usable), key
+        return best
+
+    def has_exact(self, tokens: Sequence[int], namespace: str) -> bool:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        with self._lock:
+            return any(
+                e.namespace == namespace and e.length == ids.shape[0] and np.array_equal(e.ids, ids)
+                for e in self._entries.values()
+            )
+
+    def has_durable_prefix(self, tokens: Sequence[int], namespace: str) -> bool:
+        """An exact entry, or a longer trimmable one that starts with `tokens`, is indexed."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = ids.shape[0]
+        if n == 0:
+            return False
+        with self._lock:
+            for e in self._entries.values():
+                if e.namespace != namespace or e.length < n or (e.length > n and not e.trimmable):
+                    continue
+                if e.ids[n - 1] == ids[n - 1] and np.array_equal(e.ids[:n], ids):
+                    return True
+        return False
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def load(self, entries: Iterable[IndexEntry], max_bytes: int) -> Dropped:
+        """Index the entries a start-up scan found, then evict down to `max_bytes`."""
+        with self._lock:
+            for entry in entries:
+                self._entries[entry.path] = entry
+                self._bytes += entry.nbytes
+            return Dropped(evicted=self._evict_locked(max_bytes, keep=None))
+
+    def add(self, entry: IndexEntry, max_bytes: int) -> Dropped:
+        """Index a newly written entry: it replaces an entry of the same key and, when trimmable,
+        every strict prefix of itself in its namespace (it serves them all); then evict down to
+        `max_bytes`, never the new entry."""
+        with self._lock:
+            superseded: list[IndexEntry] = []
+            n = entry.length
+            for other in list(self._entries.values()):
+                if other.namespace != entry.namespace:
+                    continue
+                same = other.length == n and np.array_equal(other.ids, entry.ids)
+                ancestor = entry.trimmable and other.length < n and np.array_equal(entry.ids[: other.length], other.ids)
+                if same or ancestor:
+                    superseded.append(other)
+            for v in superseded:
+                self._entries.pop(v.path, None)
+                self._bytes -= v.nbytes
+            self._entries[entry.path] = entry
+            self._bytes += entry.nbytes
+            return Dropped(superseded=superseded, evicted=self._evict_locked(max_bytes, keep=entry.path))
+
+    def remove(self, entry: IndexEntry) -> None:
+        with self._lock:
+            if self._entries.pop(entry.path, None) is not None:
+                self._bytes -= entry.nbytes
+
+    def _evict_locked(self, max_bytes: int, keep: Path | None) -> list[IndexEntry]:
+        victims = []
+        while self._bytes > max_bytes:
+            candidates = [e for e in self._entries.values() if e.path != keep]
+            if not candidates:
+                break
+            oldest = min(candidates, key=lambda e: e.mtime)
+            self._entries.pop(oldest.path)
+            self._bytes -= oldest.nbytes
+            victims.append(oldest)
+        return victims

@@ -1,0 +1,132 @@
+"""A decoder's decode forward (L == 1) as compiled, fused stages: same numerics, far fewer host ops."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from model.decoder import FUSED_GATE_UP, FUSED_QKV, DecoderLayer, DecoderModel
+from model.fused_projections import fuse_projections
+from model.kv_cache import LayerCache
+
+# What a compiled stage takes per layer: {"p": its parameters, "f": its fused weights}.
+LayerInputs = dict[str, Any]
+
+
+def _structure(layer: nn.Module) -> tuple[Any, ...]:
+    """Everything about a layer that is not an array (bits, group sizes, head counts, RoPE
+    settings): the traced graph bakes these in, so layers share compiled stages only when equal."""
+    out = []
+    for name, module in layer.named_modules():
+        plain = sorted(
+            (k, repr(v))
+            for k, v in vars(module).items()
+            if k not in ("_training", "_no_grad") and isinstance(v, (bool, int, float, str, type(None), tuple))
+        )
+        out.append((name, type(module).__name__, tuple(plain)))
+    return tuple(out)
+
+
+def _layer_inputs(layer: DecoderLayer) -> LayerInputs:
+    fused = {}
+    for owner, key in ((layer.self_attn, FUSED_QKV), (layer.mlp, FUSED_GATE_UP)):
+        if owner.get(key) is not None:
+            fused[key] = owner[key]
+    return {"p": layer.parameters(), "f": fused}
+
+
+class CompiledDecode:
+    """One decode forward (L == 1) whose shape-stable stages run as compiled, fused graphs.
+
+    A decode step is host-bound on small models: building the graph op by op in Python costs
+    more than the device needs to run it. Per layer, everything except the KV-cache update and
+    the attention itself has shapes that do not change from step to step (only the KV length
+    grows), so it is compiled once per batch size: [embed + layer 0's projections], then per
+    layer [o_proj + residual + MLP + residual + the next layer's norm, q/k/v, q/k norms, RoPE],
+    then [final norm + LM head]. The cache update and scaled_dot_product_attention stay eager
+    (their shapes grow every step). The ops and their order are exactly `DecoderModel.__call__`'s,
+    so results are identical to the eager graph.
+
+    One compiled function serves every layer: layer weights are inputs, not constants, and
+    a template layer (layer 0, restored afterwards) is re-pointed at them while tracing. That
+    needs every layer to have the same structure (same quantization, say); otherwise
+    `enabled` is False and the caller uses the eager forward.
+
+    `fuse`: fuse each layer's decode projections first (model/fused_projections.py; CUDA).
+    """
+
+    def __init__(self, model: DecoderModel, *, fuse: bool = False) -> None:
+        self.model = model
+        layers = model.layers
+        self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
+        if layers and fuse:
+            fuse_projections(model)
+        self._params = [_layer_inputs(layer) for layer in layers]
+        self._template = layers[0] if layers else None
+        self._offset_host: int | None = None
+        self._offset_dev: mx.array | None = None
+        self._first = mx.compile(self._first_fn)
+        self._mid = mx.compile(self._mid_fn)
+        self._last = mx.compile(self._last_fn)
+
+    def _as(self, params: LayerInputs) -> DecoderLayer:
+        t = self._template
+        assert t is not None  # only called with layers to run
+        t.update(params["p"])
+        for owner, key in ((t.self_attn, FUSED_QKV), (t.mlp, FUSED_GATE_UP)):
+            if key in params["f"]:
+                owner[key] = params["f"][key]
+        return t
+
+    def _restore(self) -> None:
+        self._as(self._params[0])
+
+    def _first_fn(self, p0: LayerInputs, tokens: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+        try:
+            h = self.model.model.embed_tokens(tokens)
+            return (h, *self._as(p0).project(h, offset))
+        finally:
+            self._restore()
+
+    def _mid_fn(
+        self, pa: LayerInputs, pb: LayerInputs, x: mx.array, attended: mx.array, offset: mx.array
+    ) -> tuple[mx.array, ...]:
+        try:
+            h = self._as(pa).finish(x, attended)
+            return (h, *self._as(pb).project(h, offset))
+        finally:
+            self._restore()
+
+    def _last_fn(self, p: LayerInputs, x: mx.array, attended: mx.array) -> mx.array:
+        try:
+            h = self.model.model.norm(self._as(p).finish(x, attended))
+            return self.model.logits(h[:, -1, :])
+        finally:
+            self._restore()
+
+    def __call__(self, tokens: mx.array, caches: Sequence[LayerCache]) -> mx.array:
+        """tokens [B, 1] → logits [B, vocab]; updates `caches` like `DecoderModel.__call__`."""
+        mask = caches[0].make_mask(1)
+        offset = caches[0].offset
+        if isinstance(offset, int):
+            # A solo row's position as a device scalar, advanced on the device from step to step
+            # (no host-to-device upload per step); rebuilt only when the position jumps.
+            host = offset
+            device = self._offset_dev
+            if self._offset_host != host or device is None:
+                device = mx.array(host, dtype=mx.int32)
+            offset = device
+            self._offset_host, self._offset_dev = host + 1, device + 1
+        params, layers = self._params, self.model.layers
+        h, q, k, v = self._first(params[0], tokens, offset)
+        last = len(caches) - 1
+        for i, cache in enumerate(caches):
+            keys, values = cache.update_and_fetch(k, v)
+            attended = layers[i].self_attn.attend(q, keys, values, mask)
+            if i == last:
+                return self._last(params[i], h, attended)
+            h, q, k, v = self._mid(params[i], params[i + 1], h, attended, offset)
+        raise AssertionError("unreachable")

@@ -1,0 +1,97 @@
+"""The shapes an engine meets before serving (`Engine.warm_up` runs these on throwaway rows).
+
+A shape's first run pays one-off costs — compiling the decode stages, kernel JIT, GEMM plans,
+and on CUDA a cuDNN attention graph — that would otherwise stall a live stream:
+  * every decode batch size from 1 to `max_batch`;
+  * with `warm_decode_capacity`, one B=1 decode against KV buffers of each capacity up to it;
+  * with `unfused_hit_prefill`, a suffix prefill after a prompt-cache hit at each common width;
+  * with prefill buckets, the common fresh-prompt prefill shapes (`Engine.prefill_shapes`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from model.kv_cache import STEP, KVCache
+from model.params import SamplingParams
+from model.rows import RowSpec
+
+if TYPE_CHECKING:
+    from model.engine import Engine
+
+# Suffix lengths met after a prefix of HIT_WARM_PREFIX tokens (unfused_hit_prefill).
+HIT_WARM_PREFIX = 256
+HIT_WARM_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
+
+
+def meet_shapes(engine: Engine, max_batch: int, *, prompt_len: int = 8) -> None:
+    """Run every shape above once on `engine`, which must be idle (rows it opens may be left
+    open on an error: the caller closes them)."""
+    ids = [-1 - b for b in range(max(1, max_batch))]
+    for rid in ids:
+        prompt = tuple(1 + (rid * 7 + i) % 13 for i in range(prompt_len))
+        engine.open_row(RowSpec(rid, prompt, SamplingParams(), 1 << 30))
+        while engine.prefill(rid).remaining:
+            pass
+        engine.join(rid)
+        engine.step()
+        engine.step()
+    for rid in ids:
+        engine.close_row(rid)
+    _decode_capacities(engine, ids[0])
+    _hit_prefills(engine, ids[0])
+    for count, width in engine.prefill_shapes(max_batch):
+        rows = ids[:count]
+        for rid in rows:  # prompt[:-1] is exactly `width` long: no padding
+            engine.open_row(RowSpec(rid, tuple(1 + (rid * 5 + i) % 11 for i in range(width + 1)), SamplingParams(), 1))
+        if count > 1:
+            engine.prefill_group(rows)
+        else:
+            engine.prefill(rows[0])
+        for rid in rows:
+            engine.close_row(rid)
+
+
+def _hit_prefills(engine: Engine, rid: int) -> None:
+    """With `unfused_hit_prefill`: one suffix forward after a 256-token prefix at each width
+    of HIT_WARM_WIDTHS. On CUDA the first prefill after a hit at a new suffix length cost
+    47-58 ms against ~19 ms once its kernels had been met (H200, benchmarks/shape_cost.py
+    hitshape: a new k length alone costs nothing); the GEMM kernels cuBLAS picks change with
+    the row count, and each is loaded on first use."""
+    if not engine.options.unfused_hit_prefill:
+        return
+    engine.open_row(RowSpec(rid, tuple(1 + i % 17 for i in range(HIT_WARM_PREFIX + 1)), SamplingParams(), 1))
+    while engine.prefill(rid).remaining:
+        pass
+    prefix = engine.row_caches(rid)
+    engine.close_row(rid)
+    for width in HIT_WARM_WIDTHS:
+        caches = [c.clone() for c in prefix]
+        engine.model(mx.array([[1 + i % 19 for i in range(width)]]), caches, unfused_attention=True)
+        mx.eval([c.state for c in caches])
+
+
+def _decode_capacities(engine: Engine, rid: int) -> None:
+    """One decode forward against KV buffers of each capacity up to `warm_decode_capacity`. On
+    CUDA the first decode step against a buffer of a new capacity costs ~0.4 s (H200, measured
+    per capacity and not per batch size: benchmarks/shape_cost.py capacity), so without this a
+    long stream stalls every 256 tokens and a cold 4k prompt's token 0 waits 0.7 s."""
+    if engine.options.warm_decode_capacity < STEP:
+        return
+    engine.open_row(RowSpec(rid, (1, 2, 3), SamplingParams(), 1))
+    engine.prefill(rid)  # real caches: their dtype and head shapes
+    template = engine.row_caches(rid)
+    engine.close_row(rid)
+    for capacity in range(STEP, engine.options.warm_decode_capacity + 1, STEP):
+        caches = []
+        for t in template:
+            assert t.keys is not None and t.values is not None  # prefilled
+            c = KVCache()
+            c.keys = mx.zeros((1, t.keys.shape[1], capacity, t.keys.shape[3]), t.keys.dtype)
+            c.values = mx.zeros((1, t.values.shape[1], capacity, t.values.shape[3]), t.values.dtype)
+            c.offset = capacity - 1
+            caches.append(c)
+        mx.eval(engine.model(mx.array([[1]]), caches))
+        mx.clear_cache()
