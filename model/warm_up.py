@@ -10,16 +10,34 @@ and on CUDA a cuDNN attention graph — that would otherwise stall a live stream
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import mlx.core as mx
 
 from model.kv_cache import STEP, KVCache
+from model.language_model import LanguageModel
+from model.options import ResolvedOptions
 from model.params import SamplingParams
-from model.rows import RowSpec
+from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
-if TYPE_CHECKING:
-    from model.engine import Engine
+
+class Engine(Protocol):
+    """What warm-up drives: `model.engine.Engine`'s row calls (kept as a protocol so the engine
+    can call into this module without an import cycle)."""
+
+    model: LanguageModel
+    options: ResolvedOptions
+
+    def open_row(self, spec: RowSpec) -> RowOpened: ...
+    def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress: ...
+    def prefill_group(self, row_ids: Sequence[int]) -> list[PrefillProgress]: ...
+    def join(self, row_id: int) -> TokenOut: ...
+    def step(self) -> list[TokenOut]: ...
+    def close_row(self, row_id: int, *, reusable: bool = False) -> None: ...
+    def row_caches(self, row_id: int) -> list[KVCache]: ...
+    def prefill_shapes(self, max_batch: int) -> list[tuple[int, int]]: ...
+
 
 # Suffix lengths met after a prefix of HIT_WARM_PREFIX tokens (unfused_hit_prefill).
 HIT_WARM_PREFIX = 256

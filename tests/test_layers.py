@@ -1,8 +1,8 @@
 """The shape of the house, checked from the source: one-way layers, no import cycles, small modules.
 
 Layers import one way: model <- cache <- actors <- api. Only the composition root
-(actors/serve.py, actors/root.py) may reach up into api. Every import counts, a function-level
-one included; only imports under `if TYPE_CHECKING:` are left out (they never run).
+(actors/serve.py, actors/root.py) may reach up into api. Every import counts: a function-level
+one, and one under `if TYPE_CHECKING:` (a cycle of types is still a tangle).
 """
 
 from __future__ import annotations
@@ -37,22 +37,11 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imported(module: str, path: Path) -> set[str]:
     """The project modules `module` imports (a `from pkg import name` names pkg.name when that is a module)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 found.add(alias.name)
