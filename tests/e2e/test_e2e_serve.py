@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     not (ROOT / "actors" / "gpu_worker.py").exists(), reason="needs the real GPU worker (actors/gpu_worker.py)"

@@ -14,9 +14,9 @@ import trio
 from actors.options import ServeConfig
 from actors.root import run_server
 from actors.shutdown import Shutdown, ShutdownPlan
+from tests.actors.test_shutdown import fake_http, names, order_is, streamer
+from tests.actors.test_ssd_fakes import FakeStore, SsdFakeWorker
 from tests.fakes import FakeTokenizer
-from tests.test_shutdown import fake_http, names, order_is, streamer
-from tests.test_ssd_fakes import FakeStore, SsdFakeWorker
 
 
 async def run(worker, clients, *, timeout, signals_at, demote_idle_s=300.0):

@@ -504,6 +504,7 @@ def check_storm(
     return {"finished": finished, "aborted": aborted, **{f"aborts_{k}": int(v) for k, v in phases.items()}}
 
 
+@pytest.mark.slow
 async def test_abort_storm_200_requests_prompt_cache_off(model_dir):
     n = 200
     out = await storm(model_dir, n=n, seed=9, prompt_cache_bytes=0, shared=False)
@@ -518,6 +519,7 @@ async def test_abort_storm_200_requests_prompt_cache_off(model_dir):
     )
 
 
+@pytest.mark.slow
 async def test_abort_storm_with_prompt_cache_stays_within_its_cap(model_dir):
     n = 64
     cap = 1 << 20  # 1 MiB: a handful of entries, so puts evict as the storm runs

@@ -31,7 +31,7 @@ import pytest
 
 from actors.shutdown import ShutdownPlan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STREAMS = 32
 SHUTDOWN_TIMEOUT_S = 3.0
 STARTUP_LIMIT_S = 120.0

@@ -26,7 +26,7 @@ import pytest
 
 from actors.shutdown import ShutdownPlan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHUTDOWN_TIMEOUT_S = 1.0
 WATCHDOG_SLACK_S = 1.0
 STARTUP_LIMIT_S = 60.0
@@ -97,6 +97,7 @@ def open_stream(port: int) -> socket.socket:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.slow
 def test_a_client_that_stops_reading_does_not_block_exit_past_the_deadline(tmp_path):
     log_path = tmp_path / "server.log"
     proc, port = start_server(log_path)

@@ -13,7 +13,7 @@ import trio
 
 from actors.durability import Durability
 from actors.spill_queue import SpillQueue
-from tests.test_ssd_fakes import FakePort, FakeStore
+from tests.actors.test_ssd_fakes import FakePort, FakeStore
 
 A = tuple(range(10, 20))
 B = tuple(range(30, 40))  # same length as A, unrelated

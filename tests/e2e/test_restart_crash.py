@@ -16,10 +16,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from cache.ssd_format import TMP_SUFFIX
 from cache.ssd_store import QUARANTINE
-from tests.test_restart_ssd import Server
+from tests.e2e.test_restart_ssd import Server
 
 ITERATIONS = 20
 WORDS = "agent tool call result plan step memory file patch test build deploy review".split()
@@ -34,6 +35,7 @@ def temp_files(root):
     return [p for p in root.rglob(f"*{TMP_SUFFIX}") if ".identity." not in p.name]
 
 
+@pytest.mark.slow
 def test_kill_9_during_writes_never_serves_a_corrupt_entry(qwen3_dir, tmp_path):
     ssd = tmp_path / "ssd"
     prompts = [prompt_text(i) for i in range(2 * ITERATIONS)]

@@ -16,7 +16,7 @@ from actors.shutdown import ShutdownPlan
 from model.blas import BlasInfo
 from model.options import EngineOptions
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_default_flags_are_the_default_options(monkeypatch):

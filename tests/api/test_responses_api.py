@@ -9,8 +9,8 @@ import pydantic
 import pytest
 import trio
 
+from tests.api.test_anthropic_api import post_stream, server
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
-from tests.test_anthropic_api import post_stream, server
 
 openai = pytest.importorskip("openai")
 from openai.types.responses import Response as SdkResponse  # noqa: E402

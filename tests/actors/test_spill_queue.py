@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from actors.spill_queue import SpillQueue
-from tests.test_ssd_fakes import FakeItem, FakeStore
+from tests.actors.test_ssd_fakes import FakeItem, FakeStore
 
 
 async def settle() -> None:
