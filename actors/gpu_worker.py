@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import outcome
@@ -45,6 +45,8 @@ if TYPE_CHECKING:  # these import MLX: only ever on the worker's thread
     from model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @attrs.define(eq=False)
@@ -259,7 +261,7 @@ class GpuWorker:
             except trio.RunFinishedError:
                 return
 
-    async def _call(self, fn: Callable[[Engine], Any], kind: str = "other") -> Any:
+    async def _call(self, fn: Callable[[Engine], T], kind: str = "other") -> T:
         if not self.alive:
             raise WorkerDied("the GPU worker is not running")
         reply_send, reply_recv = trio.open_memory_channel[outcome.Outcome](1)
@@ -275,7 +277,8 @@ class GpuWorker:
                 # (rows leave at step boundaries) and its result is dropped.
                 job.abandoned = True
                 raise
-        return result.unwrap()
+        value: T = result.unwrap()
+        return value
 
     # -- the Worker interface (actors/worker_api.py) -------------------------------------------
 
@@ -302,7 +305,7 @@ class GpuWorker:
     async def close_row(self, row_id: int, *, reusable: bool) -> None:
         return await self._call(lambda engine: engine.close_row(row_id, reusable=reusable), "close_row")
 
-    async def run_exclusive(self, fn: Callable[[Engine], Any]) -> Any:
+    async def run_exclusive(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""
         return await self._call(fn)
 

@@ -20,6 +20,7 @@ from typing import Literal, Protocol
 import attrs
 import trio
 
+from cache.spill_item import SpillItem
 from model.params import SamplingParams
 from model.rows import RowOpened, RowSpec, TokenOut
 
@@ -167,7 +168,7 @@ class MarkDirty:
 
 @attrs.frozen(eq=False)
 class Spill:
-    item: object  # cache.ssd_store.SpillItem: exact tokens + materialized KV views + namespace
+    item: SpillItem  # exact tokens + materialized KV views + namespace
     reply: trio.MemorySendChannel | None = None  # buffer >= 1: one SpillDone; None = fire and forget
 
 

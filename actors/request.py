@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import weakref
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import trio
@@ -55,15 +55,19 @@ MAX_TOKENS_PER_TURN = 64
 observing: ContextVar[RequestObserver] = ContextVar("mlx_trio_request_observer", default=NULL_OBSERVER)
 
 
-class Sink(Protocol):
-    """`api.pipeline.sink.CompletionSink`."""
+# The text events a sink makes of tokens (the api's text pipeline events); opaque here.
+EventT = TypeVar("EventT")
+
+
+class Sink(Protocol[EventT]):
+    """Turns token ids into text events (`api.pipeline.sink.CompletionSink`)."""
 
     stopped: bool
     finish_reason: str | None
 
-    def push(self, token_id: int) -> list[Any]: ...
+    def push(self, token_id: int) -> list[EventT]: ...
 
-    def finish(self, *, reason: str) -> list[Any]: ...
+    def finish(self, *, reason: str) -> list[EventT]: ...
 
 
 @attrs.frozen(eq=False)
@@ -120,8 +124,8 @@ class _Release:
             self.ports.admission.request_ended()
 
 
-class RequestActor:
-    def __init__(self, ports: RequestPorts, request: GenerationRequest, sink: Sink) -> None:
+class RequestActor(Generic[EventT]):
+    def __init__(self, ports: RequestPorts, request: GenerationRequest, sink: Sink[EventT]) -> None:
         self.request = request
         self._ports = ports
         self._sink = sink
@@ -169,7 +173,7 @@ class RequestActor:
         self._ports.admission.request_started()
         return decision
 
-    async def next_events(self) -> list[Any] | None:
+    async def next_events(self) -> list[EventT] | None:
         """The text events of the next token(s); the last list carries the pipeline's tail;
         None once the completion is over. Raises `GenerationFailed`.
 
@@ -202,7 +206,7 @@ class RequestActor:
                 break
         return events
 
-    def _take(self, item: RowEvent | None, *, raise_failure: bool) -> list[Any] | None:
+    def _take(self, item: RowEvent | None, *, raise_failure: bool) -> list[EventT] | None:
         """One row event's text events; None when it carried none (`RowOpened`)."""
         if item is None:  # shutdown cut-off, or the scheduler ended the row without a finish
             return self._finish("length")
@@ -218,7 +222,7 @@ class RequestActor:
             return None
         return self._on_token(item)
 
-    def _on_token(self, token: TokenOut) -> list[Any]:
+    def _on_token(self, token: TokenOut) -> list[EventT]:
         self.completion_tokens += 1
         if token.logprob is not None or token.top_logprobs:
             self.token_logprobs.append(token)
@@ -257,7 +261,7 @@ class RequestActor:
             self.cut_off = True
         return item
 
-    def _finish(self, cause: str) -> list[Any]:
+    def _finish(self, cause: str) -> list[EventT]:
         self._done = True
         events = self._sink.finish(reason=cause)
         self.finish_reason = self._sink.finish_reason or ("stop" if cause == "eos" else cause)

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -130,7 +130,7 @@ class SpillQueue:
 
     def _accept(self, message: Spill) -> None:
         self._in_transit = max(0, self._in_transit - 1)
-        item = cast(SpillItem, message.item)  # Spill.item is typed `object` in actors/messages.py
+        item = message.item
         p = _Pending(item=item, key=(item.namespace, item.tokens), nbytes=item.nbytes, reply=message.reply)
         self._queue.append(p)
         self._by_key[p.key] = p

@@ -27,6 +27,7 @@ from api.completion import (
     log_stream_failure,
     next_events_or_timeout,
 )
+from api.pipeline.events import Event
 from api.wire import json_body, json_response, new_id, sse_response
 
 PING_INTERVAL_S = 5.0
@@ -61,7 +62,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     return bp
 
 
-async def _stream(actor: RequestActor, stream: AnthropicStream) -> AsyncIterator[bytes]:
+async def _stream(actor: RequestActor[Event], stream: AnthropicStream) -> AsyncIterator[bytes]:
     completion = Completion()
     try:
         yield stream.start()

@@ -21,6 +21,7 @@ from actors.messages import GenerationRequest
 from actors.request import RequestActor, RequestRejected
 from api.chat_request import ChatPrompt, ChatRequest, GenerationFields, TextRequest
 from api.errors import bad_request, from_rejection
+from api.pipeline.events import Event
 from api.pipeline.sink import CompletionSink
 from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools.detect import detect_tool_format
@@ -83,7 +84,7 @@ def resolve_generation(
 class StartedGeneration:
     """An admitted generation: the actor yields text events; the caller must close it."""
 
-    actor: RequestActor
+    actor: RequestActor[Event]
     generation: Generation
     prompt: tuple[int, ...]
 

@@ -51,7 +51,7 @@ def add_events(completion: Completion, events: list[Event]) -> None:
             completion.content += event.text
 
 
-def finish(completion: Completion, actor: RequestActor) -> Completion:
+def finish(completion: Completion, actor: RequestActor[Event]) -> Completion:
     """Record how the completion ended (the actor's finish reason, usage and stop string)."""
     completion.finish_reason = actor.finish_reason
     completion.usage = actor.usage()
@@ -59,7 +59,7 @@ def finish(completion: Completion, actor: RequestActor) -> Completion:
     return completion
 
 
-async def collect(actor: RequestActor) -> Completion:
+async def collect(actor: RequestActor[Event]) -> Completion:
     """Run an admitted generation to its end; closes the actor. Engine failure → ApiError(500)."""
     completion = Completion()
     try:
@@ -72,7 +72,9 @@ async def collect(actor: RequestActor) -> Completion:
     return finish(completion, actor)
 
 
-async def next_events_or_timeout(actor: RequestActor, timeout: float) -> list[Event] | None | Literal[_Wait.TIMED_OUT]:
+async def next_events_or_timeout(
+    actor: RequestActor[Event], timeout: float
+) -> list[Event] | None | Literal[_Wait.TIMED_OUT]:
     """`actor.next_events()`, or `TIMED_OUT` after `timeout` seconds without an event.
 
     Cancelling the wait loses nothing: the actor only ever blocks in a memory-channel receive,

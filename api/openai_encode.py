@@ -44,7 +44,7 @@ class ResponseMeta:
         return payload
 
 
-def logprobs_block(actor: RequestActor, generation: Generation, tokenizer: Tokenizer) -> dict[str, Any] | None:
+def logprobs_block(actor: RequestActor[Event], generation: Generation, tokenizer: Tokenizer) -> dict[str, Any] | None:
     """mlx_lm.server's `choices[0].logprobs` (NOT OpenAI's shape), or None.
 
     `top_logprobs > 0`: each entry is the top candidate merged with its top-k list (sorted
@@ -97,7 +97,7 @@ def _tool_call(call: ToolCall, *, index: int | None = None) -> dict[str, Any]:
     return {"index": index, **out} if index is not None else out
 
 
-async def chat_stream(actor: RequestActor, meta: ResponseMeta) -> AsyncIterator[bytes]:
+async def chat_stream(actor: RequestActor[Event], meta: ResponseMeta) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
         return data_frame(meta.envelope("chat.completion.chunk", choice, usage))
@@ -132,7 +132,7 @@ async def chat_whole(started: StartedGeneration, meta: ResponseMeta, tokenizer: 
     return meta.envelope("chat.completion", choice, done.usage)
 
 
-async def text_stream(actor: RequestActor, meta: ResponseMeta) -> AsyncIterator[bytes]:
+async def text_stream(actor: RequestActor[Event], meta: ResponseMeta) -> AsyncIterator[bytes]:
     def chunk(text: str, finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return data_frame(meta.envelope("text_completion", choice, usage))

@@ -21,6 +21,7 @@ from actors.request import RequestActor
 from api.chat import start_chat, vocab_size
 from api.completion import Completion, add_events, collect, finish, log_stream_failure
 from api.errors import ApiError, bad_request
+from api.pipeline.events import Event
 from api.response_store import ResponseStore, StoredResponse
 from api.responses_encode import ResponseMeta, ResponsesStream, response_object
 from api.responses_translate import input_items, output_to_input, responses_request
@@ -110,7 +111,7 @@ def _not_found(response_id: str) -> ApiError:
 
 
 async def _stream(
-    actor: RequestActor, stream: ResponsesStream, remember: Callable[[dict[str, Any]], None]
+    actor: RequestActor[Event], stream: ResponsesStream, remember: Callable[[dict[str, Any]], None]
 ) -> AsyncIterator[bytes]:
     completion = Completion()
     try:
