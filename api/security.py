@@ -15,7 +15,10 @@ Behind a reverse proxy on the same host every client is loopback: set `--admin-t
 
 Bodies: a `Content-Length` over `--max-body-mb` (MiB, default 16; 0 = no cap) is refused with 413
 before a byte is read; a chunked body is cut at the same cap while it is read (Quart's
-`MAX_CONTENT_LENGTH`). Both answer in the route's API error shape.
+`MAX_CONTENT_LENGTH`); a body that does not arrive within Quart's `BODY_TIMEOUT` is a 408. All
+answer in the route's API error shape. An answer given before its body arrived drains the body or
+closes the connection (`api.connection`), so the next request on a keep-alive connection is
+answered.
 
 CORS is off by default: no `Access-Control-*` header is ever sent, and an `OPTIONS` request is
 an ordinary request (gated like any other, then Quart's automatic `Allow` answer).
@@ -37,9 +40,10 @@ from typing import Protocol
 import attrs
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
 from actors.options import ServeConfig
+from api.connection import install_connection_guard
 from api.errors import ApiError, error_response_for
 from api.strict_json import StrictJsonRequest
 
@@ -193,6 +197,7 @@ def install_security(app: QuartTrio, options: SecurityOptions | ServeConfig) -> 
         options = SecurityOptions.from_config(options)
     app.config["MAX_CONTENT_LENGTH"] = options.max_body_bytes
     app.request_class = StrictJsonRequest  # hostile bytes are a 400, never a 500
+    install_connection_guard(app)  # an early answer drains or closes; keep-alive ends on time
 
     @app.before_request
     async def security_gate() -> Response | None:
@@ -208,6 +213,14 @@ def install_security(app: QuartTrio, options: SecurityOptions | ServeConfig) -> 
     async def body_cut(error: RequestEntityTooLarge) -> Response:
         # A body without Content-Length (chunked) that outgrew the cap while it was read.
         return error_response_for(request.path, _too_large("request body is larger", options.max_body_bytes))
+
+    @app.errorhandler(RequestTimeout)
+    async def body_timed_out(error: RequestTimeout) -> Response:
+        # Quart's BODY_TIMEOUT ran out while the route read the body (api/connection.py then
+        # closes the connection instead of waiting for the rest).
+        seconds = app.config["BODY_TIMEOUT"]
+        message = f"the request body did not arrive within {seconds} s"
+        return error_response_for(request.path, ApiError(408, message, code="request_timeout"))
 
     @app.after_request
     async def cors_headers(response: Response) -> Response:

@@ -14,7 +14,8 @@ mlx_lm) plus JSON (and PNG plots with --plots DIR). Workloads:
           (ours with --ssd-cache in a temp dir; mlx_lm.server keeps nothing)
 
 Both servers get greedy decoding, the same max_tokens, and a batch as wide as the largest
-concurrency (ours: --batch N; mlx_lm.server: --decode-concurrency N, its default 32).
+concurrency (ours: --batch N; mlx_lm.server: --decode-concurrency N, its default 32), unless
+--no-flags starts both with their defaults (the out-of-the-box comparison).
 
 Usage:
   python benchmarks/serve_bench.py --model DIR
@@ -52,7 +53,7 @@ WORDS = (
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
 ).split()
 
-MODEL_NAME = {"ours": "default", "mlx_lm": "default_model"}  # mlx_lm.server maps "default_model" to --model
+MODEL_NAME = {"ours": "default_model", "mlx_lm": "default_model"}  # both map "default_model" to --model
 
 
 def text_of(n_words: int, seed: int) -> str:
@@ -459,7 +460,7 @@ def restart(kind: str, model: Path, args) -> dict:
 def run_suite(kind: str, model: Path, args) -> dict:
     width = max(args.concurrency)
     default = [f"--batch={width}"] if kind == "ours" else [f"--decode-concurrency={width}"]
-    if args.ours_args and kind == "ours" and "--batch" in args.ours_args:
+    if args.no_flags or (args.ours_args and kind == "ours" and "--batch" in args.ours_args):
         default = []
     extra = default + (args.ours_args if kind == "ours" else args.mlx_lm_args).split()
     out: dict = {"server": kind, "args": extra}
@@ -676,6 +677,11 @@ def main() -> None:
     p.add_argument("--exit-streams", type=int, default=8, help="streams in flight at SIGINT (0: exit idle)")
     p.add_argument("--ours-args", default="")
     p.add_argument("--mlx-lm-args", default="")
+    p.add_argument(
+        "--no-flags",
+        action="store_true",
+        help="start both servers with their defaults: no --batch / --decode-concurrency sized to the workload",
+    )
     p.add_argument("--only", choices=["ours", "mlx_lm"], default=None)
     p.add_argument(
         "--profile-out",
