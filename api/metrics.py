@@ -272,7 +272,7 @@ class Metrics:
     def observe_record(self, record: RequestRecord) -> None:
         self.observe_request(
             route=record.route,
-            status=record.status if record.status is not None else 500,
+            status=record.final_status,
             finish_reason=record.finish_reason,
             generation=record.generation,
             ttft=record.ttft,

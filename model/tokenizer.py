@@ -26,6 +26,8 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # The named special tokens transformers hands to chat templates as variables.
 _TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _THINK_START, _THINK_END = "<think>", "</think>"
+# Above this many characters `encode` goes through the GIL-releasing batch call.
+GIL_FREE_ENCODE_CHARS = 4096
 
 
 def _token_text(value: Any) -> str | None:
@@ -182,7 +184,12 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. A text that already starts with the BOS string (templates often
         write it) does not get a second BOS from the post-processor."""
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > GIL_FREE_ENCODE_CHARS:
+            # `encode` holds the GIL for the whole text; `encode_batch` releases it, so a large
+            # prompt tokenized on a worker thread does not stall the event loop (same ids).
+            ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         bos = self.bos_token_id
         if (
             add_special_tokens

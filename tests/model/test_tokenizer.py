@@ -292,3 +292,18 @@ def test_synth_tokenizer_rejects_bad_arguments(tmp_path):
         write_tokenizer_files(tmp_path, template="alpaca")
     with pytest.raises(ValueError, match="vocab_size"):
         write_tokenizer_files(tmp_path, vocab_size=100)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS, ids="-".join)
+def test_long_text_encodes_like_transformers(dirs, flavour):
+    """Texts past GIL_FREE_ENCODE_CHARS take the GIL-releasing batch path: same ids."""
+    from model.tokenizer import GIL_FREE_ENCODE_CHARS
+
+    ours = Tokenizer.from_dir(dirs[flavour])
+    reference = hf_tokenizer(dirs[flavour])
+    text = " ".join(SAMPLE_TEXTS) * (GIL_FREE_ENCODE_CHARS // len(" ".join(SAMPLE_TEXTS)) + 2)
+    assert len(text) > GIL_FREE_ENCODE_CHARS
+    for add_special_tokens in (True, False):
+        assert ours.encode(text, add_special_tokens=add_special_tokens) == reference.encode(
+            text, add_special_tokens=add_special_tokens
+        )
