@@ -6,9 +6,10 @@ Outbound: `scheduler` — `Enqueue` for each admitted request (carrying the requ
           `Abort` when its requester vanished before reading the reply; each `Submit.reply` —
           one `Admitted` or `Rejected`, then the request's observer is told what happened.
 
-It also owns the shutdown gate: once `close()` runs, every new request is refused with 503 and
-every in-flight request's waits are cut at the shutdown deadline, so its stream can end with a
-proper final chunk instead of being cut by the HTTP server.
+It also owns the shutdown gate: once `close()` runs, every new request is refused with 503, every
+admitted request still queued (its row not opened yet, so no response byte went out) is refused
+with the same 503 at once, and every started request's waits are cut at the shutdown deadline,
+so its stream can end with a proper final chunk instead of being cut by the HTTP server.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class AdmissionCounters:
     rejected_budget: int = 0
     rejected_queue_full: int = 0
     rejected_shutdown: int = 0
+    shut_out_queued: int = 0  # admitted, still queued when the shutdown began: refused with 503
     clamped: int = 0
 
 
@@ -61,7 +63,14 @@ class Admission:
         self.closed = False
         self.cutoff = math.inf  # trio time at which in-flight requests are cut
         self._cutoff_scopes: set[trio.CancelScope] = set()
+        self._queued_scopes: set[trio.CancelScope] = set()
         self.in_flight = 0
+        self._ended = trio.Event()  # set (and replaced) each time the last in-flight request ends
+        # Admitted requests waiting for their row to open. Their routes still count themselves
+        # as arrivals (actors/arrivals.py) though admission has answered them: the root
+        # subtracts these, and `on_queued` nudges the scheduler when one is counted.
+        self.queued = 0
+        self.on_queued: Callable[[], None] = lambda: None
 
     async def run(
         self,
@@ -86,7 +95,13 @@ class Admission:
                 snapshot_at=request.snapshot_at,
             )
             self._scheduler.send_nowait(
-                Enqueue(spec=spec, lane=decision.lane, rows=submit.rows, observer=submit.observer)
+                Enqueue(
+                    spec=spec,
+                    lane=decision.lane,
+                    rows=submit.rows,
+                    observer=submit.observer,
+                    siblings=request.siblings,
+                )
             )
         try:
             submit.reply.send_nowait(decision)
@@ -100,16 +115,23 @@ class Admission:
     def decide(self, request: GenerationRequest) -> Admitted | Rejected:
         if self.closed:
             self.counters.rejected_shutdown += 1
-            return Rejected(503, "server is shutting down", "server_error", "shutting_down", RETRY_AFTER_S)
+            return shutting_down()
         prompt_tokens = len(request.prompt)
         if prompt_tokens == 0:
             return Rejected(400, "prompt is empty", "invalid_request_error", "empty_prompt")
-        max_tokens = clamp_max_tokens(prompt_tokens, request.max_tokens, self.ceiling.max_safe_context)
+        # The choices of one request (`n`) each hold a copy of the prompt's KV and their own tail:
+        # together they must fit where one row would (every choice gets the same answer).
+        siblings = request.siblings
+        safe_context = self.ceiling.max_safe_context // (siblings.count if siblings is not None else 1)
+        max_tokens = clamp_max_tokens(prompt_tokens, request.max_tokens, safe_context)
         if max_tokens is None:
             self.counters.rejected_budget += 1
-            message = over_budget_message(prompt_tokens, self.ceiling.max_safe_context)
+            message = over_budget_message(prompt_tokens, safe_context)
+            if siblings is not None:
+                message += f" (safe context is shared by the request's {siblings.count} choices)"
             return Rejected(400, message, "memory_admission", "context_over_budget")
-        if self._waiting() >= self.max_queue:
+        # One request waits as one: only its first choice meets the queue cap.
+        if (siblings is None or siblings.index == 0) and self._waiting() >= self.max_queue:
             self.counters.rejected_queue_full += 1
             return Rejected(
                 503,
@@ -122,7 +144,7 @@ class Admission:
         self.counters.clamped += max_tokens < request.max_tokens
         self._next_row_id += 1
         seed = request.seed if request.seed is not None else self._seeds.next()
-        lane = place(explicit_seed=request.explicit_seed, mode=self.mode)
+        lane = place(mode=self.mode)
         return Admitted(row_id=self._next_row_id, max_tokens=max_tokens, lane=lane, seed=seed)
 
     # -- the shutdown gate
@@ -133,6 +155,29 @@ class Admission:
         self.cutoff = trio.current_time() + cutoff_after
         for scope in self._cutoff_scopes:
             scope.deadline = min(scope.deadline, self.cutoff)
+        for scope in self._queued_scopes:
+            scope.cancel()
+
+    @contextlib.contextmanager
+    def queued_scope(self) -> Iterator[trio.CancelScope]:
+        """Wrap an admitted request's wait for its row to open; `close()` cancels it (at once
+        when the gate is already closed)."""
+        with trio.CancelScope() as scope:
+            if self.closed:
+                scope.cancel()
+            self._queued_scopes.add(scope)
+            self.queued += 1
+            self.on_queued()
+            try:
+                yield scope
+            finally:
+                self._queued_scopes.discard(scope)
+                self.queued -= 1
+
+    def shut_out(self) -> Rejected:
+        """The answer for an admitted request whose row had not opened when the gate closed."""
+        self.counters.shut_out_queued += 1
+        return shutting_down()
 
     @contextlib.contextmanager
     def cutoff_scope(self) -> Iterator[trio.CancelScope]:
@@ -149,3 +194,16 @@ class Admission:
 
     def request_ended(self) -> None:
         self.in_flight -= 1
+        if self.in_flight == 0:
+            self._ended.set()
+            self._ended = trio.Event()
+
+    async def wait_idle(self) -> None:
+        """Until no admitted request is in flight (at once when none is)."""
+        while self.in_flight > 0:
+            await self._ended.wait()
+
+
+def shutting_down() -> Rejected:
+    """503 + Retry-After: this server is draining, another one (or this one, restarted) can serve."""
+    return Rejected(503, "server is shutting down", "server_error", "shutting_down", RETRY_AFTER_S)

@@ -79,6 +79,7 @@ class SsdWorker(DurabilityPort, DemotionPort, Protocol):
 class DurabilityCounters:
     stored: int = 0  # records confirmed on disk (written, or already covered)
     missing: int = 0  # the entry left RAM before it could be written, and the SSD lacks it
+    evicted: int = 0  # the entry left RAM and the SSD size cap had evicted its file: not a loss
     failed_attempts: int = 0  # attempts whose spill was dropped or failed (the record re-armed)
     busy_rearms: int = 0
 
@@ -102,8 +103,11 @@ class Durability:
         busy_rearm_s: float = BUSY_REARM_S,
         retry_s: float = RETRY_S,
         max_retry_s: float = MAX_RETRY_S,
+        evicted_by_cap: Callable[[Sequence[int], str], bool] | None = None,
     ) -> None:
         self._port = port
+        # The store's memory of its cap evictions (SsdStore.evicted_by_cap); None: it has none.
+        self._evicted_by_cap = evicted_by_cap or (lambda tokens, namespace: False)
         self._spills = spills
         self._busy = busy
         self.debounce_s, self.busy_rearm_s = debounce_s, busy_rearm_s
@@ -198,7 +202,7 @@ class Durability:
         self._settle(key, record, gen, outcome)
 
     async def _store(self, key: Key) -> str:
-        """ "stored" | "missing" | "failed" | "deferred"."""
+        """ "stored" | "evicted" | "missing" | "failed" | "deferred"."""
         namespace, tokens = key
         if self._port.has_durable_prefix(tokens, namespace):
             return "stored"
@@ -211,6 +215,10 @@ class Durability:
                 return "stored"
             if self._dirty_descendant(key):
                 return "deferred"  # a longer dirty entry supersedes it: it will cover this one
+            if self._evicted_by_cap(tokens, namespace):
+                # It (or a trimmable descendant serving it) reached the SSD, then --ssd-cache-max
+                # pushed it out: the tier kept what its cap allows, nothing was lost.
+                return "evicted"
             return "missing"
         done = await self._spills.submit_outcome(item)
         if done.stored:
@@ -238,9 +246,11 @@ class Durability:
     def _settle(self, key: Key, record: _Record, gen: int, outcome: str) -> None:
         if self.records.get(key) is not record:
             return
-        if outcome in ("stored", "missing"):
+        if outcome in ("stored", "evicted", "missing"):
             if outcome == "stored":
                 self.counters.stored += 1
+            elif outcome == "evicted":
+                self.counters.evicted += 1
             else:
                 self.counters.missing += 1
                 log.info("durability: a %d-token entry left RAM before reaching the SSD", len(key[1]))
@@ -278,7 +288,7 @@ class Durability:
         started = trio.current_time()
         spills = self._spills
         lost0 = spills.counters.dropped + spills.counters.failed - self._own_losses
-        flushed = missing = 0
+        flushed = missing = evicted = 0
         self._take_inbox()  # marks already posted (a put just before the flush) count
         self._flushing = True
         self._poke()
@@ -309,6 +319,9 @@ class Durability:
                         if outcome == "stored":
                             flushed += 1
                             progress = True
+                        elif outcome == "evicted":
+                            evicted += 1
+                            progress = True
                         elif outcome == "missing":
                             missing += 1
                             progress = True
@@ -320,6 +333,12 @@ class Durability:
         # Drops or failures of spills no record backs (demotions) are entries lost for good.
         lost = spills.counters.dropped + spills.counters.failed - self._own_losses - lost0
         durable = not self.records and spills.pending == 0 and lost == 0 and missing == 0
+        if evicted:
+            log.info(
+                "flush: %d entr%s already evicted by the SSD size cap (not lost)",
+                evicted,
+                "y" if evicted == 1 else "ies",
+            )
         return self.result(durable=durable, flushed=flushed, missing=missing, elapsed_s=trio.current_time() - started)
 
     def result(self, *, durable: bool, flushed: int = 0, missing: int = 0, elapsed_s: float = 0.0) -> FlushResult:
@@ -411,7 +430,7 @@ async def start_ssd_tier(
         store, cap_bytes=spill_queue_bytes, idle=lambda: not busy(), run_blocking=getattr(store, "run_blocking", None)
     )
     await nursery.start(spills.run)
-    durability = Durability(tier_worker, spills, busy=busy)
+    durability = Durability(tier_worker, spills, busy=busy, evicted_by_cap=getattr(store, "evicted_by_cap", None))
     await nursery.start(durability.run)
     tier_worker.set_put_listener(durability.listener)
     demotion = None

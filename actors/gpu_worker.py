@@ -1,6 +1,6 @@
 """GPU-worker actor: the only owner of MLX objects.
 
-Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `join`,
+Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `fork_rows`, `join`,
 `join_group`, `step`, `close_row`) and from the SSD tier (`run_exclusive`, `snapshot`,
 `demote_idle`), each an awaited method that puts a `_Job` on the worker's thread-safe job queue.
 Outbound: each job's result (or exception) on that job's reply channel (buffer 1); with the SSD
@@ -15,6 +15,8 @@ The actor's whole life is one dedicated OS thread (its own, not trio's thread ca
 the model itself (MLX arrays, weights included, are bound to the thread that created them) and
 then runs jobs one at a time. A job is never interrupted: a caller that is cancelled while waiting
 merely stops listening, and the job's result is dropped. So rows always leave at step boundaries.
+The one early end is a prefill's own: `abort(row_id)` (not a job) flags the row, and a prefill
+forward of it stops at its next check between layers (model/prefill_abort.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import attrs
 import outcome
 import trio
 
+from actors.policy import device_memory, system_memory_bytes
 from actors.worker_api import ModelInfo
+from model.abort_flags import AbortFlags
 from model.options import EngineOptions
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
@@ -100,12 +104,13 @@ class GpuWorker:
         ssd_cache_dir: Path | str | None = None,
         ssd_cache_max_bytes: int = 32 * 2**30,
         ssd_verify: bool = True,
-        warm_up_batch: int = 0,
+        warm_up_batch: int | Callable[[ModelInfo], int] = 0,
         warm_up: str = "auto",
     ) -> None:
         self.model_dir = Path(model_dir)
         # Decode batch sizes 1..warm_up_batch are met once before serving ("auto": on a GPU only,
-        # where a new shape's first step stalls live streams; "on" / "off" force it).
+        # where a new shape's first step stalls live streams; "on" / "off" force it). A callable
+        # is asked once the model is loaded (`--batch auto` is sized from the model and device).
         self.warm_up_batch = warm_up_batch
         self.warm_up = warm_up
         self.engine_options = engine_options
@@ -129,6 +134,8 @@ class GpuWorker:
         self.info: ModelInfo | None = None
         self.thread_ident: int | None = None
         self._current_reply: trio.MemorySendChannel | None = None
+        # Rows being aborted: written here from the trio thread, read by a running prefill.
+        self._aborts = AbortFlags()
 
     @property
     def prefill_chunk(self) -> int:
@@ -211,18 +218,9 @@ class GpuWorker:
             prompt_cache=self.prompt_cache,
             grammar_compiler=grammars,
             options=self.engine_options,
+            aborts=self._aborts,
         )
         device = mx.default_device()
-        if self.warm_up_batch > 0 and (self.warm_up == "on" or (self.warm_up == "auto" and device.type == mx.gpu)):
-            started = time.perf_counter()
-            engine.warm_up(self.warm_up_batch)
-            self.times.warm_up_s = time.perf_counter() - started
-            log.info(
-                "warmed up decode batch sizes 1..%d and %d prefill shapes in %.1f s",
-                self.warm_up_batch,
-                len(engine.prefill_shapes(self.warm_up_batch)),
-                self.times.warm_up_s,
-            )
         self.info = ModelInfo(
             name=loaded.name,
             context_length=loaded.config.max_position_embeddings,
@@ -236,6 +234,17 @@ class GpuWorker:
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None
             ),
         )
+        batch = self.warm_up_batch(self.info) if callable(self.warm_up_batch) else self.warm_up_batch
+        if batch > 0 and (self.warm_up == "on" or (self.warm_up == "auto" and device.type == mx.gpu)):
+            started = time.perf_counter()
+            engine.warm_up(batch)
+            self.times.warm_up_s = time.perf_counter() - started
+            log.info(
+                "warmed up decode batch sizes 1..%d and %d prefill shapes in %.1f s",
+                batch,
+                len(engine.prefill_shapes(batch)),
+                self.times.warm_up_s,
+            )
         self.alive = True
         token = self._trio_token
         assert token is not None  # set by run() before the thread starts
@@ -292,6 +301,10 @@ class GpuWorker:
         ids = list(row_ids)
         return await self._call(lambda engine: engine.prefill_group(ids), "prefill_group")
 
+    async def fork_rows(self, source_id: int, specs: list[RowSpec]) -> list[RowOpened]:
+        forks = list(specs)
+        return await self._call(lambda engine: engine.fork_rows(source_id, forks), "fork_rows")
+
     async def join(self, row_id: int) -> TokenOut:
         return await self._call(lambda engine: engine.join(row_id), "join")
 
@@ -304,6 +317,12 @@ class GpuWorker:
 
     async def close_row(self, row_id: int, *, reusable: bool) -> None:
         return await self._call(lambda engine: engine.close_row(row_id, reusable=reusable), "close_row")
+
+    def abort(self, row_id: int) -> None:
+        """The row is leaving: a prefill forward of it running now stops at its next checkpoint
+        between layers instead of finishing the chunk (model/prefill_abort.py). Not a job: it
+        never waits for the MLX thread. The scheduler still closes the row."""
+        self._aborts.add(row_id)
 
     async def run_exclusive(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""
@@ -391,11 +410,10 @@ def _reply(channel: trio.MemorySendChannel, result: outcome.Outcome) -> None:
 
 
 def _device_memory_bytes(mx: ModuleType) -> int:
-    """What the device can hold (GPU memory on CUDA/Metal); 0 = unknown (admission uses RAM)."""
+    """What the device can hold (actors/policy.py `device_memory` picks the key); 0 = unknown."""
     try:
-        if mx.default_device().type == mx.cpu:
-            return 0
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info.get("memory_size", 0))
+        device = "cpu" if mx.default_device().type == mx.cpu else "gpu"
+        info = {} if device == "cpu" else (mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info())
+        return device_memory(device, info, ram_bytes=system_memory_bytes())
     except Exception:
         return 0

@@ -28,17 +28,27 @@ Lane = Literal["serial", "batched"]
 
 
 @attrs.frozen
+class Siblings:
+    """One of the `count` choices of one request (OpenAI's `n`): rows with one prompt that share
+    one prefill. Choice `index` 0 leads: the scheduler holds it until the others have arrived,
+    prefills it, then forks its KV into them."""
+
+    key: int  # the same for every choice of the request, unique among requests
+    index: int
+    count: int
+
+
+@attrs.frozen
 class GenerationRequest:
     """A request after protocol parsing and templating: plain token ids and sampling values."""
 
     prompt: tuple[int, ...]
     sampling: SamplingParams  # `seed` is filled in by admission
     max_tokens: int  # what the client asked for (or the route default), before the clamp
-    # The request carried a `seed` key (even null): it runs serial so it is reproducible.
-    explicit_seed: bool = False
     seed: int | None = None
     namespace: str = ""
     snapshot_at: int | None = None  # template-stable prefix (cache/boundary.py), chat only
+    siblings: Siblings | None = None  # one of several choices sharing one prefill
 
 
 class RequestObserver(Protocol):
@@ -126,6 +136,7 @@ class Enqueue:
     lane: Lane
     rows: trio.MemorySendChannel  # RowEvent items; the scheduler closes it when the row ends
     observer: RequestObserver = NULL_OBSERVER
+    siblings: Siblings | None = None
 
 
 @attrs.frozen

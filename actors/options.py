@@ -14,9 +14,12 @@ from model.options import EngineOptions
 @attrs.frozen
 class ServeConfig:
     model: str | None = None
+    # The names the model is served under (the first is the one replies and logs use); empty =
+    # the model's own name. Requests naming another model get 404 (api/model_names.py).
+    served_model_name: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     host: str = "127.0.0.1"
     port: int = 8080
-    batch: int = 8
+    batch: int | None = None  # rows decoding at once; None = auto, sized at start-up (policy.resolve_batch)
     max_tokens: int | None = None  # server default for requests that name none
     memory_budget_gb: float | None = None
     max_queue: int = 256

@@ -1,20 +1,26 @@
 """Pure admission policy: no trio, no I/O, no clocks except injected ones.
 
 Admission (`actors/admission.py`) and the composition root (`actors/root.py`) are thin around
-these rules — where a request runs, its seed, the memory budget — so each can be tested as a
-plain function call. The scheduler's own rules are in `actors/scheduling.py`.
+these rules — where a request runs, its seed, the memory budget, how many rows decode at once — so
+each can be tested as a plain function call. The scheduler's own rules are in
+`actors/scheduling.py`.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
 from actors.messages import Lane
+
+if TYPE_CHECKING:
+    from actors.options import ServeConfig
+    from actors.worker_api import ModelInfo
 
 BatchMode = Literal["off", "serial", "batch"]
 
@@ -28,15 +34,15 @@ def batch_mode(batch: int, *, batchable: bool) -> BatchMode:
     return "batch" if batchable else "serial"
 
 
-def place(*, explicit_seed: bool, mode: BatchMode) -> Lane:
-    """The mechanism is frozen per request from the request alone, never from current load.
+def place(*, mode: BatchMode) -> Lane:
+    """The lane is the server's mode, never the request's fields or the current load.
 
-    An explicit seed promises reproducibility, and only a row running alone is reproducible
-    whatever else is running (per-row RNG streams are exact, left-pad reduction order is not).
+    A seeded request is batched like any other: each row samples from its own (seed, step) key
+    (model/sampling.py), so a seed gives the same tokens alone and beside other rows wherever the
+    logits are the same (always on CPU; on CUDA a wider step can round differently, as it can
+    for greedy rows).
     """
-    if mode == "batch" and not explicit_seed:
-        return "batched"
-    return "serial"
+    return "batched" if mode == "batch" else "serial"
 
 
 _GOLDEN_32 = 0x9E3779B9  # odd, so the Weyl sequence visits every 32-bit value before repeating
@@ -117,3 +123,67 @@ def clamp_max_tokens(prompt_tokens: int, requested: int, max_safe_context: int) 
     if available < 1:
         return None
     return min(requested, available)
+
+
+def device_memory(device: str, device_info: Mapping[str, object], *, ram_bytes: int) -> int:
+    """What the model's device can hold, from `mx.device_info()`: CUDA reports `total_memory`
+    (GPU memory), Metal `max_recommended_working_set_size` (what the GPU may keep resident;
+    its `memory_size` is all of RAM); on CPU, or when neither key is there, system RAM."""
+    if device != "cpu":
+        for key in ("total_memory", "max_recommended_working_set_size", "memory_size"):
+            value = device_info.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return ram_bytes
+
+
+# --- batch width -----------------------------------------------------------------------------
+
+# `--batch auto`: mlx_lm.server decodes 32 rows at once by default, and every side-by-side run in
+# docs/performance.md (H100, H200 and CPU) gave ours 32 rows; 8 rows leave 24 of 32 concurrent
+# requests queued. On CPU the engine's B=32 decode gave 1.8x B=8's tokens/s. So 32 on every
+# device, fewer only where their KV does not fit.
+AUTO_BATCH_ROWS = 32
+# The context each auto row is given room for in the KV budget (a chat turn with a system
+# prompt); a row may grow past it, admission still caps each one at the max safe context.
+AUTO_ROW_CONTEXT = 2048
+
+
+def parse_batch(text: str) -> int | None:
+    """`--batch auto` → None (sized at start-up by `resolve_batch`), else an integer >= 1."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be auto or an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be auto or an integer >= 1")
+    return value
+
+
+def resolve_batch(
+    requested: int | None, *, budget_bytes: int, weights_bytes: int, kv_bytes_per_token: int, context_length: int
+) -> int:
+    """The rows that decode at once: `requested` as given, or for auto (None) `AUTO_BATCH_ROWS`,
+    fewer when that many rows of `AUTO_ROW_CONTEXT` tokens (or the model's whole context, if
+    shorter) would not fit the KV room the budget leaves after weights and the prefill transient;
+    never below 1 (then the strict serial executor)."""
+    if requested is not None:
+        return requested
+    row_bytes = kv_bytes_per_token * min(AUTO_ROW_CONTEXT, context_length)
+    if row_bytes <= 0:
+        return AUTO_BATCH_ROWS
+    usable = budget_bytes - weights_bytes - PREFILL_TRANSIENT_BYTES
+    return max(1, min(AUTO_BATCH_ROWS, usable // row_bytes))
+
+
+def batch_rows(config: ServeConfig, info: ModelInfo) -> int:
+    """`--batch` for the loaded model: the root's scheduler and the worker's warm-up both ask."""
+    return resolve_batch(
+        config.batch,
+        budget_bytes=memory_budget_bytes(config.memory_budget_gb, device_memory_bytes=info.memory_bytes),
+        weights_bytes=info.weights_bytes,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        context_length=info.context_length,
+    )

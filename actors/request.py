@@ -5,6 +5,11 @@ Inbound:  its admission reply (`Admitted` | `Rejected`, buffer 1) and its own pe
 Outbound: `Submit` to admission; `Abort` / `StopRow` to the scheduler's control inbox
           (unbounded, `send_nowait`, so they can be sent from a `finally` under cancellation).
 
+`admit()` returns once the request's row has opened (for the choices of one request, once the
+last one has): a request still queued has sent no response byte, so when the shutdown gate
+closes it is refused with 503 + Retry-After (its protocol's error, before any header) instead
+of answering 200 with an empty completion.
+
 The HTTP handler owns one `RequestActor` and must `close()` it in a `finally`; closing is
 synchronous and idempotent. A client disconnect cancels the handler (or its body generator);
 `close()` then aborts the row wherever it is — queued, mid-prefill or decoding — and releases
@@ -148,13 +153,16 @@ class RequestActor(Generic[EventT]):
         self.cut_off = False  # ended by the shutdown deadline
         self._done = False
         self._failure: str | None = None  # a RowFailed met while taking waiting tokens
+        self._early: list[RowEvent | None] = []  # an event `admit` received that is not RowOpened
 
     @property
     def lane(self) -> Lane | None:
         return self.admitted.lane if self.admitted else None
 
     async def admit(self) -> Admitted:
-        """Raises `RequestRejected` (400 / 503) instead of queueing."""
+        """Admission's answer, then the wait for the row to open (the queue). Raises
+        `RequestRejected`: 400 / 503 from admission, or 503 when the server began shutting down
+        while the row was still queued."""
         rows = self._rows_send
         if rows is None:
             raise RuntimeError("a request actor is admitted once")
@@ -171,7 +179,39 @@ class RequestActor(Generic[EventT]):
         self.admitted = decision
         self._release.row_id = decision.row_id
         self._ports.admission.request_started()
+        siblings = self.request.siblings
+        # The choices of one request open together (the leader, held until its siblings have all
+        # arrived, then the rest from its KV): only the last one admitted waits for the opening.
+        if siblings is None or siblings.index == siblings.count - 1:
+            await self._until_opened()
         return decision
+
+    async def _until_opened(self) -> None:
+        admission = self._ports.admission
+        first: RowEvent | None = None
+        with admission.queued_scope() as scope:
+            first = await self._receive_any()
+        if scope.cancelled_caught:  # the shutdown gate closed while the row was queued
+            try:
+                first = self._rows.receive_nowait()
+            except trio.WouldBlock:  # still queued: nothing was answered yet, so refuse it
+                rejection = admission.shut_out()
+                self.close()  # aborts the queued row
+                raise RequestRejected(rejection) from None
+            except trio.EndOfChannel:
+                self._release.row_over = True
+                first = None
+        if isinstance(first, RowOpened):
+            self.cached_tokens = first.cached_tokens
+        else:  # a failure or the channel's end: `next_events` reports it as before
+            self._early.append(first)
+
+    async def _receive_any(self) -> RowEvent | None:
+        try:
+            return await self._rows.receive()
+        except trio.EndOfChannel:
+            self._release.row_over = True
+            return None
 
     async def next_events(self) -> list[EventT] | None:
         """The text events of the next token(s); the last list carries the pipeline's tail;
@@ -240,6 +280,8 @@ class RequestActor(Generic[EventT]):
         return events
 
     async def _receive(self) -> RowEvent | None:
+        if self._early:
+            return self._early.pop()
         if self._ports.admission.cutoff > trio.current_time():
             # The common case under load: the event is already here, so no cancel scope is
             # needed for the shutdown cut-off (entering one per token is measurable).

@@ -9,16 +9,22 @@ Tree (all in one nursery, started in dependency order; any actor crashing takes 
     ├── spill_queue       inbox: Spill (--ssd-cache only)      → SSD writes off the MLX thread
     ├── durability        inbox: MarkDirty (worker put hook)    → snapshot jobs, Spill
     ├── demotion_timer    its own cadence, polls `scheduler.busy` → demote jobs, Spill
-    └── HTTP (hypercorn `serve`, run in the root's body, not as a child: the root decides when
-                  it ends and what still runs after it)
+    └── HTTP (hypercorn `serve`, started first: the port is bound before the model loads, and
+                  api/lifecycle.py answers 503 "loading" until the app is ready; the root
+                  decides when it ends and what still runs after it)
 
 Channels: the scheduler's inbox (unbounded `Control`: admission's `Enqueue` / `Abort`, request
 actors' `Abort` / `StopRow`) and admission's submits (unbounded `Submit` from request actors)
 are opened here; request actors reach both through `RequestPorts`.
 
-Shutdown order (deadlines: `ShutdownPlan`): `Shutdown.requested` → admission closes (503 for
-new requests; in-flight waits are cut at the plan's drain and end with a final chunk) and
-hypercorn closes its listeners → hypercorn waits for in-flight responses → `serve` returns →
+Start-up order: HTTP binds (a busy port fails here, before any load) → the worker loads the model
+→ scheduler, admission, the SSD-tier actors → the app is served.
+
+Shutdown order (deadlines: `ShutdownPlan`): `Shutdown.requested` → admission closes (503 +
+Retry-After for new requests and for admitted ones still queued; started requests' waits are
+cut at the plan's drain and end with a final chunk) → the listeners stay open, answering 503
+(/health too), until the started requests have ended or the drain deadline → hypercorn closes
+its listeners and waits for in-flight responses → `serve` returns →
 with the SSD tier: timers stop and the durability flush runs (shielded, within its budget, while
 the worker is still alive to take snapshots; its result is what `run_server` returns) → the
 actors are cancelled → flush hooks run shielded → return. `Shutdown.now` (a second Ctrl-C)
@@ -32,6 +38,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import attrs
 import trio
 from hypercorn.typing import ASGIFramework
 
@@ -41,10 +48,11 @@ from actors.durability import shutdown_flush, start_ssd_tier
 from actors.handles import CacheStats, ServerHandles, sampling_defaults_for
 from actors.messages import Control, FlushResult, Submit
 from actors.options import ServeConfig
-from actors.policy import admission_ceiling, batch_mode, memory_budget_bytes
+from actors.policy import admission_ceiling, batch_mode, batch_rows, memory_budget_bytes
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.shutdown import Shutdown, ShutdownPlan
+from actors.startup import listen_failed, load_failed
 from actors.worker_api import ModelInfo, Worker
 from model.params import SamplingParams
 
@@ -56,8 +64,6 @@ log = logging.getLogger(__name__)
 # The joiner's chunk while other rows decode, on CPU: the long-joiner workload's worst gap
 # between a running stream's tokens was a whole 2048-token chunk (1.8 s on the CPU machine).
 DECODING_PREFILL_CHUNK = 512
-
-HTTP_DRAIN_POLL_S = 0.05  # how often the root looks whether every admitted request has ended
 
 FlushHook = Callable[[], Awaitable[object]]
 ServeHttp = Callable[[ASGIFramework, Callable[[], Awaitable[None]]], Awaitable[None]]
@@ -120,18 +126,30 @@ async def start_actors(
         )
     else:
         log.info("admission: max safe context %d tokens (budget %.2f GB)", ceiling.max_safe_context, budget / 1e9)
-    mode = batch_mode(config.batch, batchable=info.batchable)
+    rows = batch_rows(config, info)
+    log.info("batch %s -> %d rows", "auto" if config.batch is None else config.batch, rows)
+    config = attrs.evolve(config, batch=rows)  # /stats and every later reader see the rows in use
+    mode = batch_mode(rows, batchable=info.batchable)
 
     inbox_send, inbox_recv = trio.open_memory_channel[Control](float("inf"))
     # auto = on everywhere since 2026-12-05: on CPU too, once chat rows joined their groups
     # (benchmarks/results/2026-12-05/NOTES.md, item 28), grouping measured +5-11% at c=8/32.
     grouped = mode == "batch" and config.group_prefill != "off"
     arrivals = Arrivals()
+    admission = Admission(
+        ceiling=ceiling,
+        mode=mode,
+        max_queue=config.max_queue,
+        waiting=lambda: scheduler.waiting,
+        scheduler=inbox_send,
+    )
     scheduler = Scheduler(
         worker,
-        capacity=config.batch,
+        capacity=rows,
         inbox=inbox_recv,
-        pending_arrivals=lambda: arrivals.pending,
+        # A route counts itself as arriving until `admit` returns, which is when its row opens:
+        # the requests admission already answered are in the queue, not on their way in.
+        pending_arrivals=lambda: max(0, arrivals.pending - admission.queued),
         arrival_window=config.arrival_window_ms / 1000,
         group_prefill_tokens=(worker.prefill_chunk if isinstance(worker, ChunksPrefill) else 2048) if grouped else 0,
         decoding_prefill_chunk=(
@@ -143,16 +161,10 @@ async def start_actors(
         ),
     )
     arrivals.on_settled = scheduler.nudge
+    admission.on_queued = scheduler.nudge
     await nursery.start(scheduler.run)
 
     submits_send, submits_recv = trio.open_memory_channel[Submit](float("inf"))
-    admission = Admission(
-        ceiling=ceiling,
-        mode=mode,
-        max_queue=config.max_queue,
-        waiting=lambda: scheduler.waiting,
-        scheduler=inbox_send,
-    )
     await nursery.start(admission.run, submits_recv)
 
     # The cache SSD tier: spill_queue, durability, demotion_timer — when the worker opened an
@@ -194,9 +206,12 @@ async def run_server(
     flush_hooks: Sequence[FlushHook] = (),
     trace: Callable[[str], None] = lambda milestone: None,
 ) -> FlushResult | None:
-    """Run until shutdown; returns normally on a clean or a timed-out shutdown alike. Returns
-    the shutdown durability flush's FlushResult (durable=False if it never ran), or None
-    without an SSD tier. `plan` defaults to the one `config` implies."""
+    """Bind, load, serve until shutdown; returns normally on a clean or a timed-out shutdown
+    alike. Returns the shutdown durability flush's FlushResult (durable=False if it never ran),
+    or None without an SSD tier. `plan` defaults to the one `config` implies. A bind failure (or
+    a worker that fails to load) propagates."""
+    from api.lifecycle import LifecycleApp
+
     if make_app is None:
         from api.app import create_app
 
@@ -205,9 +220,14 @@ async def run_server(
         plan = ShutdownPlan.for_options(config)
     drain = plan.drain
 
+    lifecycle = LifecycleApp()  # answers 503 "loading" until the model is loaded
     handles: ServerHandles | None = None
     flushed: FlushResult | None = None
     flush_scope = trio.CancelScope(shield=True)  # only a second signal cuts the flush short
+    load_scope = trio.CancelScope()
+    http_scope = trio.CancelScope()
+    bound = trio.Event()
+    http_done = trio.Event()
     async with trio.open_nursery() as nursery:
 
         async def escalate() -> None:
@@ -218,8 +238,11 @@ async def run_server(
 
         async def gate() -> None:
             await shutdown.requested.wait()
+            # hypercorn's graceful timeout counts from its trigger, which may fire as late as the
+            # drain deadline: HTTP's own deadline is counted from the signal here instead.
+            http_scope.deadline = trio.current_time() + plan.http_deadline
             if handles is None:  # a signal during model load: nothing to drain
-                nursery.cancel_scope.cancel()
+                load_scope.cancel()
                 return
             handles.admission.close(cutoff_after=drain)
             log.info(
@@ -229,20 +252,51 @@ async def run_server(
             )
             trace("admission closed")
 
+        async def listeners_close() -> None:
+            """hypercorn's shutdown trigger. hypercorn awaits it only once its listeners are
+            bound, so its first call says the port is ours. It returns — and the listeners
+            close — once the admitted requests have ended (new ones meanwhile get 503 and
+            /health says "shutting down"), at the latest at the drain deadline."""
+            bound.set()
+            await shutdown.requested.wait()
+            if handles is not None:
+                with trio.move_on_at(handles.admission.cutoff):
+                    await handles.admission.wait_idle()
+            trace("listeners closing")
+
+        async def http() -> None:
+            with http_scope:
+                try:
+                    await serve_http(lifecycle, listeners_close)
+                except Exception as exc:
+                    if bound.is_set():
+                        raise
+                    raise listen_failed(config.host, config.port, exc) from exc
+            http_done.set()
+
         nursery.start_soon(escalate)
         nursery.start_soon(gate)
-        handles = await start_actors(nursery, worker, config=config, make_tokenizer=make_tokenizer)
-        app = make_app(handles)
-        if not shutdown.requested.is_set():
-            with trio.CancelScope() as http_scope:
-                nursery.start_soon(_end_http_once_drained, handles, shutdown, http_scope, plan.drained_http_grace)
-                await serve_http(app, shutdown.requested.wait)
-            trace("http done")
+        nursery.start_soon(http)
+        await bound.wait()  # a bind failure raises out of the nursery instead
+        trace("listening")
+        with load_scope:
+            try:
+                handles = await start_actors(nursery, worker, config=config, make_tokenizer=make_tokenizer)
+            except Exception as exc:
+                raise load_failed(config.model, exc) from exc
+        if handles is not None:
+            lifecycle.serve(make_app(handles))
+            trace("serving")
+            log.info("ready: serving model %s", handles.info.name)
+            nursery.start_soon(_end_http_once_drained, handles, shutdown, http_scope, plan.drained_http_grace)
+        await http_done.wait()
+        trace("http done")
+        if handles is not None:
             log.info("HTTP server stopped; %d request(s) still in flight", handles.admission.in_flight)
-        if handles.ssd is not None:
-            with flush_scope:
-                flushed = await shutdown_flush(handles.ssd, timeout=plan.durability_flush)
-                trace("durability flushed")
+            if handles.ssd is not None:
+                with flush_scope:
+                    flushed = await shutdown_flush(handles.ssd, timeout=plan.durability_flush)
+                    trace("durability flushed")
         nursery.cancel_scope.cancel()
     trace("actors stopped")
     await run_flush_hooks(flush_hooks, budget=plan.flush_hooks)
@@ -259,8 +313,7 @@ async def _end_http_once_drained(
     graceful timeout, so Ctrl-C would wait `--shutdown-timeout` for nothing. Once every admitted
     request has ended and its last frame had a moment to go out, end HTTP ourselves."""
     await shutdown.requested.wait()
-    while handles.admission.in_flight > 0:
-        await trio.sleep(HTTP_DRAIN_POLL_S)
+    await handles.admission.wait_idle()
     await trio.sleep(grace)
     http_scope.cancel()
 

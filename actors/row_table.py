@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from actors.messages import NULL_OBSERVER, Lane, RequestObserver, RowEvent
+from actors.messages import NULL_OBSERVER, Lane, RequestObserver, RowEvent, Siblings
 from model.rows import RowSpec
 
 if TYPE_CHECKING:
@@ -35,10 +35,31 @@ class Row:
     opened: bool = False  # the worker holds state for it (close_row owed)
     enqueued_at: float = 0.0  # trio time it reached the scheduler
     held_since: float | None = None  # when the scheduler first held it at the head for arrivals
+    family: Family | None = None  # a leader's, until it forks its KV into its siblings
 
     @property
     def row_id(self) -> int:
         return self.spec.row_id
+
+    @property
+    def width(self) -> int:
+        """Batch slots it takes once admitted: a leader's followers come with it."""
+        return 1 + (len(self.family.followers) if self.family is not None else 0)
+
+
+@attrs.define(eq=False)
+class Family:
+    """The choices of one request (OpenAI's `n`) until they fork: the leader (choice 0) is queued
+    and admitted only once its siblings have all arrived; they wait here, outside the queue, until
+    it has prefilled, then are opened from its KV (`fork`) and join after it."""
+
+    key: int
+    count: int  # choices expected, the leader included (a follower that leaves lowers it)
+    followers: list[Row] = attrs.Factory(list)
+
+    @property
+    def complete(self) -> bool:
+        return 1 + len(self.followers) >= self.count
 
 
 class RowTable:
@@ -56,6 +77,11 @@ class RowTable:
     together — opened and prefilled in one forward — and wait in `staged` until they join the
     batch together (`staged_ready`); one the group could not prefill becomes the joiner
     (`promote`). Nothing else is admitted until they have all joined.
+
+    Siblings (`enqueue_sibling`): a request's choices share one prefill. The leader alone is queued
+    and takes the batch slots of the whole family; after its prefill `fork` stages the others
+    (they join as a group prefill's rows do). A leader that leaves before forking puts its
+    followers in the queue where it stood, each to prefill alone.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -64,6 +90,7 @@ class RowTable:
         self.joiner: Row | None = None
         self.staged: list[Row] = []  # admitted together (group prefill), waiting to join
         self.running: dict[int, Row] = {}
+        self.families: dict[int, Family] = {}  # by Siblings.key, until the leader forks or leaves
         self._seq = 0
 
     # -- arrivals and departures
@@ -74,14 +101,57 @@ class RowTable:
         row.phase = "queued"
         self.queue.append(row)
 
+    def enqueue_sibling(self, row: Row, siblings: Siblings) -> None:
+        """Choice 0 is queued as its family's leader; a later choice waits attached to it, or is
+        queued alone when the leader has already forked or left."""
+        family = self.families.get(siblings.key)
+        if siblings.index == 0 and siblings.count > 1 and family is None:
+            row.family = self.families[siblings.key] = Family(siblings.key, siblings.count)
+            self.enqueue(row)
+        elif siblings.index > 0 and family is not None:
+            self._seq += 1
+            row.seq, row.phase = self._seq, "queued"
+            family.followers.append(row)
+        else:
+            self.enqueue(row)
+
+    def fork(self, leader: Row) -> list[Row]:
+        """The joiner, prefilled, forks: its followers are staged, to be opened from its KV."""
+        assert leader is self.joiner, "fork() of a row that is not the joiner"
+        family, leader.family = leader.family, None
+        if family is None:
+            return []
+        self.families.pop(family.key, None)
+        for row in family.followers:
+            row.phase = "joining"
+        self.staged.extend(family.followers)
+        return list(family.followers)
+
+    def _disband(self, leader: Row, at: int) -> None:
+        """A leader left before forking: its followers take its place in the queue."""
+        family, leader.family = leader.family, None
+        if family is None:
+            return
+        self.families.pop(family.key, None)
+        for row in reversed(family.followers):
+            self.queue.insert(at, row)
+
     def mark_leaving(self, row_id: int, reason: LeaveReason) -> Row | None:
         """A queued row leaves at once (returned, already out of the table); an active row is
         marked and leaves at the next boundary via `take_leavers`."""
-        for row in self.queue:
+        for at, row in enumerate(self.queue):
             if row.row_id == row_id:
-                self.queue.remove(row)
+                del self.queue[at]
                 row.leaving = row.leaving or reason
+                self._disband(row, at)
                 return row
+        for family in self.families.values():
+            for row in family.followers:
+                if row.row_id == row_id:
+                    family.followers.remove(row)
+                    family.count -= 1
+                    row.leaving = row.leaving or reason
+                    return row
         active = self.active(row_id)
         if active is not None and active.leaving is None:
             active.leaving = reason
@@ -92,6 +162,7 @@ class RowTable:
         for row in leavers:
             if row is self.joiner:
                 self.joiner = None
+                self._disband(row, 0)
             if row in self.staged:
                 self.staged.remove(row)
             self.running.pop(row.row_id, None)
@@ -103,11 +174,11 @@ class RowTable:
         if self.joiner is not None or self.staged or not self.queue:
             return None
         head = self.queue[0]
-        if self.serial_running:
-            return None
+        if self.serial_running or (head.family is not None and not head.family.complete):
+            return None  # (a leader waits for its siblings: they are on their way)
         if head.lane == "serial":
             return head if not self.running else None
-        return head if len(self.running) < self.capacity else None
+        return head if len(self.running) + min(head.width, self.capacity) <= self.capacity else None
 
     def admit(self, row: Row) -> None:
         """The admissible head becomes the joiner."""
@@ -156,8 +227,9 @@ class RowTable:
         return self.running.get(row_id)
 
     def rows(self) -> list[Row]:
-        """Every row in the table: queued, staged, running, then the joiner."""
-        rows = [*self.queue, *self.staged, *self.running.values()]
+        """Every row in the table: queued, waiting for a fork, staged, running, then the joiner."""
+        followers = [row for family in self.families.values() for row in family.followers]
+        rows = [*self.queue, *followers, *self.staged, *self.running.values()]
         if self.joiner is not None:
             rows.append(self.joiner)
         return rows

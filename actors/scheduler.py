@@ -15,10 +15,12 @@ a group with room to spare) is held while other requests are still on their way 
 (`pending_arrivals`), for at most `arrival_window` seconds; the running streams keep stepping
 meanwhile.
 
-Rows leave only between worker calls: an abort during a prefill chunk takes effect after that
-chunk, one during a decode step after that step, and the aborted row's token from that call is
-discarded, never delivered. Each row's `RequestObserver` is told of every event delivered on
-its channel and of the channel's close.
+Rows leave only between worker calls: an abort during a decode step takes effect after that
+step, and the aborted row's token from that call is discarded, never delivered. An abort during a
+prefill is also passed to the worker at once (`Worker.abort`), so the chunk stops at its next
+check between layers instead of running to its end; the row then leaves as after any call.
+Each row's `RequestObserver` is told of every event delivered on its channel and of the
+channel's close.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from actors.scheduling import (
     GROUP_MIN_CACHED_TOKENS,
     Action,
     EndTurn,
+    Fork,
     Hold,
     Join,
     JoinStaged,
@@ -72,6 +75,7 @@ class SchedulerCounters:
     group_prefills: int = 0  # prefill_group forwards (each also counts as a prefill chunk)
     grouped_rows: int = 0  # rows opened for a group prefill
     solo_rows: int = 0  # rows opened to prefill alone
+    forked_rows: int = 0  # sibling choices opened from their leader's prefill (no prefill of their own)
     held_heads: int = 0  # queue heads held for requests still on their way in
     held_s: float = 0.0  # their total wait
     tokens: int = 0
@@ -164,13 +168,21 @@ class Scheduler:
                 observer=message.observer,
                 enqueued_at=trio.current_time(),
             )
-            self.table.enqueue(row)
+            if message.siblings is not None:
+                self.table.enqueue_sibling(row, message.siblings)
+            else:
+                self.table.enqueue(row)
             self.counters.submitted_rows += 1
         elif isinstance(message, (Abort, StopRow)):
             reason: LeaveReason = "abort" if isinstance(message, Abort) else "stop"
             dropped = self.table.mark_leaving(message.row_id, reason)
             if dropped is not None:
                 self._end(dropped)
+            elif reason == "abort":
+                active = self.table.active(message.row_id)
+                if active is not None and active.opened:
+                    # A prefill of it running now stops between layers, not after its chunk.
+                    self._worker.abort(message.row_id)
         self._kick.set()
 
     # -- the driver loop: carries out what `decide` says, one action at a time
@@ -230,6 +242,8 @@ class Scheduler:
                 await self._open(row)
             case Prefill(row=row, limit=limit):
                 await self._prefill(row, limit)
+            case Fork(row=row):
+                await self._fork(row)
             case Join(row=row, riding=riding):
                 if riding:
                     await self._join_group([row], staged=False)
@@ -316,6 +330,23 @@ class Scheduler:
             return
         self.counters.prefill_chunks += 1
         row.to_prefill = progress.remaining
+
+    async def _fork(self, leader: Row) -> None:
+        """The prefilled leader's siblings are opened from its KV: staged, they join after it."""
+        rows = self.table.fork(leader)
+        if not rows:
+            return
+        try:
+            self._calls += 1
+            opened = await self._worker.fork_rows(leader.row_id, [r.spec for r in rows])
+        except Exception as exc:
+            self._fail(rows, exc, "fork_rows")
+            return
+        self.counters.forked_rows += len(rows)
+        for row, event in zip(rows, opened):
+            row.opened = True
+            row.to_prefill = event.to_prefill
+            self._deliver(row, event)
 
     async def _join(self, row: Row) -> None:
         try:

@@ -13,7 +13,9 @@ stage comes next and what the turn did so far:
   PROMOTE the first staged row (one the group could not prefill) becomes the joiner.
   HEAD    the admissible head is opened alone, unless held or a group could open at the head
           (it waits for the next turn's group prefill).
-  JOINER  one forward for the joiner: a prefill chunk, or its join.
+  JOINER  one forward for the joiner: a prefill chunk, or its join. A prefilled joiner that leads
+          sibling choices first forks its KV into them (a copy, no forward); they are staged
+          and join after it.
   STEP    one decode step, unless a join this turn left more rows to admit (a burst: the next
           row joins before the batch steps).
   END     a turn that made a worker call goes straight on to the next; one that made none
@@ -97,6 +99,13 @@ class Prefill:
 
 
 @attrs.frozen
+class Fork:
+    """The prefilled joiner's siblings are opened from its KV (they are staged, to join after it)."""
+
+    row: Row
+
+
+@attrs.frozen
 class Join:
     """The joiner enters the batch: `riding` = through join_group, its token 0 coming with the
     next step; else through join, which gives its token 0 at once."""
@@ -125,7 +134,7 @@ class EndTurn:
     checkpoint: bool
 
 
-Action = Hold | OpenGroup | JoinStaged | Promote | Open | Prefill | Join | Step | Wait | EndTurn
+Action = Hold | OpenGroup | JoinStaged | Promote | Open | Prefill | Fork | Join | Step | Wait | EndTurn
 
 
 # -- the turn
@@ -147,6 +156,7 @@ _STAGE_AFTER: dict[type, Stage] = {
     Promote: Stage.HEAD,
     Open: Stage.JOINER,
     Prefill: Stage.STEP,
+    Fork: Stage.JOINER,  # a copy, not a forward: the join follows in the same turn
     Join: Stage.STEP,
     Step: Stage.END,
 }
@@ -204,6 +214,8 @@ def decide(table: RowTable, now: float, pending_arrivals: int, settings: Setting
         if joiner.to_prefill > 0:
             # A smaller chunk beside decoding rows bounds the gap between two of their tokens.
             return Prefill(joiner, limit=(settings.decoding_prefill_chunk if table.running else 0) or None)
+        if joiner.family is not None:
+            return Fork(joiner)
         # Into a running batch with nobody queued behind it, the join rides the next step: no
         # L=1 forward of its own for the running streams to wait for. The rows of a burst join
         # one by one, each getting its token 0 at once.
@@ -260,6 +272,7 @@ def group_at_head(table: RowTable, max_tokens: int) -> list[Row]:
         wider = max(width, n)
         if (
             row.lane != "batched"
+            or row.family is not None  # a leader prefills alone, then forks
             or len(table.running) + len(group) >= table.capacity
             or not 0 < n <= max_tokens
             or wider * (len(group) + 1) > max_tokens
@@ -276,7 +289,7 @@ def group_has_room(table: RowTable, max_tokens: int) -> bool:
     if table.admissible_head() is None:
         return False
     group = group_at_head(table, max_tokens) or [table.queue[0]]
-    if len(group) < len(table.queue) or any(r.lane != "batched" for r in group):
+    if len(group) < len(table.queue) or any(r.lane != "batched" or r.family is not None for r in group):
         return False  # the row behind the group could not join it: waiting buys nothing
     width = max(len(r.spec.prompt) - 1 for r in group)
     return 0 < width * (len(group) + 1) <= max_tokens and len(table.running) + len(group) < table.capacity

@@ -1,11 +1,16 @@
 """`python -m actors.serve`: the process entry point — flags, logging, signals, exit code.
 
-The flags build one `ServeConfig` (actors/options.py); `--blas` is the only one that acts before
-it, since MLX binds its BLAS when it loads. The signal receiver opens before anything else; the
+The flags build one `ServeConfig` (actors/options.py); `--blas` and `--log-level` act before it
+(MLX binds its BLAS when it loads). The signal receiver opens before anything else; the
 first SIGINT/SIGTERM starts the graceful shutdown (actors/root.py), the second cancels
 everything; a wall-clock watchdog hard-exits if a client that stopped reading pins a connection
 (hypercorn shields its socket writes, so no cancel can free it). Every deadline is the
 `ShutdownPlan`'s (actors/shutdown.py).
+
+Exit codes: 0 after a graceful shutdown; 1 when the SSD tier's shutdown flush lost an entry it
+had to keep, when the watchdog fired, or on a start-up failure that is not the command line's
+fault; 2 for a bad command line (a flag, the --model directory, a busy port: one line,
+actors/startup.py); 130 when a second signal cut the shutdown short.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ _FIELD_OF = {
     "ssd_spill_queue": "ssd_spill_queue_gb",
     "ssd_demote_idle": "ssd_demote_idle_s",
 }
-_PROCESS_FLAGS = {"blas"}  # acted on before the server exists: no ServeConfig field
+_PROCESS_FLAGS = {"blas", "log_level"}  # acted on before the server exists: no ServeConfig field
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+SECOND_SIGNAL_EXIT = 130  # the shell's code for "ended by Ctrl-C": streams were cut, not finished
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -48,14 +55,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def parser() -> argparse.ArgumentParser:
+    from actors.policy import parse_batch
+
     p = argparse.ArgumentParser(
         prog="python -m actors.serve",
         description="OpenAI-compatible LLM server on MLX (trio actors). No --model: the embedded demo model.",
     )
     p.add_argument("--model", help="model directory or an org/name in the local Hugging Face cache")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=(),
+        type=_non_empty,
+        metavar="NAME",
+        help="names the model answers to; the first is used in replies and logs (default: org/name or directory name)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--batch", type=_at_least_one, default=8, help="max concurrent rows; 1 = strict serial executor")
+    p.add_argument(
+        "--batch",
+        type=parse_batch,
+        default=None,
+        metavar="N|auto",
+        help="max concurrent rows; 1 = strict serial executor (default auto: 32, fewer if their KV does not fit)",
+    )
     p.add_argument("--max-tokens", type=_at_least_one, default=None, help="default max_tokens for requests")
     p.add_argument(
         "--memory-budget",
@@ -149,6 +172,12 @@ def parser() -> argparse.ArgumentParser:
         help="request body cap in MiB, 413 above it (default 16; 0 = no cap)",
     )
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log lines")
+    p.add_argument(
+        "--log-level",
+        choices=tuple(_LOG_LEVELS),
+        default="info",
+        help="log threshold; debug also prints the traceback of a start-up failure (default info)",
+    )
     p.add_argument(
         "--idle-timeout",
         type=_positive_float,
@@ -256,6 +285,12 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -297,7 +332,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=_LOG_LEVELS[args.log_level], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Before anything can import mlx: MLX's CPU backend binds its BLAS at load time.
     from model.blas import preload_optimized_blas
 
@@ -316,6 +351,7 @@ async def _main(config: ServeConfig) -> int:
     from actors.messages import FlushResult
     from actors.root import run_server
     from actors.shutdown import Shutdown, ShutdownPlan
+    from actors.startup import startup_failure
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         shutdown = Shutdown()
@@ -332,7 +368,10 @@ async def _main(config: ServeConfig) -> int:
                         "shutting down gracefully (again to exit now)" if first else "exiting now",
                     )
                     shutdown.request()
-                    nursery.start_soon(_watchdog, plan.watchdog if first else plan.hard_exit_after)
+                    if first:
+                        nursery.start_soon(_watchdog, plan.watchdog, 1)
+                    else:
+                        nursery.start_soon(_watchdog, plan.hard_exit_after, SECOND_SIGNAL_EXIT)
 
             nursery.start_soon(on_signals)
             if config.ssd_cache_dir and config.prompt_cache_gb <= 0:
@@ -345,16 +384,28 @@ async def _main(config: ServeConfig) -> int:
                 log.error("cannot serve: %s", exc)
                 nursery.cancel_scope.cancel()
                 return 2
-            flushed = await run_server(
-                worker,
-                config=config,
-                make_tokenizer=make_tokenizer,
-                serve_http=partial(_serve_http, config, plan),
-                shutdown=shutdown,
-                plan=plan,
-            )
+            try:
+                flushed = await run_server(
+                    worker,
+                    config=config,
+                    make_tokenizer=make_tokenizer,
+                    serve_http=partial(_serve_http, config, plan),
+                    shutdown=shutdown,
+                    plan=plan,
+                )
+            except Exception as exc:
+                failure = startup_failure(exc)
+                if failure is None:
+                    raise  # a crash while serving keeps its traceback
+                # One line; the traceback only at --log-level debug.
+                debug = log.isEnabledFor(logging.DEBUG)
+                log.error("cannot serve: %s", failure.message, exc_info=exc if debug else None)
+                nursery.cancel_scope.cancel()
+                return failure.exit_code
             nursery.cancel_scope.cancel()
     log.info("bye")
+    if shutdown.now.is_set():  # a second signal cut the drain (and the flush) short
+        return SECOND_SIGNAL_EXIT
     # With the SSD tier, exit 0 only when the shutdown flush made everything durable.
     return 0 if flushed is None or flushed.durable else 1
 
@@ -362,6 +413,7 @@ async def _main(config: ServeConfig) -> int:
 def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[ModelInfo], Tokenizer]]:
     """The model directory, its worker (not yet loaded) and the tokenizer factory."""
     from actors.gpu_worker import GpuWorker
+    from actors.policy import batch_rows
     from model.tokenizer import Tokenizer
 
     if config.model:
@@ -380,11 +432,12 @@ def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[Mod
 
     worker = GpuWorker(
         model_dir,
+        name=config.served_model_name[0] if config.served_model_name else None,
         prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
         ssd_cache_dir=config.ssd_cache_dir,
         ssd_cache_max_bytes=int(config.ssd_cache_max_gb * 2**30),
         ssd_verify=config.ssd_verify,
-        warm_up_batch=config.batch,
+        warm_up_batch=partial(batch_rows, config),  # --batch auto is sized once the model is loaded
         warm_up=config.warm_up,
         engine_options=config.engine_options(),
     )
@@ -397,11 +450,16 @@ async def _serve_http(
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
+    from api.protocol_errors import install_protocol_errors
+
+    install_protocol_errors()  # hypercorn's own 400/431 answers get a JSON error body
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.graceful_timeout = plan.http_deadline
     # Per-connection idle limit: a keep-alive connection (or one that never finishes its request
-    # headers, which h11 caps at h11_max_incomplete_size = 16 KiB) closes after this long.
+    # headers, which h11 caps at h11_max_incomplete_size = 16 KiB) closes after this long. The
+    # timer is re-armed after each response only because api/connection.py shields the end of
+    # the response from quart-trio's cancellation.
     # read_timeout stays None: a streaming client is silent for the whole generation, so a read
     # deadline would cut healthy streams. Slow bodies hit Quart's BODY_TIMEOUT (60 s, then 408);
     # body size is capped by --max-body-mb in the app (api/security.py).
@@ -414,13 +472,13 @@ async def _serve_http(
     await serve(app, hc, shutdown_trigger=shutdown_trigger)
 
 
-async def _watchdog(seconds: float) -> None:
+async def _watchdog(seconds: float, exit_code: int) -> None:
     import trio
 
     await trio.sleep(seconds)
     log.error("shutdown overran %.0f s (a client stopped reading?): exiting hard", seconds)
     logging.shutdown()
-    os._exit(1)
+    os._exit(exit_code)
 
 
 if __name__ == "__main__":

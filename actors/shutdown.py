@@ -27,11 +27,12 @@ class Shutdown:
 class ShutdownPlan:
     """Every phase deadline of a graceful shutdown, in seconds.
 
-    From the first signal: admission closes and in-flight requests get `drain` seconds, then
-    are cut with a final chunk; hypercorn's own graceful timeout, `http_deadline`, sits
-    `http_grace` past that so our final chunks are written before it cancels; once every
-    admitted request has ended, HTTP ends `drained_http_grace` later instead (an idle keep-alive
-    connection would otherwise hold it to its deadline). Then, with the SSD tier, the
+    From the first signal: admission closes (requests still queued get 503 at once) and the
+    requests already generating get `drain` seconds, then are cut with a final chunk; the
+    listener stays open, answering 503, until they have ended (at most `drain`). HTTP ends at
+    `http_deadline`, `http_grace` past the drain so our final chunks are written first; once
+    every admitted request has ended, HTTP ends `drained_http_grace` later instead (an idle
+    keep-alive connection would otherwise hold it to its deadline). Then, with the SSD tier, the
     durability flush gets `durability_flush` seconds while the worker still runs; after the
     actors stop, the flush hooks get `flush_hooks` seconds.
 
@@ -59,7 +60,7 @@ class ShutdownPlan:
 
     @property
     def http_deadline(self) -> float:
-        """hypercorn's graceful timeout."""
+        """Seconds from the first signal until HTTP is cancelled (and hypercorn's graceful timeout)."""
         return self.drain + self.http_grace
 
     @property

@@ -6,7 +6,9 @@ worker (`actors/gpu_worker.py`) runs each call as one job on its dedicated MLX t
 worker (`tests/fakes.py`) runs inline and spends virtual time, so MockClock tests are exact.
 
 A call is never interrupted once started: cancellation takes effect at call boundaries, which are
-exactly the "step boundaries" rows leave at.
+exactly the "step boundaries" rows leave at. The one exception is `abort`, which is not a call
+but a signal: a prefill forward of that row, running or still to come, stops early and the row
+can then only be closed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Worker(Protocol):
 
     async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]: ...
 
+    async def fork_rows(self, source_id: int, specs: list[RowSpec]) -> list[RowOpened]: ...
+
     async def join(self, row_id: int) -> TokenOut: ...
 
     async def join_group(self, row_ids: list[int]) -> list[TokenOut | None]: ...
@@ -51,3 +55,8 @@ class Worker(Protocol):
     async def step(self) -> list[TokenOut]: ...
 
     async def close_row(self, row_id: int, *, reusable: bool) -> None: ...
+
+    def abort(self, row_id: int) -> None:
+        """An opened row is leaving (it will be closed, not reused): a prefill forward of it
+        stops at its next check between layers. Never blocks; safe while a call runs."""
+        ...

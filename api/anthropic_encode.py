@@ -67,12 +67,16 @@ def message_object(completion: Completion, *, message_id: str, model: str) -> di
 
 
 class AnthropicStream:
-    """The native Messages event stream, built from the completion's text events."""
+    """The native Messages event stream, built from the completion's text events.
 
-    def __init__(self, *, message_id: str, model: str, input_tokens: int) -> None:
+    `input_tokens` is the whole prompt and `cached_tokens` its part restored from the prompt
+    cache (known once the row opened): message_start reports the same split as message_delta."""
+
+    def __init__(self, *, message_id: str, model: str, input_tokens: int, cached_tokens: int = 0) -> None:
         self.message_id = message_id
         self.model = model
         self.input_tokens = input_tokens
+        self.cached_tokens = cached_tokens
         self._index = -1
         self._open: str | None = None  # "thinking" | "text"
 
@@ -85,7 +89,9 @@ class AnthropicStream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+            "usage": usage(
+                {"prompt_tokens": self.input_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+            ),
         }
         return sse_event("message_start", {"type": "message_start", "message": message}) + self.ping()
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import trio
 from quart import Blueprint, Response
 
 from actors.handles import ServerHandles
 from actors.request import RequestActor
+from api import offload
 from api.anthropic_encode import AnthropicStream, message_object
 from api.anthropic_translate import count_request, messages_request
 from api.chat import prompt_token_count, start_chat
@@ -27,6 +27,7 @@ from api.completion import (
     log_stream_failure,
     next_events_or_timeout,
 )
+from api.model_names import check_requested_model, model_name
 from api.pipeline.events import Event
 from api.wire import json_body, json_response, new_id, sse_response
 
@@ -41,11 +42,17 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     @bp.post("/v1/messages")
     async def messages() -> Response:
         with handles.arrivals.arriving():
-            started = await start_chat(handles, messages_request(await json_body()))
+            check_requested_model(handles, await json_body())
+            started = await start_chat(handles, await offload.run(messages_request, await json_body()))
         message_id = new_id("msg")
-        model = handles.info.name
+        model = model_name(handles)
         if started.generation.stream:
-            stream = AnthropicStream(message_id=message_id, model=model, input_tokens=len(started.prompt))
+            stream = AnthropicStream(
+                message_id=message_id,
+                model=model,
+                input_tokens=len(started.prompt),
+                cached_tokens=started.actor.cached_tokens,  # known: the row opened before start_chat returned
+            )
             return sse_response(_stream(started.actor, stream))
         completion = await collect(started.actor)
         return json_response(
@@ -54,9 +61,10 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
-        prompt = count_request(await json_body())
+        check_requested_model(handles, await json_body())
+        prompt = await offload.run(count_request, await json_body())
         # Tokenizer only, off the event loop: never the GPU worker, never admission.
-        count = await trio.to_thread.run_sync(prompt_token_count, handles.tokenizer, prompt)
+        count = await offload.run(prompt_token_count, handles, prompt)
         return json_response({"input_tokens": count})
 
     return bp

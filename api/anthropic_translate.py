@@ -8,6 +8,7 @@ thinking switches. Messages are built in the shape chat templates read. Raises `
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,10 @@ GENERATION_FIELDS = (
     "frequency_penalty",
     "frequency_context_size",
 )
+MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1
+# Anthropic's rule for a client tool's name.
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+TOOL_NAME_MESSAGE = "must be a string of 1 to 64 letters, digits, underscores or hyphens"
 
 
 def messages_request(body: Mapping[str, Any]) -> ChatRequest:
@@ -50,7 +55,10 @@ def messages_request(body: Mapping[str, Any]) -> ChatRequest:
     stream = stream_flag(body.get("stream", False), "stream: must be a boolean")
     if parsed.unsupported is not None:
         raise parsed.unsupported
-    generation = parse_generation(pick(body, GENERATION_FIELDS), vocab_size=None, stream=stream)
+    if body.get("max_tokens") is None:  # required by the Messages API (count_tokens takes none)
+        raise bad_request("max_tokens: Field required", param="max_tokens")
+    fields = pick(body, GENERATION_FIELDS)
+    generation = parse_generation(fields, vocab_size=None, stream=stream, max_temperature=MAX_TEMPERATURE)
     forced = structured.forced_tool_call(list(parsed.tools or ()), parsed.tool_choice)
     constraint = structured.request_constraint(structured.ConstraintFields(), forced)
     return ChatRequest(prompt=parsed.prompt(), generation=generation, stop=stop_strings(stops), constraint=constraint)
@@ -232,17 +240,27 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
         raise bad_request("tools: must be an array", param="tools")
     out = []
-    for tool in tools:
-        # Client tools only: server tools (web_search, bash, ...) carry no input_schema.
-        if (
-            isinstance(tool, Mapping)
-            and isinstance(tool.get("name"), str)
-            and isinstance(tool.get("input_schema"), Mapping)
-        ):
-            function: dict[str, Any] = {"name": tool["name"], "parameters": dict(tool["input_schema"])}
-            if isinstance(tool.get("description"), str):
-                function["description"] = tool["description"]
-            out.append({"type": "function", "function": function})
+    for index, tool in enumerate(tools):
+        where = f"tools.{index}"
+        if not isinstance(tool, Mapping):
+            raise bad_request(f"{where}: must be an object", param="tools")
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            if not isinstance(kind, str):
+                raise bad_request(f"{where}.type: must be a string", param="tools")
+            continue  # a server tool (web_search, bash, ...): the server has none to run
+        name = tool.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad_request(f"{where}.name: {TOOL_NAME_MESSAGE}", param="tools")
+        if not isinstance(tool.get("input_schema"), Mapping):
+            raise bad_request(f"{where}.input_schema: must be a JSON schema object", param="tools")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise bad_request(f"{where}.description: must be a string", param="tools")
+        function: dict[str, Any] = {"name": name, "parameters": dict(tool["input_schema"])}
+        if description is not None:
+            function["description"] = description
+        out.append({"type": "function", "function": function})
     return out
 
 

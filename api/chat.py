@@ -7,25 +7,34 @@ text pipeline (`CompletionSink`) and admits the generation through a `RequestAct
 503 are real HTTP statuses, answered before any byte of the response. `start_text` is the same
 for a raw prompt (no template, tools or reasoning split). `prompt_token_count` renders exactly
 what `start_chat` would, for count_tokens.
+
+Everything before admission (the size bound, templating, tokenizing, the stable-prefix probe)
+is `prepare_chat` / `prepare_text`, run on a worker thread unless the body was small
+(api/offload.py): on a large prompt it takes seconds the event loop's streams must not wait.
+The constraint the row will run is then compiled for the model's tokenizer, always on a thread
+(a short regex can take half a second), so a grammar the engine cannot run is a 400 now.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
 import attrs
 
 from actors.handles import ServerHandles
-from actors.messages import GenerationRequest
+from actors.messages import GenerationRequest, Siblings
 from actors.request import RequestActor, RequestRejected
+from api import offload, prompt_bounds
 from api.chat_request import ChatPrompt, ChatRequest, GenerationFields, TextRequest
 from api.errors import bad_request, from_rejection
+from api.fields import MAX_CHOICES
 from api.pipeline.events import Event
 from api.pipeline.sink import CompletionSink
 from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools.detect import detect_tool_format
-from api.structured import ConstraintRequest
+from api.structured import ConstraintRequest, check_compiles, compiles_for
 from cache.boundary import stable_prefix_length
 from model.params import SamplingParams
 from model.tokenizer import Tokenizer
@@ -46,9 +55,9 @@ class Generation:
 
     sampling: SamplingParams  # logprobs / top_logprobs set only when they will be captured
     max_tokens: int
-    explicit_seed: bool
     seed: int | None
     stream: bool
+    n: int = 1  # choices, each its own row, sharing one prefill
 
     @property
     def captures_logprobs(self) -> bool:
@@ -74,19 +83,25 @@ def resolve_generation(
     return Generation(
         sampling=sampling,
         max_tokens=fields.max_tokens or default_max_tokens,
-        explicit_seed=fields.explicit_seed,
         seed=fields.seed,
         stream=fields.stream,
+        n=fields.n,
     )
 
 
 @attrs.frozen(eq=False)
 class StartedGeneration:
-    """An admitted generation: the actor yields text events; the caller must close it."""
+    """An admitted generation: one actor per choice (`n`), each yielding its text events; the
+    caller must close them all."""
 
-    actor: RequestActor[Event]
+    choices: tuple[RequestActor[Event], ...]
     generation: Generation
     prompt: tuple[int, ...]
+
+    @property
+    def actor(self) -> RequestActor[Event]:
+        """The first choice: the only one where the protocol has no `n`."""
+        return self.choices[0]
 
 
 @attrs.frozen
@@ -116,13 +131,44 @@ def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
         raise bad_request(f"prompt build failed: {exc}") from exc
 
 
-def prompt_token_count(tokenizer: Tokenizer, prompt: ChatPrompt) -> int:
-    """The length of the prompt `start_chat` renders for `prompt` (tokenizer only)."""
-    return len(render_prompt(tokenizer, prompt).tokens)
+def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
+    """The length of the prompt `start_chat` renders for `prompt` (tokenizer only; blocking).
+    Raises `ApiError` (400) for a prompt that cannot fit the context window."""
+    check_prompt_size(handles, prompt)
+    return len(render_prompt(handles.tokenizer, prompt).tokens)
+
+
+def check_prompt_size(handles: ServerHandles, prompt: ChatPrompt) -> None:
+    """The cheap bound (api/prompt_bounds.py), before any templating."""
+    prompt_bounds.check_chars(
+        prompt_bounds.message_chars(prompt.messages),
+        tokenizer=handles.tokenizer,
+        context_length=handles.info.context_length,
+    )
+
+
+@attrs.frozen(eq=False)
+class PreparedChat:
+    """A request ready for admission: its prompt ids, generation, text pipeline, snapshot."""
+
+    tokens: list[int]
+    generation: Generation
+    sink: CompletionSink
+    snapshot_at: int | None = None
 
 
 async def start_chat(handles: ServerHandles, request: ChatRequest) -> StartedGeneration:
     """Template and admit a chat request. Raises `ApiError` (400 / 503)."""
+    prepared = await offload.run(prepare_chat, handles, request)
+    await _check_constraint(handles, request.constraint, prepared.generation)
+    return await _admitted(
+        handles, prepared.tokens, prepared.generation, prepared.sink, snapshot_at=prepared.snapshot_at
+    )
+
+
+def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
+    """Everything `start_chat` does before admission (blocking). Raises `ApiError` (400)."""
+    check_prompt_size(handles, request.prompt)
     tokenizer = handles.tokenizer
     fields = request.generation
     reasoning = request.prompt.reasoning
@@ -154,13 +200,26 @@ async def start_chat(handles: ServerHandles, request: ChatRequest) -> StartedGen
         tools_present=tool_format is not None,
     )
     snapshot_at = _snapshot_position(handles, request.prompt, rendered)
-    return await _admitted(handles, rendered.tokens, generation, sink, snapshot_at=snapshot_at)
+    return PreparedChat(rendered.tokens, generation, sink, snapshot_at)
 
 
 async def start_text(handles: ServerHandles, request: TextRequest) -> StartedGeneration:
     """Admit a raw-prompt completion. Raises `ApiError` (400 / 503)."""
+    prepared = await offload.run(prepare_text, handles, request)
+    await _check_constraint(handles, request.constraint, prepared.generation)
+    return await _admitted(handles, prepared.tokens, prepared.generation, prepared.sink)
+
+
+def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
+    """Everything `start_text` does before admission (blocking). Raises `ApiError` (400)."""
     tokenizer = handles.tokenizer
-    prompt = tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
+    context = handles.info.context_length
+    if isinstance(request.prompt, str):
+        prompt_bounds.check_chars(len(request.prompt), tokenizer=tokenizer, context_length=context, param="prompt")
+        prompt = tokenizer.encode(request.prompt)
+    else:
+        prompt_bounds.check_tokens(len(request.prompt), context_length=context)
+        prompt = list(request.prompt)
     generation = resolve_generation(
         request.generation,
         defaults=handles.sampling_defaults,
@@ -168,7 +227,15 @@ async def start_text(handles: ServerHandles, request: TextRequest) -> StartedGen
         constraint=request.constraint,
     )
     sink = CompletionSink(tokenizer.detokenizer(), stop=request.stop)
-    return await _admitted(handles, prompt, generation, sink)
+    return PreparedChat(prompt, generation, sink)
+
+
+async def _check_constraint(handles: ServerHandles, request: ConstraintRequest | None, generation: Generation) -> None:
+    """The constraint the row will run, compiled for the model's tokenizer now (400 if it cannot
+    run), so no row starts with a grammar the engine would drop."""
+    constraint = generation.sampling.constraint
+    if request is not None and compiles_for(handles.tokenizer, constraint):
+        await offload.to_thread(check_compiles, handles.tokenizer, constraint, request.param)
 
 
 def vocab_size(tokenizer: Tokenizer) -> int | None:
@@ -216,20 +283,43 @@ async def _admitted(
     *,
     snapshot_at: int | None = None,
 ) -> StartedGeneration:
-    request = GenerationRequest(
-        prompt=tuple(prompt),
-        sampling=generation.sampling,
-        max_tokens=generation.max_tokens,
-        explicit_seed=generation.explicit_seed,
-        seed=generation.seed,
-        snapshot_at=snapshot_at,
-    )
-    actor = RequestActor(handles.ports, request, sink)
+    """Admit every choice: each its own actor (text pipeline, row, abort), siblings in the
+    scheduler, which prefills the prompt once for all of them. All or none: a rejection closes
+    the choices already admitted."""
+    n = generation.n
+    limit = max_choices(handles)
+    if n > limit:
+        raise bad_request(f"n must be at most {limit} on this server (the rows it decodes at once)", param="n")
+    family = next(_FAMILIES) if n > 1 else None
+    actors: list[RequestActor[Event]] = []
     try:
-        await actor.admit()
+        for index in range(n):
+            request = GenerationRequest(
+                prompt=tuple(prompt),
+                sampling=generation.sampling,
+                max_tokens=generation.max_tokens,
+                # An explicit seed gives choice i seed + i: reproducible, and the choices differ.
+                seed=None if generation.seed is None else (generation.seed + index) & 0xFFFFFFFF,
+                snapshot_at=snapshot_at,
+                siblings=None if family is None else Siblings(family, index, n),
+            )
+            choice_sink = sink if index == 0 else sink.fresh(handles.tokenizer.detokenizer())
+            actors.append(RequestActor(handles.ports, request, choice_sink))
+            await actors[-1].admit()
     except RequestRejected as rejected:
+        for actor in actors:
+            actor.close()
         raise from_rejection(rejected.rejection) from None
     except BaseException:
-        actor.close()
+        for actor in actors:
+            actor.close()
         raise
-    return StartedGeneration(actor=actor, generation=generation, prompt=request.prompt)
+    return StartedGeneration(choices=tuple(actors), generation=generation, prompt=tuple(prompt))
+
+
+_FAMILIES = itertools.count(1)  # sibling keys: unique among this process's requests
+
+
+def max_choices(handles: ServerHandles) -> int:
+    """The largest `n` this server runs: every choice is a row of one batch."""
+    return min(MAX_CHOICES, handles.config.batch or 1) if handles.mode == "batch" else 1

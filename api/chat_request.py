@@ -42,15 +42,16 @@ class SamplingOverrides:
 
 @attrs.frozen
 class GenerationFields:
-    """Length, seed, stream and logprobs fields as the request gave them."""
+    """Length, seed, stream, logprobs and choice-count fields as the request gave them."""
 
     sampling: SamplingOverrides = SamplingOverrides()
     max_tokens: int | None = None  # None: the route's default
     seed: int | None = None  # already reduced to 32 bits
-    explicit_seed: bool = False  # the request carried a `seed` key (even null): it runs serial
     stream: bool = False
     logprobs: bool = False  # asked for; a stream never captures them
     top_logprobs: int = 0
+    n: int = 1  # choices to generate from one prefill (OpenAI's `n`)
+    include_usage: bool = False  # a stream ends with a usage chunk (OpenAI's `stream_options`)
 
 
 @attrs.frozen

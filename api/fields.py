@@ -3,6 +3,12 @@
 The Anthropic and Responses translators hand over the fields they accept under the same names
 as OpenAI's, so every protocol answers the same 400 (mlx_lm.server's wording where it has one)
 for the same bad value. Nothing here reads the server's defaults: see api/chat.py.
+
+Every number is bounded as the OpenAI / Anthropic references document it (temperature 0..2, or
+0..1 for Anthropic; top_p and min_p 0..1; presence / frequency penalties -2..2; logit biases
+-100..100); what they leave open is bounded where a larger value could only be a mistake
+(counts and windows fit 32 bits, the repetition penalty is at most `MAX_REPETITION_PENALTY`).
+Non-finite numbers never get here (api/strict_json.py) and are rejected again if they do.
 """
 
 from __future__ import annotations
@@ -14,8 +20,13 @@ from typing import Any
 from api.chat_request import GenerationFields, ReasoningOptions, SamplingOverrides
 from api.errors import bad_request
 
-MAX_TOP_LOGPROBS = 11  # mlx_lm.server's cap (not OpenAI's 20)
-MAX_CONTEXT_WINDOW = 2**31 - 1  # penalty context sizes are clamped here
+MAX_TOP_LOGPROBS = 11  # mlx_lm.server's cap (within OpenAI's 20)
+MAX_CHOICES = 128  # OpenAI's bound on `n`; the chat core bounds it by the server's batch too
+MAX_INT = 2**31 - 1  # token counts, top_k and penalty windows: MLX indexes with 32-bit ints
+MAX_TEMPERATURE = 2.0  # OpenAI's range; Anthropic's is 0..1 (`max_temperature`)
+MAX_REPETITION_PENALTY = 100.0  # logits are divided / multiplied by it: past this, only -inf remains
+MAX_PENALTY = 2.0  # presence / frequency, OpenAI's -2..2
+MAX_LOGIT_BIAS = 100.0  # OpenAI's -100..100
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 REASONING_EFFORT_MESSAGE = "reasoning_effort must be one of 'none', 'minimal', 'low', 'medium', 'high', 'xhigh'"
@@ -30,62 +41,83 @@ def pick(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def parse_generation(
-    fields: Mapping[str, Any], *, vocab_size: int | None, stream: bool | None = None
+    fields: Mapping[str, Any],
+    *,
+    vocab_size: int | None,
+    stream: bool | None = None,
+    max_temperature: float = MAX_TEMPERATURE,
 ) -> GenerationFields:
     """Every sampling / length / seed / stream / logprobs field, in this order.
 
     `vocab_size`, when known, bounds `logit_bias` token ids. `stream`, when the protocol has
     already read its own stream flag, replaces the `stream` field.
     """
-    sampling = parse_sampling(fields, vocab_size=vocab_size)
-    max_tokens = integer(fields.get("max_tokens"), "max_tokens", minimum=1, what="a positive integer")
-    completion_max = integer(
-        fields.get("max_completion_tokens"), "max_completion_tokens", minimum=1, what="a positive integer"
-    )
+    sampling = parse_sampling(fields, vocab_size=vocab_size, max_temperature=max_temperature)
+    max_tokens = token_count(fields.get("max_tokens"), "max_tokens")
+    completion_max = token_count(fields.get("max_completion_tokens"), "max_completion_tokens")
     seed = fields.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad_request("seed must be an integer", param="seed")
     if stream is None:
         stream = stream_flag(fields.get("stream", False), "stream must be a boolean")
     logprobs, top_logprobs = logprobs_fields(fields)
+    n = integer(fields.get("n"), "n", minimum=1, maximum=MAX_CHOICES, what=f"an integer from 1 to {MAX_CHOICES}")
     return GenerationFields(
         sampling=sampling,
         max_tokens=completion_max or max_tokens,  # max_completion_tokens wins over max_tokens
         seed=None if seed is None else seed & 0xFFFFFFFF,
-        explicit_seed="seed" in fields,
         stream=stream,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        n=n or 1,
     )
 
 
-def parse_sampling(fields: Mapping[str, Any], *, vocab_size: int | None) -> SamplingOverrides:
+def parse_sampling(
+    fields: Mapping[str, Any], *, vocab_size: int | None, max_temperature: float = MAX_TEMPERATURE
+) -> SamplingOverrides:
     def unit(name: str, what: str = "a float between 0 and 1") -> float | None:
         return number(fields.get(name), name, minimum=0.0, maximum=1.0, what=what)
 
+    def penalty(name: str) -> float | None:
+        what = f"a float between {-MAX_PENALTY:g} and {MAX_PENALTY:g}"
+        return number(fields.get(name), name, minimum=-MAX_PENALTY, maximum=MAX_PENALTY, what=what)
+
     values: dict[str, Any] = {
-        "temperature": number(fields.get("temperature"), "temperature", minimum=0.0, what="a non-negative float"),
+        "temperature": number(
+            fields.get("temperature"),
+            "temperature",
+            minimum=0.0,
+            maximum=max_temperature,
+            what=f"a non-negative float (at most {max_temperature:g})",
+        ),
         "top_p": unit("top_p"),
         "top_k": top_k(fields.get("top_k")),
         "min_p": unit("min_p"),
         "xtc_probability": unit("xtc_probability", "a float between 0.0 and 1.0"),
         "xtc_threshold": unit("xtc_threshold", "a float between 0.0 and 1.0"),
+        # mlx_lm.server's wording, with the bound; 0 is "off" (the sampler skips 0 and 1)
         "repetition_penalty": number(
-            fields.get("repetition_penalty"), "repetition_penalty", minimum=0.0, what="a non-negative float"
+            fields.get("repetition_penalty"),
+            "repetition_penalty",
+            minimum=0.0,
+            maximum=MAX_REPETITION_PENALTY,
+            what=f"a non-negative float (at most {MAX_REPETITION_PENALTY:g})",
         ),
-        "presence_penalty": number(fields.get("presence_penalty"), "presence_penalty", what="a float"),
-        "frequency_penalty": number(fields.get("frequency_penalty"), "frequency_penalty", what="a float"),
+        "presence_penalty": penalty("presence_penalty"),
+        "frequency_penalty": penalty("frequency_penalty"),
     }
     for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-        size = integer(fields.get(name), name, minimum=0, what="a non-negative integer")
-        # A window longer than any history is the whole history; MLX slices take 32-bit ints.
-        values[name] = None if size is None else min(size, MAX_CONTEXT_WINDOW)
+        values[name] = integer(fields.get(name), name, minimum=0, maximum=MAX_INT, what=_BOUNDED_COUNT)
     values["logit_bias"] = logit_bias(fields.get("logit_bias"), vocab_size)
     return SamplingOverrides(**values)
 
 
 def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool):
+        return False
+    # An int compares exactly (math.isfinite(10**400) would raise OverflowError).
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def number(
@@ -98,20 +130,28 @@ def number(
     return float(value)
 
 
-def integer(value: Any, name: str, *, minimum: int, what: str) -> int | None:
+_BOUNDED_COUNT = f"a non-negative integer (at most {MAX_INT})"
+
+
+def integer(value: Any, name: str, *, minimum: int, what: str, maximum: int = MAX_INT) -> int | None:
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():  # JSON writers that emit 64.0
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise bad_request(f"{name} must be {what}", param=name)
     return value
 
 
+def token_count(value: Any, name: str) -> int | None:
+    """A length in tokens (max_tokens and its aliases): 1 .. MAX_INT."""
+    return integer(value, name, minimum=1, what=f"a positive integer (at most {MAX_INT})")
+
+
 def top_k(value: Any) -> int | None:
-    if value == -1:  # vLLM / llama.cpp clients spell "off" as -1
-        return 0
-    return integer(value, "top_k", minimum=0, what="a non-negative integer")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == -1:
+        return 0  # vLLM / llama.cpp clients spell "off" as -1
+    return integer(value, "top_k", minimum=0, what=_BOUNDED_COUNT)
 
 
 def logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...] | None:
@@ -126,10 +166,14 @@ def logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], .
         try:
             token = int(key)
             amount = float(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
             raise bad_request(message, param="logit_bias") from None
         if isinstance(raw, bool) or not math.isfinite(amount):
             raise bad_request(message, param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS:
+            raise bad_request(
+                f"logit_bias values must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}", param="logit_bias"
+            )
         if token < 0 or (vocab_size is not None and token >= vocab_size):
             raise bad_request(
                 f"logit_bias token id {token} is out of range (vocabulary size {vocab_size})", param="logit_bias"

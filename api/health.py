@@ -8,6 +8,9 @@ while requests hang:
 * `gpu worker is not running` — the worker reports `alive == False` (its MLX thread died or was
   never started); a worker without an `alive` flag counts as alive;
 * `shutting down` — admission is closed (a draining server leaves the load balancer's rotation).
+
+Every 503 carries Retry-After. While the model loads, api/lifecycle.py answers
+`{"status": "loading"}` with 503 before this app exists.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from quart import Response, request
 from quart_trio import QuartTrio
+
+from actors.admission import RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from actors.handles import ServerHandles
@@ -35,7 +40,8 @@ def health_problem(handles: ServerHandles) -> str | None:
 
 def unhealthy_response(reason: str) -> Response:
     body = json.dumps({"status": "unavailable", "reason": reason})
-    return Response(body, status=503, content_type="application/json", headers={"Cache-Control": "no-store"})
+    headers = {"Cache-Control": "no-store", "Retry-After": str(max(1, round(RETRY_AFTER_S)))}
+    return Response(body, status=503, content_type="application/json", headers=headers)
 
 
 def install_health(app: QuartTrio, handles: ServerHandles) -> None:

@@ -1,5 +1,11 @@
 """An admitted generation's text events → OpenAI chat-completion / text-completion objects, whole
 or as `data:` chunks ending in `data: [DONE]`.
+
+A request with `n` choices has one actor per choice; they are read in turn (the choices decode in
+one batch, so waiting on one holds the others back by a step at most, and every row's channel
+keeps being drained). Usage counts the prompt once and sums the choices' completions. A stream
+carries usage only with `stream_options.include_usage`: then every chunk has `usage: null` and a
+last chunk, with no choices, has the request's usage.
 """
 
 from __future__ import annotations
@@ -7,13 +13,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from actors.request import GenerationFailed, RequestActor
 from api.chat import Generation, StartedGeneration
-from api.completion import collect
-from api.errors import error_body
+from api.completion import Completion, add_events, finish
+from api.errors import ApiError, error_body
 from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallsEvent
 from api.wire import DONE_FRAME, data_frame, new_id
 from model.tokenizer import Tokenizer
@@ -31,17 +37,51 @@ class ResponseMeta:
         self.created = int(time.time())
         self.model = model
 
-    def envelope(self, object_name: str, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    def envelope(
+        self, object_name: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, *, usage_key: bool
+    ) -> dict[str, Any]:
+        """`usage_key`: the payload has a `usage` field (null when `usage` is None)."""
         payload = {
             "id": self.id,
             "object": object_name,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
         }
-        if usage is not None:
+        if usage_key or usage is not None:
             payload["usage"] = usage
         return payload
+
+
+Choices = Sequence[RequestActor[Event]]
+
+
+def usage(choices: Choices) -> dict[str, Any]:
+    """The request's usage: its prompt once, every choice's completion tokens."""
+    out = choices[0].usage()
+    completion = sum(actor.completion_tokens for actor in choices)
+    out.update(completion_tokens=completion, total_tokens=out["prompt_tokens"] + completion)
+    return out
+
+
+async def collect_choices(choices: Choices) -> list[Completion]:
+    """Run every choice to its end, in turn; closes them. Engine failure → ApiError(500)."""
+    completions = [Completion() for _ in choices]
+    live = list(range(len(choices)))
+    try:
+        while live:
+            for index in list(live):
+                events = await choices[index].next_events()
+                if events is None:
+                    live.remove(index)
+                else:
+                    add_events(completions[index], events)
+    except GenerationFailed as exc:
+        raise ApiError(500, str(exc)) from exc
+    finally:
+        for actor in choices:
+            actor.close()
+    return [finish(done, actor) for done, actor in zip(completions, choices)]
 
 
 def logprobs_block(actor: RequestActor[Event], generation: Generation, tokenizer: Tokenizer) -> dict[str, Any] | None:
@@ -97,68 +137,90 @@ def _tool_call(call: ToolCall, *, index: int | None = None) -> dict[str, Any]:
     return {"index": index, **out} if index is not None else out
 
 
-async def chat_stream(actor: RequestActor[Event], meta: ResponseMeta) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return data_frame(meta.envelope("chat.completion.chunk", choice, usage))
+async def chat_stream(choices: Choices, meta: ResponseMeta, *, include_usage: bool = False) -> AsyncIterator[bytes]:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "finish_reason": finish}
+        return data_frame(meta.envelope("chat.completion.chunk", [choice], usage_key=include_usage))
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        while (events := await actor.next_events()) is not None:
-            if events:  # one write for every token that was waiting: one chunk each
-                yield b"".join([chunk(_chat_delta(event)) for event in events])
-        yield chunk({}, actor.finish_reason, actor.usage())
+        yield b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(choices)))
+        live = list(range(len(choices)))
+        while live:
+            for index in list(live):
+                events = await choices[index].next_events()
+                if events is None:
+                    live.remove(index)
+                    yield chunk(index, {}, choices[index].finish_reason)
+                elif events:  # one write for every token that was waiting: one chunk each
+                    yield b"".join([chunk(index, _chat_delta(event)) for event in events])
+        if include_usage:
+            yield data_frame(meta.envelope("chat.completion.chunk", [], usage(choices), usage_key=True))
         yield DONE_FRAME
     except Exception as exc:  # after the headers an exception would only truncate the body
         if not isinstance(exc, GenerationFailed):
             log.exception("chat stream failed")
         yield _failure_frame(exc)
     finally:
-        actor.close()
+        for actor in choices:
+            actor.close()
 
 
 async def chat_whole(started: StartedGeneration, meta: ResponseMeta, tokenizer: Tokenizer) -> dict[str, Any]:
-    done = await collect(started.actor)
-    message: dict[str, Any] = {"role": "assistant", "content": done.content or (None if done.calls else "")}
-    if done.reasoning:
-        message["reasoning"] = done.reasoning
-    if done.calls:
-        message["tool_calls"] = [_tool_call(call) for call in done.calls]
-    choice: dict[str, Any] = {"index": 0, "message": message}
-    block = logprobs_block(started.actor, started.generation, tokenizer)
-    if block is not None:
-        choice["logprobs"] = block
-    choice["finish_reason"] = done.finish_reason
-    return meta.envelope("chat.completion", choice, done.usage)
+    choices = []
+    for index, (done, actor) in enumerate(zip(await collect_choices(started.choices), started.choices)):
+        message: dict[str, Any] = {"role": "assistant", "content": done.content or (None if done.calls else "")}
+        if done.reasoning:
+            message["reasoning"] = done.reasoning
+        if done.calls:
+            message["tool_calls"] = [_tool_call(call) for call in done.calls]
+        choice: dict[str, Any] = {"index": index, "message": message}
+        block = logprobs_block(actor, started.generation, tokenizer)
+        if block is not None:
+            choice["logprobs"] = block
+        choice["finish_reason"] = done.finish_reason
+        choices.append(choice)
+    return meta.envelope("chat.completion", choices, usage(started.choices), usage_key=True)
 
 
-async def text_stream(actor: RequestActor[Event], meta: ResponseMeta) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return data_frame(meta.envelope("text_completion", choice, usage))
+async def text_stream(choices: Choices, meta: ResponseMeta, *, include_usage: bool = False) -> AsyncIterator[bytes]:
+    def chunk(index: int, text: str, finish: str | None = None) -> bytes:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return data_frame(meta.envelope("text_completion", [choice], usage_key=include_usage))
 
     try:
-        while (events := await actor.next_events()) is not None:
-            # One chunk per text event (about one per token), all waiting ones in one write.
-            frames = [chunk(e.text) for e in events if isinstance(e, TextDelta) and e.text]
-            if frames:
-                yield b"".join(frames)
-        yield chunk("", actor.finish_reason, actor.usage())
+        live = list(range(len(choices)))
+        while live:
+            for index in list(live):
+                events = await choices[index].next_events()
+                if events is None:
+                    live.remove(index)
+                    yield chunk(index, "", choices[index].finish_reason)
+                    continue
+                # One chunk per text event (about one per token), all waiting ones in one write.
+                frames = [chunk(index, e.text) for e in events if isinstance(e, TextDelta) and e.text]
+                if frames:
+                    yield b"".join(frames)
+        if include_usage:
+            yield data_frame(meta.envelope("text_completion", [], usage(choices), usage_key=True))
         yield DONE_FRAME
     except Exception as exc:
         if not isinstance(exc, GenerationFailed):
             log.exception("completion stream failed")
         yield _failure_frame(exc)
     finally:
-        actor.close()
+        for actor in choices:
+            actor.close()
 
 
 async def text_whole(started: StartedGeneration, meta: ResponseMeta, tokenizer: Tokenizer) -> dict[str, Any]:
-    done = await collect(started.actor)  # no think split or tools here: all text is content
-    choice = {
-        "index": 0,
-        "text": done.content,
-        "logprobs": logprobs_block(started.actor, started.generation, tokenizer),
-        "finish_reason": done.finish_reason,
-    }
-    return meta.envelope("text_completion", choice, done.usage)
+    dones = await collect_choices(started.choices)  # no think split or tools here: all text is content
+    choices = [
+        {
+            "index": index,
+            "text": done.content,
+            "logprobs": logprobs_block(actor, started.generation, tokenizer),
+            "finish_reason": done.finish_reason,
+        }
+        for index, (done, actor) in enumerate(zip(dones, started.choices))
+    ]
+    return meta.envelope("text_completion", choices, usage(started.choices), usage_key=True)

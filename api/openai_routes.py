@@ -12,8 +12,9 @@ from typing import Any
 from quart import Blueprint, Response, current_app
 
 from actors.handles import ServerHandles
-from api import openai_encode
+from api import offload, openai_encode
 from api.chat import start_chat, start_text, vocab_size
+from api.model_names import check_requested_model, model_name, model_not_found, served_names
 from api.openai_translate import chat_request, text_request
 from api.wire import json_body, json_response, sse_response
 from model import grammar
@@ -38,31 +39,36 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.get("/v1/models")
     async def models() -> Response:
-        return answer({"object": "list", "data": [_model_card(handles)]})
+        return answer({"object": "list", "data": [_model_card(handles, name) for name in served_names(handles)]})
 
     @bp.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        card = _model_card(handles)
-        return answer({"object": "list", "data": [card] if card["id"] == model_id else []})
+        if model_id not in served_names(handles):
+            raise model_not_found(model_id)
+        return answer(_model_card(handles, model_id))
 
     @bp.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         with handles.arrivals.arriving():
-            request = chat_request(await json_body(), vocab_size=vocab_size(handles.tokenizer))
+            check_requested_model(handles, await json_body())
+            request = await offload.run(chat_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
             started = await start_chat(handles, request)
-        meta = openai_encode.ResponseMeta("chatcmpl", handles.info.name)
+        meta = openai_encode.ResponseMeta("chatcmpl", model_name(handles))
         if started.generation.stream:
-            return sse_response(openai_encode.chat_stream(started.actor, meta), unbuffered=False)
+            stream = openai_encode.chat_stream(started.choices, meta, include_usage=request.generation.include_usage)
+            return sse_response(stream, unbuffered=False)
         return answer(await openai_encode.chat_whole(started, meta, handles.tokenizer))
 
     @bp.post("/v1/completions")
     async def completions() -> Response:
         with handles.arrivals.arriving():
-            request = text_request(await json_body(), vocab_size=vocab_size(handles.tokenizer))
+            check_requested_model(handles, await json_body())
+            request = await offload.run(text_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
             started = await start_text(handles, request)
-        meta = openai_encode.ResponseMeta("cmpl", handles.info.name)
+        meta = openai_encode.ResponseMeta("cmpl", model_name(handles))
         if started.generation.stream:
-            return sse_response(openai_encode.text_stream(started.actor, meta), unbuffered=False)
+            stream = openai_encode.text_stream(started.choices, meta, include_usage=request.generation.include_usage)
+            return sse_response(stream, unbuffered=False)
         return answer(await openai_encode.text_whole(started, meta, handles.tokenizer))
 
     return bp
@@ -76,7 +82,7 @@ def _stats(handles: ServerHandles) -> dict[str, Any]:
     return stats
 
 
-def _model_card(handles: ServerHandles) -> dict[str, Any]:
+def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
     routes = {rule.rule for rule in current_app.url_map.iter_rules()}
     reasoning = bool(getattr(handles.tokenizer, "has_thinking", False))
     structured_output = grammar.available()
@@ -97,7 +103,7 @@ def _model_card(handles: ServerHandles) -> dict[str, Any]:
         "training": False,
     }
     return {
-        "id": handles.info.name,
+        "id": model_id,
         "object": "model",
         "created": int(handles.started_at),
         "owned_by": OWNER,

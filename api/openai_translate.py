@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from api import structured
 from api.chat_request import ChatPrompt, ChatRequest, TextRequest
 from api.errors import bad_request
@@ -25,7 +27,7 @@ _PROMPT_REQUIRED = "prompt (a non-empty string) or a non-empty array of token id
 def chat_request(body: Mapping[str, Any], *, vocab_size: int | None) -> ChatRequest:
     """/v1/chat/completions. `vocab_size`, when known, bounds `logit_bias` token ids."""
     messages = chat_messages(body.get("messages"))
-    generation = parse_generation(body, vocab_size=vocab_size)
+    generation = attrs.evolve(parse_generation(body, vocab_size=vocab_size), include_usage=include_usage(body))
     constraint = structured.body_constraint(body)
     stop = stop_strings(body.get("stop"))
     tools = _tools(body.get("tools"))
@@ -42,7 +44,7 @@ def chat_request(body: Mapping[str, Any], *, vocab_size: int | None) -> ChatRequ
 def text_request(body: Mapping[str, Any], *, vocab_size: int | None) -> TextRequest:
     """/v1/completions: one raw prompt (a string or token ids), no template."""
     prompt = _text_prompt(body.get("prompt"), vocab_size)
-    generation = parse_generation(body, vocab_size=vocab_size)
+    generation = attrs.evolve(parse_generation(body, vocab_size=vocab_size), include_usage=include_usage(body))
     constraint = structured.body_constraint(body)
     return TextRequest(prompt=prompt, generation=generation, stop=stop_strings(body.get("stop")), constraint=constraint)
 
@@ -155,3 +157,17 @@ def _history_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         arguments = template_arguments(function.get("arguments"))
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
+
+
+def include_usage(body: Mapping[str, Any]) -> bool:
+    """`stream_options.include_usage`: the stream ends with a usage chunk (`choices: []`).
+    Ignored without `stream`, as OpenAI's stream options are."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", param="stream_options")
+    value = options.get("include_usage")
+    if value is not None and not isinstance(value, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", param="stream_options")
+    return bool(value)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mlx_trio.requests")
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response started
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # scraped every few seconds: DEBUG when they succeed
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _EXTENSION_KEY = "mlx_trio.request_monitor"
@@ -97,6 +98,13 @@ class RequestRecord:
     def client_abort(self) -> bool:
         """The client went away before the whole body was sent."""
         return self.client_disconnected and not self.body_complete
+
+    @property
+    def final_status(self) -> int:
+        """The response's status; when none started, 499 if the client left first, else 500."""
+        if self.status is not None:
+            return self.status
+        return CLIENT_CLOSED_REQUEST if self.client_disconnected else 500
 
     @property
     def finish_reason(self) -> str | None:
@@ -187,7 +195,7 @@ class RequestRecord:
             "id": self.id,
             "method": self.method,
             "route": self.route or self.path[:200],
-            "status": self.status if self.status is not None else 500,
+            "status": self.final_status,
             "client": self.client,
             "duration_ms": _ms(self.duration),
         }
@@ -332,7 +340,7 @@ class RequestLog:
         self.log_prompts = log_prompts
 
     def __call__(self, record: RequestRecord) -> None:
-        quiet = record.path in QUIET_PATHS and (record.status or 500) < 400
+        quiet = record.path in QUIET_PATHS and record.final_status < 400
         level = logging.DEBUG if quiet else logging.INFO
         if not log.isEnabledFor(level):
             return

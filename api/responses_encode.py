@@ -132,6 +132,11 @@ def status_of(finish_reason: str | None) -> tuple[str, str | None]:
     return "completed", None
 
 
+def item_status(response_status: str) -> str:
+    """The status of the output item a response ended in: cut short unless it completed."""
+    return "completed" if response_status == "completed" else "incomplete"
+
+
 def reasoning_token_estimate(reasoning: str) -> int:
     """A whitespace word count, at least 1 when there was any reasoning."""
     return max(1, len(reasoning.split())) if reasoning else 0
@@ -189,14 +194,15 @@ def function_item_id(call: ToolCall) -> str:
 
 
 def response_object(completion: Completion, meta: ResponseMeta) -> dict[str, Any]:
+    status, incomplete = status_of(completion.finish_reason)
+    cut = item_status(status)  # the answer (or the reasoning it never left) was cut short
     output: list[dict[str, Any]] = []
     if completion.reasoning:
-        output.append(reasoning_item(new_id("rs"), completion.reasoning))
+        output.append(reasoning_item(new_id("rs"), completion.reasoning, "completed" if completion.content else cut))
     if completion.content or not completion.calls:
-        output.append(message_item(new_id("msg"), completion.content))
+        output.append(message_item(new_id("msg"), completion.content, cut))
     for call in completion.calls:
         output.append(function_call_item(function_item_id(call), call))
-    status, incomplete = status_of(completion.finish_reason)
     return meta.response(
         status=status, output=output, usage=usage(completion.usage, completion.reasoning), incomplete=incomplete
     )
@@ -239,14 +245,15 @@ class ResponsesStream:
     def finish(
         self, *, finish_reason: str | None, openai_usage: Mapping[str, Any], reasoning: str, error: str | None = None
     ) -> tuple[bytes, dict[str, Any]]:
-        """The closing frames and the final Response object (what the store keeps)."""
-        out = self._close()
-        if not self.output and error is None:  # an empty generation still answers one message
-            out += self._open_item("message")[0] + self._close()
+        """The closing frames and the final Response object (what the store keeps), announced
+        by the event its status names: response.completed, .incomplete or .failed."""
         if error is not None:
             status, incomplete = "failed", None
         else:
             status, incomplete = status_of(finish_reason)
+        out = self._close(item_status(status))
+        if not self.output and error is None:  # an empty generation still answers one message
+            out += self._open_item("message")[0] + self._close(item_status(status))
         final = self.meta.response(
             status=status,
             output=list(self.output),
@@ -254,7 +261,7 @@ class ResponsesStream:
             incomplete=incomplete,
             error={"code": "server_error", "message": error} if error is not None else None,
         )
-        return out + self._event("response.completed", response=final), final
+        return out + self._event(f"response.{status}", response=final), final
 
     def error(self, message: str) -> bytes:
         return self._event("error", code="server_error", message=message, param=None)
@@ -307,13 +314,13 @@ class ResponsesStream:
             logprobs=[],
         )
 
-    def _close(self) -> bytes:
+    def _close(self, status: str = "completed") -> bytes:
         item, self._open = self._open, None
         if item is None:
             return b""
         ids = {"item_id": item["id"], "output_index": item["index"]}
         if item["type"] == "reasoning":
-            done = reasoning_item(item["id"], self._text)
+            done = reasoning_item(item["id"], self._text, status)
             out = self._event(
                 "response.reasoning_summary_text.done", **ids, summary_index=0, text=self._text
             ) + self._event(
@@ -323,7 +330,7 @@ class ResponsesStream:
                 part={"type": "summary_text", "text": self._text},
             )
         else:
-            done = message_item(item["id"], self._text)
+            done = message_item(item["id"], self._text, status)
             out = self._event(
                 "response.output_text.done", **ids, content_index=0, text=self._text, logprobs=[]
             ) + self._event("response.content_part.done", **ids, content_index=0, part=output_text_part(self._text))

@@ -18,9 +18,11 @@ from quart import Blueprint, Response
 
 from actors.handles import ServerHandles
 from actors.request import RequestActor
+from api import offload
 from api.chat import start_chat, vocab_size
 from api.completion import Completion, add_events, collect, finish, log_stream_failure
 from api.errors import ApiError, bad_request
+from api.model_names import check_requested_model, model_name
 from api.pipeline.events import Event
 from api.response_store import ResponseStore, StoredResponse
 from api.responses_encode import ResponseMeta, ResponsesStream, response_object
@@ -36,8 +38,9 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
     async def create() -> Response:
         with handles.arrivals.arriving():
             body = await json_body()
+            check_requested_model(handles, body)
             previous_id = body.get("previous_response_id")
-            items = input_items(body.get("input"))
+            items = await offload.run(input_items, body.get("input"))
             instructions = body.get("instructions")
             if instructions is not None and not isinstance(instructions, str):
                 raise bad_request("instructions must be a string", param="instructions")
@@ -56,10 +59,12 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
                 if instructions is None:
                     instructions = previous.instructions
             keep = body.get("store", True) is not False
-            request = responses_request(body, items, instructions, vocab_size=vocab_size(handles.tokenizer))
+            request = await offload.run(
+                responses_request, body, items, instructions, vocab_size=vocab_size(handles.tokenizer)
+            )
             started = await start_chat(handles, request)
         meta = ResponseMeta(
-            body, model=handles.info.name, instructions=instructions, previous_response_id=previous_id, store=keep
+            body, model=model_name(handles), instructions=instructions, previous_response_id=previous_id, store=keep
         )
 
         def remember(final: dict[str, Any]) -> None:

@@ -13,14 +13,20 @@ chat template is: `request_constraint` checks the request with the default (herm
 grammar falls back on the other fields. Without a grammar engine installed, requests are served
 unconstrained and the response gets a `Warning` header saying so.
 
-Nothing here touches MLX; grammars are compiled and enforced on the GPU-worker thread
-(model/grammar.py).
+Two checks, both 400s carrying the engine's message: the translators validate the grammar text
+(`request_constraint`, no tokenizer), and the chat core compiles the constraint it will run
+against the model's tokenizer and computes its first mask (`check_compiles`), so a grammar that
+exceeds the engine's limits or can match nothing is refused when the request arrives instead
+of ending the row at once. Both run on worker threads (api/offload.py). Nothing here touches
+MLX; the rows' grammars are compiled and enforced on the GPU-worker thread (model/grammar.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +37,7 @@ from quart.typing import ResponseTypes
 from api.errors import bad_request
 from model import grammar
 from model.params import Constraint
+from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +118,7 @@ class ConstraintRequest:
     constraint: Constraint
     forced: ForcedToolCall | None = None
     fields: ConstraintFields = ConstraintFields()
+    param: str | None = None  # the field it came from (named in a 400)
 
     def for_tool_format(self, tool_format: str | None) -> Constraint | None:
         """The constraint to run once the tool format is known (None: the request has no tools)."""
@@ -165,15 +173,53 @@ def request_constraint(fields: ConstraintFields, forced: ForcedToolCall | None =
     """The request's constraint, validated (400 if invalid); None for free generation, and
     also (with a Warning header) when no grammar engine is installed."""
     if forced is not None:
-        constraint = _validated(forced.constraint(DEFAULT_TOOL_FORMAT), "tool_choice")
+        param: str | None = "tool_choice"
+        constraint = _validated(forced.constraint(DEFAULT_TOOL_FORMAT), param)
     else:
-        constraint = _validated(*fields.select())
+        constraint, param = fields.select()
+        constraint = _validated(constraint, param)
     if constraint is None:
         return None
     if not grammar.available():
         add_warning(not_enforced_warning(constraint))
         return None
-    return ConstraintRequest(constraint, forced=forced, fields=fields)
+    return ConstraintRequest(constraint, forced=forced, fields=fields, param=param)
+
+
+_compilers: weakref.WeakKeyDictionary[Any, grammar.GrammarCompiler | None] = weakref.WeakKeyDictionary()
+_compilers_lock = threading.Lock()
+
+
+def compiles_for(tokenizer: Any, constraint: Constraint | None) -> bool:
+    """Whether `check_compiles` has work to do: a constraint, an engine, a real tokenizer."""
+    return constraint is not None and grammar.available() and isinstance(tokenizer, Tokenizer)
+
+
+def check_compiles(tokenizer: Any, constraint: Constraint | None, param: str | None) -> None:
+    """Compile `constraint` for `tokenizer` and compute its first mask. Raises ApiError (400)
+    when it cannot run. Blocking (a large grammar takes long to build): call it off the loop."""
+    if constraint is None or not grammar.available():
+        return
+    compiler = _compiler(tokenizer)
+    if compiler is None:
+        return
+    try:
+        compiler.check(constraint)
+    except grammar.GrammarError as exc:
+        raise bad_request(f"invalid {_what(constraint)}: {exc}", param=param) from None
+
+
+def _compiler(tokenizer: Any) -> grammar.GrammarCompiler | None:
+    """One request-time compiler per tokenizer, built on first use (a large vocabulary takes a
+    moment to index) and cached with its compiled grammars."""
+    if not isinstance(tokenizer, Tokenizer):  # a test double: the worker enforces what it can
+        return None
+    with _compilers_lock:
+        if tokenizer in _compilers:
+            return _compilers[tokenizer]
+    compiler = grammar.compiler_for_tokenizer(tokenizer)
+    with _compilers_lock:
+        return _compilers.setdefault(tokenizer, compiler)
 
 
 def body_constraint(body: Mapping[str, Any]) -> ConstraintRequest | None:

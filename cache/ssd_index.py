@@ -100,12 +100,7 @@ class SsdIndex:
         if n == 0:
             return False
         with self._lock:
-            for e in self._entries.values():
-                if e.namespace != namespace or e.length < n or (e.length > n and not e.trimmable):
-                    continue
-                if e.ids[n - 1] == ids[n - 1] and np.array_equal(e.ids[:n], ids):
-                    return True
-        return False
+            return any(covers(e, ids, namespace) for e in self._entries.values())
 
     # -- changes ---------------------------------------------------------------------------------
 
@@ -154,3 +149,12 @@ class SsdIndex:
             self._bytes -= oldest.nbytes
             victims.append(oldest)
         return victims
+
+
+def covers(entry: IndexEntry, ids: np.ndarray, namespace: str) -> bool:
+    """`entry` serves the prompt `ids` (int64, non-empty): it is that exact entry, or a longer
+    trimmable one that starts with it."""
+    n = ids.shape[0]
+    if entry.namespace != namespace or entry.length < n or (entry.length > n and not entry.trimmable):
+        return False
+    return bool(entry.ids[n - 1] == ids[n - 1] and np.array_equal(entry.ids[:n], ids))

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from cache.ssd_format import (
     sha256_hex,
 )
 from cache.ssd_identity import Identity
-from cache.ssd_index import Dropped, IndexEntry, SsdIndex
+from cache.ssd_index import Dropped, IndexEntry, SsdIndex, covers
 from cache.ssd_writer import SsdWriter, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 RESTORE_THREADS = min(8, os.cpu_count() or 1)
 QUARANTINE = "quarantine"
 QUARANTINE_KEEP = 16  # newest quarantined files kept for inspection; older ones are deleted
+# Entries the size cap pushed out, remembered (newest last) so a flush can tell an entry the cap
+# evicted — the cache working as configured — from one that was lost.
+EVICTIONS_KEPT = 4096
 
 # (tensor name, dtype tag, shape) of each tensor a read is about to load.
 TensorSpec = tuple[str, str, list[int]]
@@ -93,6 +97,7 @@ class SsdStore:
         self.verify = verify
         self.stats = SsdStats()
         self._index = SsdIndex()
+        self._evicted: deque[IndexEntry] = deque(maxlen=EVICTIONS_KEPT)
         self._lock_fd: int | None = None
         self._warned_write = False
 
@@ -216,6 +221,7 @@ class SsdStore:
         """Count what the index pushed out and remove its files."""
         self.stats.superseded += len(dropped.superseded)
         self.stats.evicted += len(dropped.evicted)
+        self._evicted.extend(dropped.evicted)
         for v in dropped.all:
             try:
                 v.path.unlink()
@@ -249,6 +255,15 @@ class SsdStore:
     def has_durable_prefix(self, tokens: Sequence[int], namespace: str) -> bool:
         """An exact entry, or a longer trimmable one that starts with `tokens`, is on disk."""
         return self._index.has_durable_prefix(tokens, namespace)
+
+    def evicted_by_cap(self, tokens: Sequence[int], namespace: str) -> bool:
+        """An entry that served `tokens` (exact, or longer and trimmable) was on disk and the size
+        cap (--ssd-cache-max) evicted it: gone as configured, not lost."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.shape[0] == 0:
+            return False
+        evicted = list(self._evicted)  # one C-level copy: the writer thread may append meanwhile
+        return any(covers(e, ids, namespace) for e in evicted)
 
     # -- restore (the MLX thread calls this, then builds caches) ---------------------------------
 

@@ -20,7 +20,7 @@ import mlx.nn as nn
 from model.kernels import cpu_attention, cpu_swiglu, unfused_attention
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv_cache import LayerCache
-from model.language_model import LanguageModel
+from model.language_model import AfterLayer, LanguageModel
 
 # A decode step of at most this many rows multiplies by a layer's fused q/k/v (and gate/up)
 # weights where model/fused_projections.py made them; wider products keep the separate ones.
@@ -217,11 +217,19 @@ class DecoderBody(nn.Module):
         self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, caches: Sequence[LayerCache], unfused_attention: bool = False) -> mx.array:
+    def __call__(
+        self,
+        tokens: mx.array,
+        caches: Sequence[LayerCache],
+        unfused_attention: bool = False,
+        after_layer: AfterLayer | None = None,
+    ) -> mx.array:
         h = self.embed_tokens(tokens)
         mask = UNFUSED_CAUSAL if unfused_attention and h.shape[1] > 1 else caches[0].make_mask(h.shape[1])
-        for layer, cache in zip(self.layers, caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, mask, cache)
+            if after_layer is not None:
+                after_layer(i, h)
         return self.norm(h)
 
 
@@ -233,8 +241,15 @@ class DecoderModel(LanguageModel):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, tokens: mx.array, caches: Sequence[LayerCache], *, unfused_attention: bool = False) -> mx.array:
-        return self.model(tokens, caches, unfused_attention)
+    def __call__(
+        self,
+        tokens: mx.array,
+        caches: Sequence[LayerCache],
+        *,
+        unfused_attention: bool = False,
+        after_layer: AfterLayer | None = None,
+    ) -> mx.array:
+        return self.model(tokens, caches, unfused_attention, after_layer)
 
     def logits(self, hidden: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:

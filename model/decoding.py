@@ -39,6 +39,7 @@ class Row:
     namespace: str = ""
     snapshot_at: int | None = None  # prefill splits here and puts a clone of the caches
     tokens: list[int] = attrs.Factory(list)  # every generated token, in order (the put key's tail)
+    aborted: bool = False  # a prefill forward stopped midway: its KV was dropped, the row only closes
 
 
 @attrs.define(eq=False)

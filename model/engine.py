@@ -36,12 +36,14 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 
 import mlx.core as mx
 
+from model.abort_flags import AbortFlags
 from model.compiled_decode import CompiledDecode
 from model.decoder import DecoderModel
 from model.decoding import Inflight, Row, read, record, sample_batch, sample_row
 from model.kv_cache import BatchKVCache, KVCache, LayerCache, PrefixCache, make_caches
 from model.language_model import LanguageModel
 from model.options import EngineOptions
+from model.prefill_abort import forward_unless_aborted
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.sampling import RowSampler
 from model.warm_up import meet_shapes
@@ -86,6 +88,7 @@ class Engine:
         prompt_cache: PrefixCache | None = None,
         grammar_compiler: GrammarCompiler | None = None,  # enforces SamplingParams.constraint
         options: EngineOptions = EngineOptions(),
+        aborts: AbortFlags | None = None,  # rows to stop prefilling (set from another thread)
     ) -> None:
         self.model = model
         self.grammars = grammar_compiler
@@ -94,6 +97,8 @@ class Engine:
         gpu = mx.default_device().type == mx.gpu
         cuda = gpu and not mx.metal.is_available()
         self.options = options.resolve(gpu=gpu, cuda=cuda)  # what each one does: model/options.py
+        self.aborts = aborts if aborts is not None else AbortFlags()
+        self._gpu = gpu
         self._heads = model.attention_heads
         self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
@@ -108,6 +113,7 @@ class Engine:
         self._departed = 0
         self._ready: list[TokenOut] = []  # tokens read early (pipeline flush at a join)
         self._steps = 0
+        self.prefill_tokens = 0  # prompt tokens forwarded by prefill (a join feeds the last; a fork none)
         self._compiled: CompiledDecode | None = None
         if self.options.compile_decode and isinstance(model, DecoderModel):
             compiled = CompiledDecode(model, fuse=cuda)
@@ -120,13 +126,7 @@ class Engine:
             raise ValueError("empty prompt")
         if spec.row_id in self._rows:
             raise ValueError(f"row {spec.row_id} already open")
-        row = Row(
-            row_id=spec.row_id,
-            prompt=list(spec.prompt),
-            sampler=RowSampler(spec.sampling, protected_ids=self.protected, grammars=self.grammars),
-            max_tokens=max(1, spec.max_tokens),
-            namespace=spec.namespace,
-        )
+        row = self._new_row(spec)
         row.caches, row.processed = self._take(row.prompt, spec.namespace, spec.min_cached_tokens)
         row.restored = row.processed
         if spec.snapshot_at is not None and self.prompt_cache is not None:
@@ -140,6 +140,8 @@ class Engine:
         """One chunk of the row's prompt: `prefill_chunk` tokens, or fewer when `max_tokens` says
         so (the scheduler's smaller chunk while other rows are decoding)."""
         row = self._rows[row_id]
+        if row.aborted:
+            raise RuntimeError(f"row {row_id} was aborted mid-prefill: it can only close")
         options = self.options
         chunk_tokens = min(options.prefill_chunk, max_tokens) if max_tokens else options.prefill_chunk
         end = min(row.processed + chunk_tokens, len(row.prompt) - 1)
@@ -153,10 +155,13 @@ class Engine:
                 and row.restored > 0
                 and 4 * self._heads * width * (row.processed + width) <= UNFUSED_SCORES_BYTES
             )
-            self.model(mx.array(chunk + chunk[-1:] * pad)[None], row.caches, unfused_attention=unfused)
+            tokens = mx.array(chunk + chunk[-1:] * pad)[None]
+            if not forward_unless_aborted(self.model, tokens, row.caches, [row], self.aborts, self._gpu, unfused):
+                return self._progress(row_id)
             for c in row.caches:
                 c.trim(pad)
             mx.eval([c.state for c in row.caches])
+            self.prefill_tokens += end - row.processed
             row.processed = end
             if options.clear_cache:
                 mx.clear_cache()
@@ -223,15 +228,39 @@ class Engine:
             if padded_count * width <= GROUP_PAD_TOKENS:
                 tokens += tokens[:1] * (padded_count - count)  # duplicates, dropped below
         caches = make_caches(self.num_layers)
-        self.model(mx.array(tokens), caches)
+        if not forward_unless_aborted(self.model, mx.array(tokens), caches, rows, self.aborts, self._gpu):
+            return
         for i, (row, n) in enumerate(zip(rows, lengths)):
             row.caches = [c.row(i, n) for c in caches]
             row.processed = n
+        self.prefill_tokens += sum(lengths)
         mx.eval([c.state for row in rows for c in row.caches])
         for row in rows:
             self._snapshot_if_passed(row)
         if self.options.clear_cache:
             mx.clear_cache()
+
+    def fork_rows(self, source_id: int, specs: Sequence[RowSpec]) -> list[RowOpened]:
+        """Rows that go on from `source_id`'s prefilled prompt (the choices of one request forward
+        it once): the source has not joined, so its KV covers prompt[:-1]; each new row gets clones
+        of it (views: its first write or the batch merge copies) and joins as any prefilled row."""
+        source = self._rows[source_id]
+        ids = [spec.row_id for spec in specs]
+        if source.in_batch or source.processed != len(source.prompt) - 1:
+            raise RuntimeError(f"row {source_id} forked outside the end of its prefill")
+        if len(set(ids)) != len(ids) or any(i in self._rows or s.prompt != specs[0].prompt for i, s in zip(ids, specs)):
+            raise ValueError(f"rows {ids}: already open, or not one prompt")
+        if specs and list(specs[0].prompt) != source.prompt:
+            raise ValueError(f"a fork of row {source_id} must have its prompt")
+        for spec in specs:  # (checked first: all or nothing)
+            row = self._rows[spec.row_id] = self._new_row(spec)
+            row.caches = [c.clone() for c in source.caches]
+            row.processed, row.restored = source.processed, source.restored
+        return [RowOpened(i, cached_tokens=source.restored, to_prefill=0) for i in ids]
+
+    def _new_row(self, spec: RowSpec) -> Row:
+        sampler = RowSampler(spec.sampling, protected_ids=self.protected, grammars=self.grammars)
+        return Row(spec.row_id, list(spec.prompt), sampler, max(1, spec.max_tokens), namespace=spec.namespace)
 
     def join(self, row_id: int) -> TokenOut:
         row = self._rows[row_id]
@@ -292,6 +321,7 @@ class Engine:
         return read(current, self.eos)
 
     def close_row(self, row_id: int, *, reusable: bool = False) -> None:
+        self.aborts.discard(row_id)
         row = self._rows.pop(row_id, None)
         if row is None:
             return

@@ -3,7 +3,9 @@
 A `Constraint` (model/params.py, plain data) becomes an llguidance grammar string
 (`grammar_text`, cached, no tokenizer needed: the API side validates requests with it), then a
 matcher bound to the model's tokenizer (`GrammarCompiler.matcher`, on the GPU-worker thread; the
-compiled matcher is cached per constraint and each row gets a deep copy). Per row, a
+compiled matcher is cached per constraint and each row gets a deep copy). The API keeps a
+compiler of its own (`compiler_for_tokenizer`) to reject, when the request arrives, a constraint
+that does not compile or can match nothing (`GrammarCompiler.check`). Per row, a
 `RowGrammar` consumes the row's tokens in order and fills the allowed-token mask the sampler
 applies after the logits processors. Once the grammar can accept nothing more, the mask allows
 only EOS, so the row ends with finish "stop".
@@ -24,15 +26,19 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from model.params import Constraint
 
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
+
 log = logging.getLogger(__name__)
 
 COMPILED_CACHE_SIZE = 128
+PROBE_STEPS = 4  # tokens `GrammarCompiler.check` walks into a grammar
 
 # JSON is generated compact, with OpenAI's separators: no free whitespace means a model cannot
 # pad forever between tokens, and output matches json.dumps. A schema's own "x-guidance" options
@@ -192,6 +198,8 @@ class GrammarCompiler:
         self.vocab_size = self.tokenizer.vocab_size
         self.mask_words = (self.vocab_size + 31) // 32
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self._checked: OrderedDict[Constraint, str | None] = OrderedDict()  # `check`'s verdicts
+        self._lengths: np.ndarray | None = None
         self._lock = threading.Lock()
         self.compiles = 0  # cache misses, for tests and /stats
 
@@ -207,6 +215,62 @@ class GrammarCompiler:
         backend.no_truncation()
         vocab = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
         return cls(backend.to_str(), vocab_size=vocab, eos_token_ids=eos_token_ids)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> GrammarCompiler:
+        """A compiler over the API's own tokenizer (the backend it encodes with)."""
+        spec = json.loads(tokenizer._backend.to_str())
+        spec["padding"] = spec["truncation"] = None  # as from_model_dir: whole texts, never padded
+        return cls(json.dumps(spec), vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids)
+
+    def check(self, constraint: Constraint) -> None:
+        """Compile the constraint and run it a few tokens deep, as a row would: raises
+        GrammarError if it does not compile, can match no text, or exceeds the engine's limits
+        on the way. The matcher builds its lexer lazily, so a counted repetition like
+        `b{99999}` only blows past the limits once a token enters it: the walk takes the longest
+        allowed token at each step (the deepest way in) for `PROBE_STEPS` steps. A grammar
+        that fails deeper still fails its row (the matcher then allows only EOS)."""
+        with self._lock:
+            if constraint in self._checked:
+                message = self._checked[constraint]
+                if message is None:
+                    return
+                raise GrammarError(message)
+        try:
+            self._probe(constraint)
+            message = None
+        except GrammarError as exc:
+            message = str(exc)
+        with self._lock:  # failures too: a client retrying a bad grammar does not rebuild it
+            self._checked[constraint] = message
+            while len(self._checked) > COMPILED_CACHE_SIZE:
+                self._checked.popitem(last=False)
+        if message is not None:
+            raise GrammarError(message)
+
+    def _probe(self, constraint: Constraint) -> None:
+        row = RowGrammar(self.compile(constraint).deep_copy(), self, warn=False)
+        lengths = self._token_lengths()
+        for _ in range(PROBE_STEPS):
+            allowed = row.mask(lengths.shape[0])
+            if row.failed:
+                raise GrammarError(f"the grammar cannot match any text ({row.failure})")
+            candidates = np.flatnonzero(allowed & (lengths > 0))
+            if candidates.size == 0:
+                return  # only EOS (or nothing) can follow: the grammar is complete
+            row.observe(row.consumed, int(candidates[np.argmax(lengths[candidates])]))
+            if row.failed:
+                raise GrammarError(f"the grammar exceeds the grammar engine's limits ({row.failure})")
+
+    def _token_lengths(self) -> np.ndarray:
+        """Bytes per token id (0 for special tokens), computed once."""
+        if self._lengths is None:
+            tok = self.tokenizer
+            self._lengths = np.array(
+                [0 if tok.is_special_token(i) else len(tok.decode_bytes([i])) for i in range(self.vocab_size)],
+                dtype=np.int64,
+            )
+        return self._lengths
 
     def compile(self, constraint: Constraint) -> Any:
         """A fresh matcher for the constraint (cached; callers deep-copy it)."""
@@ -238,6 +302,19 @@ class GrammarCompiler:
         return RowGrammar(self.compile(constraint).deep_copy(), self)
 
 
+def compiler_for_tokenizer(tokenizer: Any) -> GrammarCompiler | None:
+    """`GrammarCompiler.from_tokenizer`, or None (no engine, or a tokenizer it cannot read)."""
+    from model.tokenizer import Tokenizer
+
+    if not available() or not isinstance(tokenizer, Tokenizer):
+        return None
+    try:
+        return GrammarCompiler.from_tokenizer(tokenizer)
+    except Exception as exc:  # the worker's compiler fails the same way and logs it
+        log.debug("no request-time grammar compiler (%s)", exc, exc_info=True)
+        return None
+
+
 def make_compiler(model_dir: Path | str, *, vocab_size: int, eos_token_ids: Iterable[int]) -> GrammarCompiler | None:
     """The worker's compiler, or None (engine missing/disabled, or a tokenizer it cannot read):
     never fails model start-up."""
@@ -259,8 +336,9 @@ class RowGrammar:
     and a position already consumed is ignored.
     """
 
-    def __init__(self, matcher: Any, compiler: GrammarCompiler) -> None:
+    def __init__(self, matcher: Any, compiler: GrammarCompiler, *, warn: bool = True) -> None:
         self._m = matcher
+        self._warn = warn  # log a rejected token (a request-time probe expects them)
         self._compiler = compiler
         self._words = np.zeros(compiler.mask_words, dtype=np.int32)
         self._prefilled: np.ndarray | None = None  # set by fill_masks, used once by mask_words
@@ -276,6 +354,17 @@ class RowGrammar:
     def accepting(self) -> bool:
         return self._m.is_accepting()
 
+    @property
+    def failed(self) -> bool:
+        """The matcher hit an error (a rejected token, a limit) and allows only EOS from here."""
+        return bool(self._m.is_error())
+
+    @property
+    def failure(self) -> str:
+        """The first line of the matcher's error ("" when it has none)."""
+        error = self._m.get_error() or ""
+        return error.strip().splitlines()[0] if error.strip() else ""
+
     def observe(self, index: int, token: int) -> None:
         if index < self.consumed:
             return
@@ -288,7 +377,8 @@ class RowGrammar:
         if not self._m.consume_token(int(token)) and self.error is None:
             # Only reachable if a disallowed token was sampled; the matcher then allows only EOS.
             self.error = self._m.get_error().strip().splitlines()[0] if self._m.get_error() else "token rejected"
-            log.warning("grammar matcher rejected token %d: %s", token, self.error)
+            if self._warn:
+                log.warning("grammar matcher rejected token %d: %s", token, self.error)
 
     def mask_words(self) -> np.ndarray:
         """The allowed-token bitmask for the next position: int32 words, bit i of word w = id 32w+i."""

@@ -7,12 +7,15 @@ follow the checkpoint, so `load_weights` fills it by name.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from model.kv_cache import LayerCache
+
+# `after_layer(index, hidden)`: called by a forward after each of its blocks.
+AfterLayer = Callable[[int, mx.array], None]
 
 
 class LanguageModel(nn.Module):
@@ -22,9 +25,19 @@ class LanguageModel(nn.Module):
     chunk never materializes an [L, vocab] transient). `caches` holds one KV cache per layer.
     """
 
-    def __call__(self, tokens: mx.array, caches: Sequence[LayerCache], *, unfused_attention: bool = False) -> mx.array:
+    def __call__(
+        self,
+        tokens: mx.array,
+        caches: Sequence[LayerCache],
+        *,
+        unfused_attention: bool = False,
+        after_layer: AfterLayer | None = None,
+    ) -> mx.array:
         """[B, L] tokens -> [B, L, hidden], updating `caches`. `unfused_attention`: a prefill's
-        causal attention as matmuls (model/kernels/unfused_attention.py), no fused kernel."""
+        causal attention as matmuls (model/kernels/unfused_attention.py), no fused kernel.
+        `after_layer(index, hidden)` runs after each block; it may evaluate the hidden state and
+        raise to stop the forward (model/prefill_abort.py). A model without blocks to stop
+        between may ignore it."""
         raise NotImplementedError
 
     def logits(self, hidden: mx.array) -> mx.array:

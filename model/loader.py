@@ -13,7 +13,7 @@ import mlx.core as mx
 from model.config import ModelConfig, load_config
 from model.families import build_model, family_for
 from model.language_model import LanguageModel
-from model.resolve import resolve_model_dir
+from model.resolve import model_name, resolve_model_dir
 from model.weights import apply_quantization, load_into, parameter_bytes, read_weights
 
 
@@ -44,7 +44,7 @@ def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
     model.eval()
     return LoadedModel(
         path=model_dir,
-        name=name or model_dir.name,
+        name=name or model_name(model_dir),
         config=config,
         model=model,
         weights_bytes=parameter_bytes(model),

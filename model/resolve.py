@@ -3,6 +3,9 @@
 Accepted: a directory path, or an `org/name` id looked up in the local Hugging Face cache
 (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub) as
 `models--org--name/snapshots/<refs/main>`. Nothing is ever downloaded.
+
+`model_name` names a model directory the way clients know it: `org/name` for a snapshot of the
+Hugging Face cache (whose directory name is a commit hash), else the directory's own name.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import os
 from pathlib import Path
 
 from model.errors import ModelLoadError
+
+_REPO_PREFIX = "models--"
 
 
 def hub_cache_dir() -> Path:
@@ -28,7 +33,7 @@ def resolve_model_dir(spec: str) -> Path:
     looked = [str(path)]
     parts = spec.strip("/").split("/")
     if len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~")):
-        repo = hub_cache_dir() / f"models--{parts[0]}--{parts[1]}"
+        repo = hub_cache_dir() / f"{_REPO_PREFIX}{parts[0]}--{parts[1]}"
         looked.append(str(repo))
         snapshot = _main_snapshot(repo)
         if snapshot is not None:
@@ -38,6 +43,16 @@ def resolve_model_dir(spec: str) -> Path:
         "pass a local model directory or an org/name already in the Hugging Face cache "
         "(this server never downloads)"
     )
+
+
+def model_name(model_dir: Path) -> str:
+    """`org/name` for `.../models--org--name/snapshots/<hash>`, else the directory's name."""
+    snapshots = model_dir.parent
+    repo = snapshots.parent.name
+    if snapshots.name == "snapshots" and repo.startswith(_REPO_PREFIX) and len(repo) > len(_REPO_PREFIX):
+        # The hub writes a repo id's "/" as "--" (ids cannot contain "--" themselves).
+        return repo.removeprefix(_REPO_PREFIX).replace("--", "/")
+    return model_dir.name
 
 
 def _main_snapshot(repo: Path) -> Path | None:

@@ -39,6 +39,7 @@ class _FakeRow:
     generated: int = 0
     joined: bool = False
     finished: bool = False
+    aborted: bool = False  # a prefill of it stopped on `abort`: it may only close
 
 
 class FakeWorker:
@@ -76,6 +77,9 @@ class FakeWorker:
         self.closed: dict[int, tuple[float, bool]] = {}  # row id -> (time, reusable)
         self.violations: list[str] = []
         self.prefill_limits: list[int | None] = []  # each prefill call's max_tokens
+        self.aborts: dict[int, float] = {}  # row id -> when `abort` reached the worker
+        # The prefill running now: its rows, and the event that ends it early once all are aborted.
+        self._prefilling: tuple[tuple[int, ...], trio.Event] | None = None
         self._busy = False
         self._steps = 0
 
@@ -94,33 +98,51 @@ class FakeWorker:
             return RowOpened(spec.row_id, cached_tokens=0, to_prefill=len(spec.prompt) - 1)
 
     async def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress:
-        async with self._call("prefill", row_id, self.prefill_cost):
+        async with self._call("prefill", row_id, self.prefill_cost, stoppable=(row_id,)):
             row = self._row(row_id, "prefill")
             total = len(row.spec.prompt) - 1
-            if row.joined or row.done >= total:
+            if row.joined or row.done >= total or row.aborted:
                 self.violations.append(f"prefill({row_id}) with nothing to prefill")
+            if row_id in self.aborts:  # stopped midway, as the engine's forward does: nothing kept
+                row.aborted = True
+                return PrefillProgress(row_id, done=0, remaining=total)
             self.prefill_limits.append(max_tokens)
             row.done = min(total, row.done + (min(self.chunk, max_tokens) if max_tokens else self.chunk))
             return PrefillProgress(row_id, done=row.done, remaining=total - row.done)
 
     async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]:
         """One call for many rows: each row whose whole prompt fits one chunk is prefilled."""
-        async with self._call("prefill_group", tuple(row_ids), self.prefill_cost):
+        async with self._call("prefill_group", tuple(row_ids), self.prefill_cost, stoppable=tuple(row_ids)):
+            stopped = all(r in self.aborts for r in row_ids)
             out = []
             for row_id in row_ids:
                 row = self._row(row_id, "prefill_group")
                 total = len(row.spec.prompt) - 1
                 if row.joined:
                     self.violations.append(f"prefill_group({row_id}) of a joined row")
-                if row.done == 0 and 0 < total <= self.chunk:
+                row.aborted = row.aborted or stopped
+                if row.done == 0 and 0 < total <= self.chunk and not stopped:
                     row.done = total
                 out.append(PrefillProgress(row_id, done=row.done, remaining=total - row.done))
             return out
 
+    async def fork_rows(self, source_id: int, specs: list[RowSpec]) -> list[RowOpened]:
+        """New rows with the source's prefill done (it must be prefilled and not joined)."""
+        async with self._call("fork_rows", (source_id, *(s.row_id for s in specs)), self.open_cost):
+            source = self._row(source_id, "fork_rows")
+            if source.joined or source.done != len(source.spec.prompt) - 1:
+                self.violations.append(f"fork_rows({source_id}) outside the end of its prefill")
+            for spec in specs:
+                if spec.row_id in self.rows or spec.prompt != source.spec.prompt:
+                    self.violations.append(f"fork_rows({source_id}) into row {spec.row_id}")
+                self.rows[spec.row_id] = _FakeRow(spec, done=source.done)
+                self.specs[spec.row_id] = spec
+            return [RowOpened(s.row_id, cached_tokens=0, to_prefill=0) for s in specs]
+
     async def join(self, row_id: int) -> TokenOut:
         async with self._call("join", row_id, self.join_cost):
             row = self._row(row_id, "join")
-            if row.done != len(row.spec.prompt) - 1 or row.joined:
+            if row.done != len(row.spec.prompt) - 1 or row.joined or row.aborted:
                 self.violations.append(f"join({row_id}) before its prefill completed")
             row.joined = True
             return self._next_token(row)
@@ -151,6 +173,13 @@ class FakeWorker:
                     continue
                 out.append(self._next_token(row))
             return out
+
+    def abort(self, row_id: int) -> None:
+        """Not a call (it may come while one runs): a running prefill whose rows are now all
+        aborted ends at once, keeping nothing; the row may then only close."""
+        self.aborts[row_id] = trio.current_time()
+        if self._prefilling is not None and all(r in self.aborts for r in self._prefilling[0]):
+            self._prefilling[1].set()
 
     async def close_row(self, row_id: int, *, reusable: bool) -> None:
         async with self._call("close_row", row_id, self.close_cost):
@@ -195,16 +224,26 @@ class FakeWorker:
         return row
 
     @asynccontextmanager
-    async def _call(self, name: str, arg: Any, cost: float):
+    async def _call(self, name: str, arg: Any, cost: float, stoppable: tuple[int, ...] = ()):
+        """`stoppable`: the rows of a prefill, which ends early once `abort` has reached all."""
         if self._busy:
             self.violations.append(f"{name} while another call runs")
         self._busy = True
         self.calls.append((trio.current_time(), name, arg))
         try:
-            await trio.sleep(cost)
+            if stoppable:
+                self._prefilling = (stoppable, stop := trio.Event())
+                if all(r in self.aborts for r in stoppable):
+                    stop.set()
+                with trio.move_on_after(cost):
+                    await stop.wait()
+                self._prefilling = None
+            else:
+                await trio.sleep(cost)
             yield
         finally:
             self._busy = False
+            self._prefilling = None
 
 
 # --- a tokenizer double whose text is easy to read in assertions -----------------------------

@@ -46,6 +46,7 @@ def serve_in_thread(
         hc.accesslog = None
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(partial(serve, app, hc, shutdown_trigger=shutdown_trigger))
+            await app.served.wait()  # bound before the model loads (503 "loading" until then)
             ready.put(binds[0])
 
     async def main() -> None:

@@ -80,6 +80,10 @@ class RecordingWorker:
     async def prefill_group(self, row_ids: list[int]) -> list[PrefillProgress]:
         return await self._record("prefill_group", None, lambda: self.inner.prefill_group(row_ids))
 
+    async def fork_rows(self, source_id: int, specs: list[RowSpec]) -> list[RowOpened]:
+        self.specs.update((spec.row_id, spec) for spec in specs)
+        return await self._record("fork_rows", source_id, lambda: self.inner.fork_rows(source_id, specs))
+
     async def join(self, row_id: int) -> TokenOut:
         return await self._record("join", row_id, lambda: self.inner.join(row_id))
 
@@ -90,6 +94,9 @@ class RecordingWorker:
 
     async def step(self) -> list[TokenOut]:
         return await self._record("step", None, self.inner.step)
+
+    def abort(self, row_id: int) -> None:
+        self.inner.abort(row_id)  # a signal, not a job: nothing to record
 
     async def close_row(self, row_id: int, *, reusable: bool) -> None:
         return await self._record("close_row", row_id, lambda: self.inner.close_row(row_id, reusable=reusable))
@@ -200,12 +207,14 @@ def _absorb(result: Streamed, payload: Any, *, chat: bool) -> None:
         result.done = True
         return
     assert "error" not in payload, payload
+    if not payload["choices"]:  # include_usage: the last chunk has the usage and no choice
+        result.usage = payload["usage"]
+        return
     result.chunks += 1
     choice = payload["choices"][0]
     result.text += (choice.get("delta", {}).get("content") or "") if chat else choice["text"]
     if choice.get("finish_reason") is not None:
         result.finish_reason = choice["finish_reason"]
-        result.usage = payload.get("usage")
 
 
 async def complete(server: RealServer, body: dict[str, Any], *, chat: bool = False) -> Streamed:
@@ -232,7 +241,8 @@ async def stream(
     away mid-stream). `on_chunk` sees the result after every chunk."""
     result = Streamed()
     async with server.client.request(CHAT if chat else COMPLETIONS, method="POST", headers=JSON) as conn:
-        await conn.send(json.dumps({**body, "stream": True}).encode())
+        usage = {"stream_options": {"include_usage": True}}  # `Streamed.usage` comes from its last chunk
+        await conn.send(json.dumps({**usage, **body, "stream": True}).encode())
         await conn.send_complete()
         buffer = b""
         while not result.done and (cut_after is None or result.chunks < cut_after):

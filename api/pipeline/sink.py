@@ -44,6 +44,8 @@ class CompletionSink:
         tools_present: bool = False,
     ) -> None:
         self._detokenizer = detokenizer
+        # Another choice of the same request (`n`) gets a sink configured as this one.
+        self._options = (tuple(stop), think, starts_in_reasoning, tool_format, tools_present)
         self._router = make_tool_router(tool_format, tools_present=tools_present)
         self._stop = StopMatcher(stop)
         self._splitter = (
@@ -57,6 +59,18 @@ class CompletionSink:
         self.content = ""
         self.reasoning = ""
         self.finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once finished
+
+    def fresh(self, detokenizer: StreamingDetokenizer) -> CompletionSink:
+        """A new sink configured as this one was, reading `detokenizer` (another choice)."""
+        stop, think, starts_in_reasoning, tool_format, tools_present = self._options
+        return CompletionSink(
+            detokenizer,
+            stop=stop,
+            think=think,
+            starts_in_reasoning=starts_in_reasoning,
+            tool_format=tool_format,
+            tools_present=tools_present,
+        )
 
     @property
     def matched_stop(self) -> str | None:

@@ -76,10 +76,10 @@ def test_max_tokens_is_clamped_to_the_room_left_and_none_when_no_room():
     assert clamp_max_tokens(50, 5, 50) is None
 
 
-def test_placement_depends_on_the_request_only():
-    assert place(explicit_seed=True, mode="batch") == "serial"
-    assert place(explicit_seed=False, mode="batch") == "batched"
-    assert place(explicit_seed=False, mode="off") == "serial"
+def test_placement_is_the_servers_mode_only():
+    assert place(mode="batch") == "batched"
+    assert place(mode="off") == "serial"
+    assert place(mode="serial") == "serial"
     assert batch_mode(1, batchable=True) == "off"
     assert batch_mode(8, batchable=False) == "serial"
 
@@ -105,10 +105,8 @@ async def test_decisions():
         "prompt is 50 tokens but the memory budget caps safe context at 50 — no room "
         "to generate; shorten the prompt or raise --memory-budget"
     )
-    seeded = admission.decide(request(explicit_seed=True, seed=7))
-    assert seeded.lane == "serial" and seeded.seed == 7
-    null_seed = admission.decide(request(explicit_seed=True, seed=None))
-    assert null_seed.lane == "serial"
+    seeded = admission.decide(request(seed=7))
+    assert seeded.lane == "batched" and seeded.seed == 7  # a seeded row stays in the batch
     ids = [admission.decide(request()).row_id for _ in range(3)]
     assert len(set(ids + [ok.row_id, seeded.row_id])) == 5
     assert admission.counters.clamped >= 1 and admission.counters.rejected_budget == 1

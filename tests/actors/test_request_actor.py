@@ -22,6 +22,11 @@ class _Admission:
         self.in_flight = 0
 
     @contextlib.contextmanager
+    def queued_scope(self):
+        with trio.CancelScope() as scope:
+            yield scope
+
+    @contextlib.contextmanager
     def cutoff_scope(self):
         with trio.CancelScope(deadline=self.cutoff) as scope:
             yield scope
@@ -57,12 +62,12 @@ async def _admitted_actor(max_tokens: int = 1000) -> tuple[RequestActor, trio.Me
         nursery.start_soon(actor.admit)
         submit = await submits_recv.receive()
         submit.reply.send_nowait(Admitted(row_id=7, max_tokens=max_tokens, lane="batched", seed=0))
+        submit.rows.send_nowait(RowOpened(7, cached_tokens=2, to_prefill=0))  # admit returns once the row opens
     return actor, submit.rows
 
 
 async def test_waiting_tokens_are_taken_in_one_call_in_order():
     actor, rows = await _admitted_actor()
-    rows.send_nowait(RowOpened(7, cached_tokens=2, to_prefill=0))
     for t in range(5):
         rows.send_nowait(TokenOut(7, 100 + t))
     assert await actor.next_events() == [f"<{100 + t}>" for t in range(5)]
@@ -133,6 +138,7 @@ async def _observed_actor(observer) -> tuple[RequestActor, trio.MemorySendChanne
         nursery.start_soon(actor.admit)
         submit = await submits_recv.receive()
         submit.reply.send_nowait(Admitted(row_id=7, max_tokens=9, lane="batched", seed=0))
+        submit.rows.send_nowait(RowOpened(7, cached_tokens=0, to_prefill=2))  # admit returns once the row opens
     return actor, submit.rows, submit, control_recv
 
 

@@ -179,7 +179,7 @@ async def test_abort_while_queued_drops_the_row_at_once(autojump_clock):
     assert not worker.violations
 
 
-async def test_abort_mid_prefill_releases_after_the_current_chunk(autojump_clock):
+async def test_abort_mid_prefill_stops_the_running_chunk(autojump_clock):
     worker = FakeWorker()
     async with scheduler_harness(worker) as h:
         row = h.submit(1, prompt(17), max_tokens=4)  # 4 chunks: 0-1, 1-2, 2-3, 3-4
@@ -187,7 +187,8 @@ async def test_abort_mid_prefill_releases_after_the_current_chunk(autojump_clock
         h.receivers[1].close()
         h.inbox.send_nowait(Abort(1))
         await trio.sleep(20)
-    assert worker.closed[1] == (2.0, False)  # the chunk running at 1.5 finished, then out; aborts are not put
+    assert worker.aborts == {1: 1.5}  # passed to the worker while its chunk ran
+    assert worker.closed[1] == (1.5, False)  # that chunk stopped at once, then out; aborts are not put
     assert [c for _, c, _ in worker.calls] == ["open_row", "prefill", "prefill", "close_row"]
     assert row.tokens == []
     assert not worker.violations

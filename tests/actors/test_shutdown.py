@@ -17,10 +17,13 @@ from tests.fakes import FakeTokenizer, FakeWorker
 
 def fake_http(clients, *, graceful, note):
     async def serve_http(app, shutdown_trigger):
-        client = app.test_client()
+        async def connect(run_client):
+            await app.served.wait()  # the port is bound before the model loads: clients wait for it
+            await run_client(app.app.test_client())
+
         async with trio.open_nursery() as connections:
             for run_client in clients:
-                connections.start_soon(run_client, client)
+                connections.start_soon(connect, run_client)
             await shutdown_trigger()
             note("listeners closed")
             connections.cancel_scope.deadline = trio.current_time() + graceful
@@ -67,10 +70,13 @@ async def run(worker, clients, *, timeout, signals_at):
 
 def streamer(max_tokens):
     async def client(note, http):
-        response = await http.post("/v1/completions", json={"prompt": "a", "max_tokens": max_tokens, "stream": True})
+        body = {"prompt": "a", "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        response = await http.post("/v1/completions", json=body)
         frames = [f.removeprefix("data: ") for f in (await response.get_data()).decode().split("\n\n") if f]
-        final = json.loads(frames[-2])
-        note(("stream ended", frames[-1], final["choices"][0]["finish_reason"], final["usage"]["completion_tokens"]))
+        chunks = [json.loads(f) for f in frames[:-1]]
+        reason = next(c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"])
+        usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+        note(("stream ended", frames[-1], reason, usage["completion_tokens"]))
 
     return client
 
@@ -141,5 +147,8 @@ async def test_signal_during_model_load_stops_without_serving(autojump_clock):
             await super().run(task_status=task_status)
 
     events = await run(SlowLoad(), [], timeout=30, signals_at=[1])
-    assert "listeners closed" not in names(events)
-    assert order_is(events, "signal", "actors stopped", "flush", "returned")
+    times = {name: t for (t, _), name in zip(events, names(events))}
+    # The port was bound before the load; the signal stops the load and closes it at once.
+    assert "serving" not in names(events)
+    assert order_is(events, "listening", "signal", "listeners closed", "http done", "actors stopped", "returned")
+    assert times["actors stopped"] == 1.0  # then the flush hook's own 0.5 s

@@ -78,7 +78,7 @@ def sse_events(body: bytes) -> list[tuple[str, dict]]:
 
 
 def body(content: str = "hi", **extra) -> dict:
-    return {"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": content}], **extra}
+    return {"model": "fake-model", "max_tokens": 5, "messages": [{"role": "user", "content": content}], **extra}
 
 
 async def test_non_stream_message(autojump_clock):
@@ -154,7 +154,7 @@ async def test_eos_is_end_turn(autojump_clock):
 async def test_count_tokens_is_the_prompt_length_and_never_reaches_the_worker(autojump_clock):
     async with server() as (client, _, worker):
         request = {
-            "model": "claude-x",
+            "model": "fake-model",
             "system": [{"type": "text", "text": "sys"}],
             "messages": [{"role": "user", "content": [{"type": "text", "text": "count me"}]}],
         }

@@ -79,7 +79,8 @@ class Live:
 def live_server(model_dir: Path, *, failing: bool = False, prompt_cache_bytes: int = 64 << 20) -> Iterator[Live]:
     inner = GpuWorker(model_dir, prompt_cache_bytes=prompt_cache_bytes)
     worker = FailingWorker(inner) if failing else inner
-    with serve_in_thread(model_dir, worker=worker) as base:
+    # served as "m", the name these tests' (and test_responses_sdk's) requests carry
+    with serve_in_thread(model_dir, worker=worker, served_model_name=("m",)) as base:
         yield Live(base, Tokenizer.from_dir(model_dir), worker)
 
 
@@ -126,7 +127,7 @@ TOOLS = [{"name": "get_weather", "description": "Weather for a city", "input_sch
 
 def test_create_text(text_server):
     client = sdk(text_server)
-    message = client.messages.create(model="claude-test", max_tokens=64, system="Be brief.", messages=USER)
+    message = client.messages.create(model="m", max_tokens=64, system="Be brief.", messages=USER)
     assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
     assert [block.type for block in message.content] == ["text"]
     assert message.content[0].text == "".join(TEXT_SCRIPT)

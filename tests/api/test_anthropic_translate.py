@@ -52,7 +52,7 @@ def test_system_blocks_roles_and_generation_fields():
     assert (generation.max_tokens, generation.stream, request.stop) == (9, True, ("END",))
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (0.5, 0.9, 40, 0.1)
     assert sampling.repetition_penalty == 1.1
-    assert generation.seed is None and not generation.explicit_seed  # no seed key: not a serial request
+    assert generation.seed is None  # no seed key: admission draws a default seed
 
 
 def test_tool_use_tool_result_and_thinking_blocks():
@@ -79,7 +79,8 @@ def test_tool_use_tool_result_and_thinking_blocks():
                         },
                     ],
                 },
-            ]
+            ],
+            "max_tokens": 8,
         }
     )
     assert request.prompt.messages == (
@@ -110,6 +111,7 @@ def test_tools_tool_choice_and_thinking_config():
             ],
             "tool_choice": {"type": "tool", "name": "f"},
             "thinking": {"type": "disabled"},
+            "max_tokens": 8,
         }
     )
     assert request.prompt.tools == (
@@ -126,6 +128,7 @@ def test_tools_tool_choice_and_thinking_config():
             "messages": [{"role": "user", "content": "x"}],
             "tools": [{"name": "f", "input_schema": {}}],
             "tool_choice": {"type": "none"},
+            "max_tokens": 8,
         }
     )
     assert none.prompt.tools is None and none.constraint is None  # "none" drops the tools

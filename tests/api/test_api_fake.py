@@ -59,7 +59,8 @@ async def test_models_and_stats(autojump_clock):
     async with server(batch=4) as (client, handles, _):
         models = await (await client.get("/v1/models")).get_json()
         assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
-        assert (await (await client.get("/v1/models/nope")).get_json())["data"] == []
+        missing = await client.get("/v1/models/nope")
+        assert missing.status_code == 404 and (await missing.get_json())["error"]["code"] == "model_not_found"
         stats = await (await client.get("/stats")).get_json()
         assert stats["batch"]["configured"] == 4 and stats["batch"]["mode"] == "batch"
         assert stats["batch"]["active_rows"] == 0 and stats["batch"]["pending_rows"] == 0
@@ -123,6 +124,7 @@ async def test_chat_non_stream(autojump_clock):
 async def test_chat_stream_shape(autojump_clock):
     async with server() as (client, _, worker):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        body["stream_options"] = {"include_usage": True}
         response = await client.post(CHAT, json=body)
         assert response.content_type == "text/event-stream"
         data = frames(await response.get_data())
@@ -131,13 +133,14 @@ async def test_chat_stream_shape(autojump_clock):
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-2])
     assert text == expected_text(worker, chat_prompt("hi"), 4)
-    final = chunks[-1]
-    assert final["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length"}
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length"}
+    final = chunks[-1]  # include_usage: a last chunk with no choices carries the usage
+    assert final["choices"] == []
     assert final["usage"]["completion_tokens"] == 4 and final["usage"]["lane"] == "batched"
     assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    assert all("usage" not in c for c in chunks[:-1])
+    assert all(c["usage"] is None for c in chunks[:-1])
 
 
 async def test_stop_string_ends_with_stop(autojump_clock):
@@ -152,12 +155,12 @@ async def test_stop_string_ends_with_stop(autojump_clock):
     assert result["choices"][0]["message"]["content"] == "".join(token_text(t) for t in tokens[:2])
 
 
-async def test_explicit_seed_runs_serial_even_when_null(autojump_clock):
+async def test_a_seeded_request_is_batched_like_any_other(autojump_clock):
     async with server() as (client, _, _):
-        for body, lane in (({"seed": 7}, "serial"), ({"seed": None}, "serial"), ({}, "batched")):
-            body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **body}
+        for seed in ({"seed": 7}, {"seed": None}, {}):
+            body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **seed}
             result = await (await client.post(CHAT, json=body)).get_json()
-            assert result["usage"]["lane"] == lane
+            assert result["usage"]["lane"] == "batched"
 
 
 async def test_completions_stream_and_whole(autojump_clock):
@@ -174,7 +177,8 @@ async def test_completions_stream_and_whole(autojump_clock):
     assert streamed[-1] == "[DONE]"
     chunks = [json.loads(f) for f in streamed[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "usage" in chunks[-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)  # no include_usage: no usage anywhere in the stream
 
 
 async def test_prompt_over_the_memory_budget_is_400_and_max_tokens_is_clamped(autojump_clock):

@@ -265,7 +265,7 @@ def test_token_buckets():
 
 async def test_every_surface_is_observed(autojump_clock):
     async with server() as (client, metrics, _):
-        anthropic = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+        anthropic = {"model": "fake-model", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
         assert (await client.post("/v1/messages", json=anthropic)).status_code == 200
         assert (await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3})).status_code == 200
     for route in ("/v1/messages", "/v1/responses"):

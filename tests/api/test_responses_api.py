@@ -44,7 +44,7 @@ def sse_events(body: bytes) -> list[dict]:
 
 
 async def create(client, **body) -> dict:
-    response = await client.post(RESPONSES, json={"model": "m", "max_output_tokens": 4, **body})
+    response = await client.post(RESPONSES, json={"model": "fake-model", "max_output_tokens": 4, **body})
     assert response.status_code == 200, await response.get_data()
     result = await response.get_json()
     RESPONSE.validate_python(result)
@@ -63,7 +63,7 @@ async def test_non_stream_response(autojump_clock):
     assert result["status"] == "incomplete" and result["incomplete_details"] == {"reason": "max_output_tokens"}
     assert result["instructions"] == "be brief" and result["previous_response_id"] is None
     [message] = result["output"]
-    assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "completed"
+    assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "incomplete"
     assert text_of(result) == expected_text(worker, prompt, 4)
     assert result["usage"] == {
         "input_tokens": len(prompt),
@@ -98,8 +98,9 @@ async def test_stream_events_in_order(autojump_clock):
             "response.output_text.done",
             "response.content_part.done",
             "response.output_item.done",
-            "response.completed",
+            "response.incomplete",  # cut by max_output_tokens
         ]
+        assert events[-2]["item"]["status"] == "incomplete"
         assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
         deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
         assert deltas == expected_text(worker, prompt_of(("user", "hi")), 3)
@@ -183,7 +184,7 @@ async def test_bad_input_is_400_in_the_responses_shape(autojump_clock):
             assert error["type"] == "invalid_request_error" and message in error["message"], error
 
 
-async def test_mid_stream_failure_ends_with_error_then_completed(autojump_clock):
+async def test_mid_stream_failure_ends_with_error_then_failed(autojump_clock):
     worker = FakeWorker(fail_step_at=3, prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     async with server(worker) as (client, handles, _):
         events = sse_events(
@@ -196,7 +197,7 @@ async def test_mid_stream_failure_ends_with_error_then_completed(autojump_clock)
             "response.output_text.done",
             "response.content_part.done",
             "response.output_item.done",
-            "response.completed",
+            "response.failed",
         ]
         assert events[error_at]["code"] == "server_error" and "generation failed" in events[error_at]["message"]
         final = events[-1]["response"]

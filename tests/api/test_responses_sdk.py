@@ -206,7 +206,7 @@ def test_reasoning_output(think_server):
     )
 
 
-def test_mid_stream_engine_failure_ends_with_error_and_completed(failing_server):
+def test_mid_stream_engine_failure_ends_with_error_and_failed(failing_server):
     failing_server.worker.fail_in = 2
     events = list(sdk(failing_server).responses.create(model="m", input=QUESTION, stream=True))
     types = [event.type for event in events]
@@ -216,7 +216,7 @@ def test_mid_stream_engine_failure_ends_with_error_and_completed(failing_server)
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
-        "response.completed",
+        "response.failed",
     ]
     assert events[at].code == "server_error" and "injected engine failure" in events[at].message
     final = events[-1].response

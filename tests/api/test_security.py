@@ -19,7 +19,7 @@ KEY = "sk-test-key"
 ADMIN = "admin-secret"
 REMOTE = {"client": ("203.0.113.9", 40000)}
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-MESSAGES_BODY = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES_BODY = {"model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 RESPONSES_BODY = {"input": "hi", "max_output_tokens": 2}
 
 

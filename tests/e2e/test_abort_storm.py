@@ -152,12 +152,14 @@ class SseParser:
                 continue
             payload = json.loads(text)
             assert "error" not in payload, payload
+            if not payload["choices"]:  # include_usage: the usage chunk
+                result.usage = payload["usage"]
+                continue
             result.chunks += 1
             choice = payload["choices"][0]
             result.text += choice["text"]
             if choice.get("finish_reason") is not None:
                 result.finish_reason = choice["finish_reason"]
-                result.usage = payload.get("usage")
 
 
 async def stream_completion(
@@ -165,7 +167,8 @@ async def stream_completion(
 ) -> None:
     """Stream one completion into `result`. Cancelling `scope` (or `cut_after` chunks) closes
     the socket mid-response: the server sees a real client disconnect."""
-    stream, reader = await http_post(port, "/v1/completions", {**body, "stream": True})
+    usage = {"stream_options": {"include_usage": True}}  # the usage comes in a last chunk
+    stream, reader = await http_post(port, "/v1/completions", {**body, "stream": True, **usage})
     parser = SseParser(result)
 
     def on_piece(piece: bytes) -> None:
@@ -289,12 +292,14 @@ async def watch_rows(server: RealServer, plans: list[Plan]) -> None:
     a client's socket when its row is where its plan wants it (or already past that point)."""
     table = server.handles.scheduler.table
     waiting = {p.ids: p for p in plans if p.mode in ("queued", "prefill")}
-    seen: dict[int, Plan | None] = {}  # id(row) -> its plan (rows live on; hashing prompts is not free)
+    # row id -> its plan (hashing prompts is not free). Keyed by row id, not id(row): a finished
+    # row's object is freed and a new row may reuse its address.
+    seen: dict[int, Plan | None] = {}
 
     def plan_of(row: Any) -> Plan | None:
-        if id(row) not in seen:
-            seen[id(row)] = waiting.get(row.spec.prompt)
-        return seen[id(row)]
+        if row.row_id not in seen:
+            seen[row.row_id] = waiting.get(row.spec.prompt)
+        return seen[row.row_id]
 
     def cut(plan: Plan) -> None:
         plan.scope.cancel()

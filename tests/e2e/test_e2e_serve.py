@@ -69,6 +69,8 @@ def test_sigint_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_model_factor
             str(SHUTDOWN_TIMEOUT),
             "--prompt-cache",
             "0",
+            "--served-model-name",
+            "tiny",
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -86,6 +88,7 @@ def test_sigint_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_model_factor
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=MAX_TOKENS,
             stream=True,
+            stream_options={"include_usage": True},
         )
         finish_reasons, chunks, after_signal, usage = [], 0, 0, None
         signalled_at = ended_at = None
@@ -99,7 +102,8 @@ def test_sigint_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_model_factor
             if chunk.choices and chunk.choices[0].finish_reason:
                 finish_reasons.append(chunk.choices[0].finish_reason)
                 ended_at = time.monotonic()
-                usage = chunk.usage
+            if not chunk.choices:
+                usage = chunk.usage  # include_usage: the last chunk
         # The signal landed while tokens were flowing, and the shutdown deadline (not EOS, not
         # max_tokens) ended the stream: a clean final chunk with finish_reason "length".
         assert signalled_at is not None and after_signal > 10

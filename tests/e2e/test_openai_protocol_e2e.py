@@ -110,7 +110,8 @@ class Served:
 
 @contextmanager
 def served(model_dir: Path, **config: Any) -> Iterator[Served]:
-    with serve_in_thread(model_dir, **config) as base:
+    # served as "m", the name these tests' requests carry (any other name is a 404)
+    with serve_in_thread(model_dir, **{"served_model_name": ("m",), **config}) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         try:
             yield Served(base, client, Tokenizer.from_dir(model_dir), model_dir)
@@ -193,7 +194,7 @@ def test_tool_call_with_reasoning_non_stream(hermes):
 
 
 def test_tool_call_with_reasoning_stream(hermes):
-    got = collect_stream(hermes, tools=TOOLS)
+    got = collect_stream(hermes, tools=TOOLS, stream_options={"include_usage": True})
     chunks = got["chunks"]
     first = chunks[0].choices[0].delta
     assert first.role == "assistant" and first.content == ""
@@ -202,8 +203,9 @@ def test_tool_call_with_reasoning_stream(hermes):
     assert call.index == 0 and call.id.startswith("call_") and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert got["finish"] == ["tool_calls"]
-    final = chunks[-1]
-    assert final.choices[0].finish_reason == "tool_calls" and final.usage.completion_tokens == len(HERMES_SCRIPT) + 1
+    final = chunks[-1]  # include_usage: a last chunk with no choices
+    assert chunks[-2].choices[0].finish_reason == "tool_calls"
+    assert final.choices == [] and final.usage.completion_tokens == len(HERMES_SCRIPT) + 1
     assert final.usage.prompt_tokens_details.cached_tokens >= 0
     assert all(c.usage is None for c in chunks[:-1])  # usage only on the last chunk
     # reasoning deltas come before content, the tool call after both
@@ -228,7 +230,7 @@ def test_raw_stream_frames_end_with_a_bare_done(hermes):
     chunks = [json.loads(f) for f in frames[:-1]]
     assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "tool_calls"}
-    assert set(chunks[-1]["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
     markup = "".join(json.dumps(c["choices"][0]["delta"]) for c in chunks)
     assert "<tool_call>" not in markup and "<think>" not in markup  # markup is never streamed
 
@@ -346,10 +348,13 @@ def test_text_completions_are_untemplated_and_unsplit(hermes):
     ids = hermes.tokenizer.encode("Hello there")
     by_ids = hermes.client.completions.create(model="m", prompt=ids, max_tokens=3)
     assert by_ids.choices[0].text == "<think>The user wants weather." and by_ids.choices[0].finish_reason == "length"
-    stream = hermes.client.completions.create(model="m", prompt="Hello there", stop=["check<tool"], stream=True)
+    stream = hermes.client.completions.create(
+        model="m", prompt="Hello there", stop=["check<tool"], stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
-    assert "".join(c.choices[0].text for c in chunks) == "<think>The user wants weather.</think>Let me "
-    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == 6
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == "<think>The user wants weather.</think>Let me "
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     data = hermes.raw("/v1/completions", {"prompt": "Hello there", "max_tokens": 2, "logprobs": True}).json()
     assert [e["id"] for e in data["choices"][0]["logprobs"]["content"]] == hermes.ids(HERMES_SCRIPT[:2])
 
@@ -439,28 +444,47 @@ def test_every_sampling_field_runs_on_the_real_engine(hermes):
         logit_bias={"3": 0.5},
     )
     assert result.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert result.usage.model_extra["lane"] == "serial"  # an explicit seed runs serial
+    assert result.usage.model_extra["lane"] == "batched"  # a seeded row stays in the batch (per-row RNG)
 
 
 def test_extreme_but_valid_values_are_not_500(hermes):
+    bound = 2**31 - 1  # counts and windows fit 32 bits
     body = {
         "messages": USER,
-        "temperature": 1e300,
-        "top_k": 2**70,
+        "temperature": 2,
+        "top_k": bound,
         "seed": 2**70,
-        "max_tokens": 2**70,
-        "repetition_penalty": 1.5,
-        "repetition_context_size": 2**70,
-        "presence_penalty": 1e30,
-        "presence_context_size": 2**70,
-        "frequency_penalty": -1e30,
-        "frequency_context_size": 2**70,
-        "logit_bias": {"0": -1e30},
+        "max_tokens": bound,
+        "repetition_penalty": 100,
+        "repetition_context_size": bound,
+        "presence_penalty": 2,
+        "presence_context_size": bound,
+        "frequency_penalty": -2,
+        "frequency_context_size": bound,
+        "logit_bias": {"0": -100},
         "top_logprobs": 11,
     }
     response = hermes.raw("/v1/chat/completions", body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 1e300),
+        ("top_k", 2**70),
+        ("max_tokens", 2**70),
+        ("repetition_context_size", 2**70),
+        ("presence_penalty", 1e30),
+        ("frequency_penalty", -1e30),
+        ("logit_bias", {"0": -1e30}),
+    ],
+)
+def test_absurd_values_are_a_400_not_a_500(hermes, field, value):
+    response = hermes.raw("/v1/chat/completions", {"messages": USER, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
 
 
 def test_logit_bias_bans_a_scripted_token(hermes):

@@ -156,46 +156,7 @@ async def test_aborting_half_mid_stream_leaves_the_rest_exact_and_the_server_hea
     assert engine_rows == 0  # every aborted row's KV was released in the engine too
 
 
-# -- c. an explicit seed gives the same output with and without concurrent traffic ---------------
-
-
-async def test_explicit_seed_is_reproducible_under_concurrent_traffic(model_dir):
-    seeded = {"prompt": prompt_text(3), "max_tokens": 24, "temperature": 1.0, "seed": 7}
-    traffic = [{"prompt": prompt_text(20 + i), "max_tokens": 40, "temperature": 0.9} for i in range(6)]
-    with trio.fail_after(LIMIT_S):
-        async with real_server(model_dir, batch=8) as server:
-            alone = await complete(server, seeded)
-            other_seed = await complete(server, {**seeded, "seed": 8})
-            results: dict[int, Streamed] = {}
-            saw_drain = []
-
-            async def load(i: int) -> None:
-                results[i] = await stream(server, traffic[i])
-
-            async with trio.open_nursery() as nursery:
-                for i in range(3):  # batched traffic already running when the seeded one arrives
-                    nursery.start_soon(load, i)
-                await wait_until(lambda: len(server.handles.scheduler.table.running) == 3)
-
-                async def busy_seeded() -> None:
-                    results[-1] = await stream(server, seeded)
-
-                nursery.start_soon(busy_seeded)
-                await wait_until(lambda: server.handles.scheduler.table.draining)
-                saw_drain.append(True)
-                for i in range(3, 6):  # and more arriving behind it
-                    nursery.start_soon(load, i)
-            stats = await server.stats()
-
-    under_load = results[-1]
-    assert alone.usage["lane"] == under_load.usage["lane"] == "serial"
-    assert all(results[i].usage["lane"] == "batched" for i in range(6))
-    assert saw_drain and max(server.worker.step_widths()) == 3
-    assert under_load.text == alone.text and under_load.usage["completion_tokens"] == 24
-    ids = row_tokens(server, seeded["prompt"])
-    assert len(ids) == 3 and ids[0] == ids[2] != ids[1]  # seed 7 alone == seed 7 under load != seed 8
-    assert other_seed.text != alone.text  # the seed really drives the sampling
-    assert stats["batch"]["active_rows"] == 0
+# -- c. a seeded request in a running batch: tests/e2e/test_seeded_batch.py -------------------------
 
 
 # -- d. a long-prompt joiner stalls running streams by at most one prefill chunk -----------------

@@ -1,14 +1,14 @@
 """Ctrl-C under load: `python -m actors.serve` as a subprocess with a tiny random-weight model,
 `--batch 8 --shutdown-timeout 3 --ssd-cache DIR`, and 32 streams in flight (8 decoding, 24
-admitted and waiting in the scheduler's queue).
+admitted and waiting in the scheduler's queue: no status line sent yet).
 
-* One SIGINT: every stream ends cleanly — its final chunk (finish_reason "length": the shutdown
-  deadline cut it) and then `data: [DONE]` — about `--shutdown-timeout` after the signal; the
-  durability flush runs and is reported (`shutdown flush: durable (...)`, the prompt-cache entry
-  written before the streams is on disk); the process exits 0 well within the watchdog's budget,
-  with no traceback in its log.
-* Two SIGINTs in a row: the second one exits at once (within ~3 s), streams or not, and no
-  client is left hanging.
+* One SIGINT: the 24 queued streams get 503 + Retry-After at once; every decoding stream ends
+  cleanly — its final chunk (finish_reason "length": the shutdown deadline cut it) and then
+  `data: [DONE]` — about `--shutdown-timeout` after the signal; the durability flush runs and is
+  reported (`shutdown flush: durable (...)`, the prompt-cache entry written before the streams
+  is on disk); the process exits 0 well within the watchdog's budget, with no traceback in its log.
+* Two SIGINTs in a row: the second one exits at once (within ~3 s) with 130, and no client is
+  left hanging.
 
 A client that stops reading is tests/test_stalled_client.py (the watchdog's hard exit).
 """
@@ -69,10 +69,13 @@ def start_server(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, str
             args, cwd=ROOT, stderr=log_file, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)}
         )
     deadline = time.monotonic() + STARTUP_LIMIT_S
+    base = None
     while time.monotonic() < deadline and proc.poll() is None:
-        match = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log_path.read_text())
-        if match:
-            return proc, f"http://127.0.0.1:{match.group(1)}", log_path
+        if base is None:
+            match = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log_path.read_text())
+            base = f"http://127.0.0.1:{match.group(1)}" if match else None
+        elif httpx.get(f"{base}/health", timeout=5).status_code == 200:  # 503 "loading" until then
+            return proc, base, log_path
         time.sleep(0.05)
     proc.kill()
     pytest.fail("server did not start:\n" + log_path.read_text())
@@ -82,6 +85,8 @@ def start_server(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, str
 class Stream:
     index: int
     status: int | None = None
+    retry_after: str | None = None
+    error_code: str | None = None  # a refused stream's error code
     chunks: int = 0  # JSON chunks with choices
     finish_reasons: list[str] = attrs.Factory(list)
     done: bool = False  # saw data: [DONE]
@@ -95,6 +100,10 @@ def run_stream(base: str, stream: Stream) -> None:
     try:
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
             stream.status = response.status_code
+            if response.status_code != 200:
+                stream.retry_after = response.headers.get("retry-after")
+                stream.error_code = json.loads(response.read())["error"]["code"]
+                return
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -148,6 +157,14 @@ def check_exit(code: int, log: str, allowed: tuple[int, ...]) -> None:
     assert code in allowed, (code, log_tail(log))
 
 
+def all_admitted(base: str, streams: list[Stream]) -> bool:
+    """8 streams decoding and the rest queued behind them."""
+    if sum(s.chunks > 0 for s in streams) < 8:
+        return False
+    batch = stats(base)["batch"]
+    return batch["active_rows"] + batch["pending_rows"] == len(streams)
+
+
 def stats(base: str) -> dict:
     return httpx.get(f"{base}/stats", timeout=10).json()
 
@@ -164,14 +181,11 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
         )
         assert warm.status_code == 200, warm.text
         streams, threads = start_streams(base)
-        # All 32 admitted (200 and headers sent), 8 of them decoding, 24 queued behind them.
-        wait_for(
-            lambda: all(s.status is not None for s in streams) and sum(s.chunks > 0 for s in streams) >= 8,
-            60,
-            "32 streams admitted and 8 decoding",
-        )
+        # All 32 admitted, 8 of them decoding (200 and headers sent), 24 queued behind them.
+        wait_for(lambda: all_admitted(base, streams), 60, "32 streams admitted and 8 decoding")
         batch = stats(base)["batch"]
         assert batch["active_rows"] == 8 and batch["pending_rows"] == STREAMS - 8, batch
+        assert sum(s.status is None for s in streams) == STREAMS - 8  # the queued ones: no status yet
         chunks_before = {s.index: s.chunks for s in streams}
         signalled = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -191,12 +205,18 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
     check_exit(code, log, (0,))
     assert "Traceback" not in log, log_tail(log)
     assert "SIGINT: shutting down gracefully" in log and "bye" in log, log_tail(log)
-    # Every stream ended cleanly: 200, a final chunk cut by the deadline, then [DONE], nothing after.
-    for s in streams:
+    # Every decoding stream ended cleanly: 200, a final chunk cut by the deadline, then [DONE],
+    # nothing after; every queued one was refused at once with 503 + Retry-After.
+    decoding = [s for s in streams if chunks_before[s.index] > 0]
+    for s in decoding:
         assert s.status == 200 and s.error is None, s
         assert s.finish_reasons == ["length"] and s.done and s.after_done == 0, s
         assert SHUTDOWN_TIMEOUT_S - 0.5 <= s.ended_at - signalled <= SHUTDOWN_TIMEOUT_S + 2.0, (s, signalled)
-    decoding = [s for s in streams if chunks_before[s.index] > 0]
+    queued = [s for s in streams if chunks_before[s.index] == 0]
+    assert len(queued) == STREAMS - 8
+    for s in queued:
+        assert (s.status, s.retry_after, s.error_code, s.chunks, s.error) == (503, "1", "shutting_down", 0, None), s
+        assert s.ended_at - signalled <= 1.0, (s, signalled)
     assert len(decoding) >= 8 and all(s.chunks > chunks_before[s.index] for s in decoding)  # kept streaming
     # The durability flush ran after HTTP was done, and reported what it made durable.
     match = re.search(r"shutdown flush: durable \(flushed (\d+), missing (\d+).*?\)", log)
@@ -214,11 +234,7 @@ def test_a_second_sigint_exits_at_once(model_dir, tmp_path):
     proc, base, log_path = start_server(model_dir, tmp_path)
     try:
         streams, threads = start_streams(base)
-        wait_for(
-            lambda: all(s.status is not None for s in streams) and sum(s.chunks > 0 for s in streams) >= 8,
-            60,
-            "32 streams admitted and 8 decoding",
-        )
+        wait_for(lambda: all_admitted(base, streams), 60, "32 streams admitted and 8 decoding")
         proc.send_signal(signal.SIGINT)
         time.sleep(0.2)  # the graceful shutdown has begun; streams still run
         assert proc.poll() is None
@@ -238,8 +254,8 @@ def test_a_second_sigint_exits_at_once(model_dir, tmp_path):
     log = log_path.read_text()
     assert exited_s <= 3.0, (exited_s, log_tail(log))
     assert "SIGINT: exiting now" in log, log_tail(log)
-    # An exit, not a crash: 0, or 1 because the cut flush left the SSD tier not durable.
-    check_exit(code, log, (0, 1))
+    # A second signal cut the drain: 130, the shell's code for an interrupted process.
+    check_exit(code, log, (130,))
     assert all(not t.is_alive() for t in threads)  # no client left hanging on a dead server
     assert all(s.ended_at is not None and s.ended_at - second <= 3.0 for s in streams)
     print(

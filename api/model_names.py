@@ -1,0 +1,73 @@
+"""The names the server's one model answers to, and the check every generation route makes.
+
+* Served names: `--served-model-name A [B ...]`, else the model's own name (`org/name` for a
+  Hugging Face cache snapshot, a local directory's name, the demo's name). The first is the name
+  replies carry; /v1/models lists every one.
+* A request's `model` may be a served name or an alias kept so clients written against the
+  `--model` value keep working: that string as given, the resolved model directory, and
+  mlx_lm.server's `default_model`.
+* A request without `model`, or with "", gets the one model: there is no other to mean, and
+  clients that omit it (as mlx_lm.server allows) keep working.
+* Any other name is a 404 `model_not_found` in the route's own envelope (the app's error
+  handler picks it from the path); a `model` that is not a string is a 400.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from actors.handles import ServerHandles
+from api.errors import ApiError, bad_request
+from model.resolve import resolve_model_dir
+
+DEFAULT_MODEL_ALIAS = "default_model"  # mlx_lm.server's name for "the model the server was started with"
+_ECHO_MAX = 256  # longest requested name echoed in the error message
+
+
+def served_names(handles: ServerHandles) -> tuple[str, ...]:
+    """The names /v1/models lists, the reply name first."""
+    return tuple(dict.fromkeys(handles.config.served_model_name or (handles.info.name,)))
+
+
+def model_name(handles: ServerHandles) -> str:
+    """The name replies carry."""
+    return served_names(handles)[0]
+
+
+def accepted_names(handles: ServerHandles) -> frozenset[str]:
+    """Every `model` value a request may name: the served names and the aliases."""
+    names = {*served_names(handles), DEFAULT_MODEL_ALIAS}
+    spec = handles.config.model
+    if spec:
+        names.add(spec)
+        names.update(_resolved(spec))
+    return frozenset(name.rstrip("/") or name for name in names)
+
+
+def check_requested_model(handles: ServerHandles, body: Mapping[str, Any]) -> None:
+    """Raise unless `body["model"]` is absent, empty or one of the accepted names."""
+    requested = body.get("model")
+    if requested is None or requested == "":
+        return
+    if not isinstance(requested, str):
+        raise bad_request("model must be a string", param="model")
+    if (requested.rstrip("/") or requested) not in accepted_names(handles):
+        raise model_not_found(requested)
+
+
+def model_not_found(name: str) -> ApiError:
+    shown = name if len(name) <= _ECHO_MAX else name[:_ECHO_MAX] + "..."
+    return ApiError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
+
+
+@functools.lru_cache(maxsize=4)
+def _resolved(spec: str) -> tuple[str, ...]:
+    """The directory `--model` resolved to (once per process: it only reads the filesystem)."""
+    try:
+        path = resolve_model_dir(spec)
+    except Exception:  # noqa: BLE001 — a vanished directory only loses the alias
+        return ()
+    return (str(path), str(Path(spec).expanduser()))
