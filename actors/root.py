@@ -279,6 +279,9 @@ async def run_server(
         nursery.start_soon(http)
         await bound.wait()  # a bind failure raises out of the nursery instead
         trace("listening")
+        log.info("listening on http://%s:%d (OpenAI API at /v1)", config.host, config.port)
+        if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s without --api-key: anyone who can reach this port can use /v1", config.host)
         with load_scope:
             try:
                 handles = await start_actors(nursery, worker, config=config, make_tokenizer=make_tokenizer)

@@ -423,7 +423,7 @@ def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[Mod
     else:
         from model.demo import DEMO_MODEL_NAME, ensure_demo_model
 
-        log.info("no --model: serving %s", DEMO_MODEL_NAME)
+        log.info("no --model: using %s", DEMO_MODEL_NAME)
         model_dir = Path(ensure_demo_model())
     log.info("model directory: %s", model_dir)
 
@@ -466,9 +466,6 @@ async def _serve_http(
     hc.keep_alive_timeout = config.idle_timeout
     hc.accesslog = None  # api/request_log.py writes one structured line per request instead
     hc.errorlog = logging.getLogger("hypercorn.error")  # through our handler, not a second one
-    log.info("serving on http://%s:%d (OpenAI API at /v1)", config.host, config.port)
-    if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without --api-key: anyone who can reach this port can use /v1", config.host)
     await serve(app, hc, shutdown_trigger=shutdown_trigger)
 
 
