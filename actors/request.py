@@ -91,7 +91,13 @@ class RequestRejected(Exception):
 
 
 class GenerationFailed(Exception):
-    """The worker failed this row (a 500 before the stream starts, an error frame after)."""
+    """The row failed: the worker's failure (`status` 500), or the request's own output
+    constraint failing mid-generation (400). Before the stream starts the route answers with
+    `status`; after, with its protocol's error frame."""
+
+    def __init__(self, message: str, *, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Release:
@@ -152,7 +158,7 @@ class RequestActor(Generic[EventT]):
         self.finish_reason: str | None = None
         self.cut_off = False  # ended by the shutdown deadline
         self._done = False
-        self._failure: str | None = None  # a RowFailed met while taking waiting tokens
+        self._failure: GenerationFailed | None = None  # a failure met while taking waiting tokens
         self._early: list[RowEvent | None] = []  # an event `admit` received that is not RowOpened
 
     @property
@@ -225,7 +231,7 @@ class RequestActor(Generic[EventT]):
             return None
         if self._failure is not None:
             self._done = True
-            raise GenerationFailed(self._failure)
+            raise self._failure
         events = None
         while events is None:
             events = self._take(await self._receive(), raise_failure=True)
@@ -254,13 +260,22 @@ class RequestActor(Generic[EventT]):
             self.cached_tokens = item.cached_tokens
             return None
         if isinstance(item, RowFailed):
-            self._release.row_over = True
-            if raise_failure:
-                self._done = True
-                raise GenerationFailed(item.message)
-            self._failure = item.message  # raised on the next call, after what came before it
+            self._failed(GenerationFailed(item.message), raise_failure=raise_failure)
+            return None
+        if item.finish == "error":  # the row's output constraint failed: its token is not shown
+            self.completion_tokens += 1
+            self._failed(
+                GenerationFailed(item.error or "the output constraint failed", status=400), raise_failure=raise_failure
+            )
             return None
         return self._on_token(item)
+
+    def _failed(self, failure: GenerationFailed, *, raise_failure: bool) -> None:
+        self._release.row_over = True
+        if raise_failure:
+            self._done = True
+            raise failure
+        self._failure = failure  # raised on the next call, after what came before it
 
     def _on_token(self, token: TokenOut) -> list[EventT]:
         self.completion_tokens += 1

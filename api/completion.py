@@ -60,13 +60,14 @@ def finish(completion: Completion, actor: RequestActor[Event]) -> Completion:
 
 
 async def collect(actor: RequestActor[Event]) -> Completion:
-    """Run an admitted generation to its end; closes the actor. Engine failure → ApiError(500)."""
+    """Run an admitted generation to its end; closes the actor. A failure → ApiError with its
+    status (500 from the engine, 400 for an output constraint that failed)."""
     completion = Completion()
     try:
         while (events := await actor.next_events()) is not None:
             add_events(completion, events)
     except GenerationFailed as exc:
-        raise ApiError(500, str(exc)) from exc
+        raise ApiError(exc.status, str(exc)) from exc
     finally:
         actor.close()
     return finish(completion, actor)

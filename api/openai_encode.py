@@ -65,7 +65,7 @@ def usage(choices: Choices) -> dict[str, Any]:
 
 
 async def collect_choices(choices: Choices) -> list[Completion]:
-    """Run every choice to its end, in turn; closes them. Engine failure → ApiError(500)."""
+    """Run every choice to its end, in turn; closes them. A failure → ApiError with its status."""
     completions = [Completion() for _ in choices]
     live = list(range(len(choices)))
     try:
@@ -77,7 +77,7 @@ async def collect_choices(choices: Choices) -> list[Completion]:
                 else:
                     add_events(completions[index], events)
     except GenerationFailed as exc:
-        raise ApiError(500, str(exc)) from exc
+        raise ApiError(exc.status, str(exc)) from exc
     finally:
         for actor in choices:
             actor.close()
@@ -123,7 +123,8 @@ def _json_float(value: float | None) -> float | None:
 
 
 def _failure_frame(exc: BaseException) -> bytes:
-    return data_frame(error_body(str(exc), type="server_error"))
+    client = isinstance(exc, GenerationFailed) and exc.status < 500  # the request's own constraint failed
+    return data_frame(error_body(str(exc), type="invalid_request_error" if client else "server_error"))
 
 
 def _chat_delta(event: Event) -> dict[str, Any]:

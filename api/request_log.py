@@ -13,6 +13,9 @@ A request is observed without touching the route modules:
   for TTFT and ITL, a failure) and the row's end. An abort is recorded with the phase it cut
   (queued / prefill / decode).
 
+An HTTP request generates from one prompt: its choices (OpenAI `n`) each submit it, and share one
+prefill, so its prompt and cached tokens are counted once (the log line adds `choices` when n > 1).
+
 A request handled outside HTTP has no record: its actors tell `NULL_OBSERVER`.
 
 The log line never carries prompt text unless `--log-prompts` is set; then the prompt is the
@@ -73,6 +76,7 @@ class RequestRecord:
     # generation (zero / None when the request generated nothing)
     prompt_ids: tuple[int, ...] | None = None
     prompt_tokens: int = 0
+    choices: int = 0  # submits of the prompt: one per choice
     submitted_at: float | None = None
     rows_open: int = 0  # admitted rows whose channel the scheduler has not closed yet
     lane: str | None = None
@@ -133,10 +137,12 @@ class RequestRecord:
     # -- the RequestObserver events (actors/messages.py)
 
     def submitted(self, prompt: tuple[int, ...]) -> None:
-        self.prompt_ids = prompt if self.prompt_ids is None else self.prompt_ids + prompt
-        self.prompt_tokens += len(prompt)
-        if self.submitted_at is None:
-            self.submitted_at = trio.current_time()
+        self.choices += 1
+        if self.prompt_ids is not None:
+            return  # another choice of the request's one prompt
+        self.prompt_ids = prompt
+        self.prompt_tokens = len(prompt)
+        self.submitted_at = trio.current_time()
 
     def decided(self, decision: Admitted | Rejected) -> None:
         if isinstance(decision, Admitted):
@@ -153,9 +159,9 @@ class RequestRecord:
     def row_event(self, event: RowEvent) -> None:
         now = trio.current_time()
         if isinstance(event, RowOpened):
-            self.cached_tokens += event.cached_tokens
-            if self.opened_at is None:
+            if self.opened_at is None:  # the first choice's opening; the others fork its prefill
                 self.opened_at = now
+                self.cached_tokens = event.cached_tokens
         elif isinstance(event, TokenOut):
             self.generated_tokens += 1
             if self.first_token_at is None:
@@ -163,6 +169,8 @@ class RequestRecord:
             elif self.last_token_at is not None and self.monitor is not None:
                 self.monitor.token_interval(now - self.last_token_at)
             self.last_token_at = now
+            if event.finish == "error":  # the row's output constraint failed
+                self.error = event.error or "error"
         elif isinstance(event, RowFailed):
             self.error = event.message
 
@@ -216,6 +224,8 @@ class RequestRecord:
                 ttft_ms=_ms(self.ttft),
                 finish_reason=self.finish_reason,
             )
+            if self.choices > 1:
+                out["choices"] = self.choices
             if self.rejected is not None:
                 out["rejected"] = self.rejected
             if self.abort_phase is not None:

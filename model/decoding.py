@@ -118,12 +118,21 @@ def read(inflight: Inflight, eos: Collection[int]) -> list[TokenOut]:
 
 
 def record(row: Row, token: int, lp: mx.array | None, top: TopK | None, eos: Collection[int]) -> TokenOut:
-    """A token read back for `row`: appended to it, finishing it on EOS or at max_tokens."""
+    """A token read back for `row`: appended to it, finishing it on EOS or at max_tokens, or
+    failing it ("error") once its grammar has failed."""
+    # The grammar sees the token now if the pipeline has not shown it already (idempotent).
+    row.sampler.observe(row.generated, token)
     row.generated += 1
     row.last_token = token
     row.tokens.append(token)
-    finish = None
-    if token in eos:
+    finish = error = None
+    grammar = row.sampler.grammar
+    if grammar is not None and grammar.failed:
+        # A failed matcher allows only EOS: ending with "stop" would pass the text so far off
+        # as a complete, valid output.
+        finish = "error"
+        error = f"the output constraint failed during generation: {grammar.failure or grammar.error or 'rejected'}"
+    elif token in eos:
         finish = "stop"
     elif row.generated >= row.max_tokens:
         finish = "length"
@@ -134,4 +143,4 @@ def record(row: Row, token: int, lp: mx.array | None, top: TopK | None, eos: Col
         pairs = sorted(zip(ids, values), key=lambda p: -p[1])
         top_list = tuple(TopLogprob(i, v) for i, v in pairs)
     logprob = None if lp is None else float(cast(float, lp.item()))
-    return TokenOut(row.row_id, token, finish, logprob=logprob, top_logprobs=top_list)
+    return TokenOut(row.row_id, token, finish, logprob=logprob, top_logprobs=top_list, error=error)

@@ -8,7 +8,9 @@ compiler of its own (`compiler_for_tokenizer`) to reject, when the request arriv
 that does not compile or can match nothing (`GrammarCompiler.check`). Per row, a
 `RowGrammar` consumes the row's tokens in order and fills the allowed-token mask the sampler
 applies after the logits processors. Once the grammar can accept nothing more, the mask allows
-only EOS, so the row ends with finish "stop".
+only EOS, so the row ends with finish "stop". A matcher that fails mid-generation (a rejected
+token, an engine limit hit deep in the grammar) ends its row with finish "error" instead
+(model/decoding.py `record`): its text so far is no valid output.
 
 Nothing here imports MLX; the sampler (model/sampling.py) turns masks into arrays.
 llguidance is optional: without it `available()` is False, no compiler is built and constrained
@@ -229,7 +231,7 @@ class GrammarCompiler:
         on the way. The matcher builds its lexer lazily, so a counted repetition like
         `b{99999}` only blows past the limits once a token enters it: the walk takes the longest
         allowed token at each step (the deepest way in) for `PROBE_STEPS` steps. A grammar
-        that fails deeper still fails its row (the matcher then allows only EOS)."""
+        that fails deeper still fails its row (finish "error")."""
         with self._lock:
             if constraint in self._checked:
                 message = self._checked[constraint]

@@ -50,7 +50,9 @@ class TopLogprob:
 class TokenOut:
     row_id: int
     token: int
-    # None while the row continues; "stop" on an EOS token; "length" when max_tokens is reached.
+    # None while the row continues; "stop" on an EOS token; "length" when max_tokens is reached;
+    # "error" when the row cannot go on (its grammar failed): `error` says why.
     finish: str | None = None
     logprob: float | None = None  # only when the row asked for logprobs
     top_logprobs: tuple[TopLogprob, ...] = ()
+    error: str | None = None

@@ -16,7 +16,6 @@ model through `observe`, before the row's next `process`.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -29,8 +28,6 @@ from model.params import SamplingParams
 
 if TYPE_CHECKING:
     from model.grammar import GrammarCompiler, RowGrammar
-
-log = logging.getLogger(__name__)
 
 Processor = Callable[[mx.array, mx.array], mx.array]
 
@@ -157,11 +154,10 @@ class RowSampler:
         self._greedy = params.is_greedy
         if params.constraint is not None:
             if grammars is not None:
-                try:
-                    self.grammar = grammars.matcher(params.constraint)
-                except Exception:  # validated on the API side; never fail the row over it
-                    log.exception("constraint %s did not compile: not enforced", params.constraint.kind)
-            if self.grammar is None:
+                # Raises GrammarError: the row fails rather than run unconstrained (the API
+                # rejects a constraint that does not compile, so this is a last resort).
+                self.grammar = grammars.matcher(params.constraint)
+            else:  # no grammar engine: served unconstrained, as the API told the client
                 self._greedy = attrs.evolve(params, constraint=None).is_greedy
 
     @property
