@@ -270,7 +270,7 @@ class Engine:
         hidden = self.model(last[None], row.caches)
         row.processed += 1
         if row.sampler.history_size:
-            row.history = mx.array(row.prompt[-row.sampler.history_size :])
+            row.history = mx.array(row.prompt[-row.sampler.history_size :], dtype=mx.int32)
         token, lp, top = sample_row(row, self.model.logits(hidden[:, -1, :]))
         mx.eval(token, *([lp] if lp is not None else []), *(top or ()))
         out = record(row, cast(int, token.item()), lp, top, self.eos)
@@ -297,7 +297,9 @@ class Engine:
             # The dispatch feeds last_token and, for penalty processors, appends it to history.
             row.last_token = row.prompt[-1]
             if row.sampler.history_size:
-                row.history = mx.array(row.prompt[:-1][-row.sampler.history_size :])
+                row.history = mx.array(
+                    row.prompt[:-1][-row.sampler.history_size :], dtype=mx.int32
+                )  # int even when empty
             deferred.append(row)
             outs.append(None)
         if deferred:

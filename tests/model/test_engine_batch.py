@@ -199,3 +199,16 @@ def test_rows_closed_between_two_steps_leave_the_kv_in_one_filter_and_the_rest_s
     engine.close_row(3)
     engine.close_row(5)
     assert engine.batch_size == 0 and engine._caches == []  # the last leave frees the KV now
+
+
+def test_one_token_prompt_with_penalties_joins_a_group(engine):
+    """A one-token prompt joining through join_group starts with an empty penalty history: it
+    must stay an integer array (an empty float one broke the gather of every later step)."""
+    from tests.engine_helpers import decode_to_the_end
+
+    penalties = dict(temperature=0.5, seed=4, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3)
+    alone = generate_tokens(engine, [RowSpec(2, (121,), SamplingParams(**penalties), 6)])[2]
+    engine.open_row(RowSpec(5, (121,), SamplingParams(**penalties), 6))
+    assert engine.join_group([5]) == [None]
+    out = decode_to_the_end(engine, {5: []}, {5})
+    assert out[5] == alone
