@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from actors.shutdown import ShutdownPlan
+from tests.e2e.server_process import wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAMS = 32
@@ -68,17 +69,7 @@ def start_server(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, str
         proc = subprocess.Popen(
             args, cwd=ROOT, stderr=log_file, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)}
         )
-    deadline = time.monotonic() + STARTUP_LIMIT_S
-    base = None
-    while time.monotonic() < deadline and proc.poll() is None:
-        if base is None:
-            match = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log_path.read_text())
-            base = f"http://127.0.0.1:{match.group(1)}" if match else None
-        elif httpx.get(f"{base}/health", timeout=5).status_code == 200:  # 503 "loading" until then
-            return proc, base, log_path
-        time.sleep(0.05)
-    proc.kill()
-    pytest.fail("server did not start:\n" + log_path.read_text())
+    return proc, wait_until_serving(proc, log_path, STARTUP_LIMIT_S), log_path
 
 
 @attrs.define

@@ -1,0 +1,27 @@
+"""`python -m actors.serve` as a subprocess: wait until it serves (shared by the e2e signal tests)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def wait_until_serving(proc: subprocess.Popen, log_path: Path, limit_s: float) -> str:
+    """The server's base URL once /health says ok (503 "loading" until the model is in); kills
+    the process and fails the test when it does not get there within `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    base = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        if base is None:
+            match = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log_path.read_text())
+            base = f"http://127.0.0.1:{match.group(1)}" if match else None
+        elif httpx.get(f"{base}/health", timeout=5).status_code == 200:
+            return base
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail("server did not start:\n" + log_path.read_text())
