@@ -41,6 +41,7 @@ from model.compiled_decode import CompiledDecode
 from model.decoder import DecoderModel
 from model.decoding import Inflight, Row, read, record, sample_batch, sample_row
 from model.kv_cache import BatchKVCache, KVCache, LayerCache, PrefixCache, make_caches
+from model.kv_scheme import KVScheme
 from model.language_model import LanguageModel
 from model.options import EngineOptions
 from model.prefill_abort import forward_unless_aborted
@@ -89,6 +90,7 @@ class Engine:
         grammar_compiler: GrammarCompiler | None = None,  # enforces SamplingParams.constraint
         options: EngineOptions = EngineOptions(),
         aborts: AbortFlags | None = None,  # rows to stop prefilling (set from another thread)
+        kv_scheme: KVScheme = KVScheme(),  # how the rows' KV is stored (model/kv_scheme.py)
     ) -> None:
         self.model = model
         self.grammars = grammar_compiler
@@ -98,6 +100,7 @@ class Engine:
         cuda = gpu and not mx.metal.is_available()
         self.options = options.resolve(gpu=gpu, cuda=cuda)  # what each one does: model/options.py
         self.aborts = aborts if aborts is not None else AbortFlags()
+        self.kv_scheme = kv_scheme
         self._gpu = gpu
         self._heads = model.attention_heads
         self.prompt_cache = prompt_cache
