@@ -93,6 +93,7 @@ class Admission:
                 max_tokens=decision.max_tokens,
                 namespace=request.namespace,
                 snapshot_at=request.snapshot_at,
+                retain=request.retain,
             )
             self._scheduler.send_nowait(
                 Enqueue(

@@ -35,8 +35,11 @@ import outcome
 import trio
 
 from actors.policy import device_memory, system_memory_bytes
-from actors.worker_api import ModelInfo
+from actors.worker_api import ModelInfo, kv_fields
 from model.abort_flags import AbortFlags
+from model.errors import ModelLoadError
+from model.kv_scheme import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KVScheme
+from model.kv_scheme import resolve as resolve_kv_scheme
 from model.options import EngineOptions
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
@@ -101,13 +104,19 @@ class GpuWorker:
         eos_token_ids: Iterable[int] | None = None,
         protected_ids: Iterable[int] = (),
         prompt_cache_bytes: int = 0,
+        cache_retention_share: float = 0.5,
         ssd_cache_dir: Path | str | None = None,
         ssd_cache_max_bytes: int = 32 * 2**30,
         ssd_verify: bool = True,
         warm_up_batch: int | Callable[[ModelInfo], int] = 0,
         warm_up: str = "auto",
+        kv_quant: str = "off",
+        kv_group_size: int = DEFAULT_GROUP_SIZE,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ) -> None:
         self.model_dir = Path(model_dir)
+        # --kv-quant and its knobs: resolved into a KVScheme once the model is loaded.
+        self.kv_quant = (kv_quant, kv_group_size, quantized_kv_start)
         # Decode batch sizes 1..warm_up_batch are met once before serving ("auto": on a GPU only,
         # where a new shape's first step stalls live streams; "on" / "off" force it). A callable
         # is asked once the model is loaded (`--batch auto` is sized from the model and device).
@@ -119,6 +128,7 @@ class GpuWorker:
         self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
         self._protected = frozenset(protected_ids)
         self.prompt_cache_bytes = max(0, int(prompt_cache_bytes))
+        self.cache_retention_share = cache_retention_share  # see cache/prompt_cache.py (retention)
         # Read from the trio side for /stats: plain ints only, so no lock is needed.
         self.prompt_cache: PromptCache | None = None
         self._tiered: TieredPromptCache | None = None
@@ -202,10 +212,13 @@ class GpuWorker:
 
         self.thread_ident = threading.get_ident()
         loaded = load_model(self.model_dir, name=self.name)
+        kv_scheme = self._kv_scheme(loaded)
         eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
         if self.prompt_cache_bytes > 0:
             self._tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
-            self.prompt_cache = self._tiered if self._tiered is not None else PromptCache(self.prompt_cache_bytes)
+            self.prompt_cache = self._tiered
+            if self.prompt_cache is None:
+                self.prompt_cache = PromptCache(self.prompt_cache_bytes, retention_share=self.cache_retention_share)
         from model.grammar import make_compiler  # structured outputs: None if llguidance is absent
 
         grammars = make_compiler(
@@ -219,6 +232,7 @@ class GpuWorker:
             grammar_compiler=grammars,
             options=self.engine_options,
             aborts=self._aborts,
+            kv_scheme=kv_scheme,
         )
         device = mx.default_device()
         self.info = ModelInfo(
@@ -232,6 +246,12 @@ class GpuWorker:
             model_type=loaded.config.model_type,
             generation_defaults=tuple(
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None
+            ),
+            **kv_fields(
+                kv_scheme,
+                num_layers=len(loaded.model.layers),
+                dtype_bytes=loaded.kv_dtype.size,
+                prefill_chunk=self.engine_options.prefill_chunk,
             ),
         )
         batch = self.warm_up_batch(self.info) if callable(self.warm_up_batch) else self.warm_up_batch
@@ -328,6 +348,16 @@ class GpuWorker:
         """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""
         return await self._call(fn)
 
+    def _kv_scheme(self, loaded: LoadedModel) -> KVScheme:
+        """--kv-quant for the loaded model; a bad kv_config.json fails start-up in one line."""
+        mode, group_size, start = self.kv_quant
+        try:
+            return resolve_kv_scheme(
+                mode, model_dir=loaded.path, num_layers=len(loaded.model.layers), group_size=group_size, start=start
+            )
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+
     # -- the SSD tier: what durability / demotion need --------------------------------
 
     def _make_prompt_cache(self, loaded: LoadedModel) -> TieredPromptCache | None:
@@ -353,7 +383,7 @@ class GpuWorker:
             log.warning("SSD cache disabled: %s", e)
             return None
         self.ssd_store = store
-        cache = TieredPromptCache(self.prompt_cache_bytes, store)
+        cache = TieredPromptCache(self.prompt_cache_bytes, store, retention_share=self.cache_retention_share)
         cache.on_put.append(self._forward_put)
         return cache
 

@@ -101,6 +101,7 @@ class ServerHandles:
                 # (row id, reached the queue [ms, server clock], waited [ms], opened with N rows)
                 "recent_opens": [(i, round(t * 1e3, 1), round(w * 1e3, 2), n) for i, t, w, n in sched.recent_opens],
             },
+            "kv_quant": kv_quant_stats(self.info),
             "prompt_cache": (
                 {"enabled": True, **self.prompt_cache.stats()}
                 if self.prompt_cache is not None
@@ -109,6 +110,18 @@ class ServerHandles:
             **({"ssd_cache": self.ssd.stats()} if self.ssd is not None else {}),
             **({"worker": self.worker.times.snapshot()} if isinstance(self.worker, ReportsTimes) else {}),
         }
+
+
+def kv_quant_stats(info: ModelInfo) -> dict[str, Any]:
+    """/stats' `kv_quant`: the KV storage scheme and how admission bills it."""
+    return {
+        "mode": info.kv_scheme,
+        "group_size": info.kv_group_size,
+        "start": info.kv_start,
+        "bits": list(info.kv_bits) if isinstance(info.kv_bits, tuple) else info.kv_bits,
+        "ratio": round(info.kv_quant_ratio, 6),
+        "quantized_from": info.kv_quantized_from,
+    }
 
 
 def sampling_defaults_for(

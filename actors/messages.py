@@ -48,6 +48,7 @@ class GenerationRequest:
     seed: int | None = None
     namespace: str = ""
     snapshot_at: int | None = None  # template-stable prefix (cache/boundary.py), chat only
+    retain: tuple[tuple[int, float], ...] = ()  # a client's retention hints: (prompt position, seconds)
     siblings: Siblings | None = None  # one of several choices sharing one prefill
 
 

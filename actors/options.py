@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from model.kv_scheme import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START
 from model.options import EngineOptions
 
 
@@ -25,6 +26,7 @@ class ServeConfig:
     max_queue: int = 256
     shutdown_timeout: float = 30.0
     prompt_cache_gb: float = 8.0  # RAM prompt cache cap in GiB; 0 disables it
+    cache_retention_share: float = 0.5  # of the RAM cache, what cache-breakpoint entries may hold protected
     # The prompt cache's SSD tier: --ssd-cache DIR (requires the RAM tier) and its knobs.
     ssd_cache_dir: str | None = None
     ssd_cache_max_gb: float = 32.0  # GiB
@@ -62,6 +64,10 @@ class ServeConfig:
     warm_decode_capacity: int | None = None  # warm-up meets KV buffers up to this capacity
     clear_cache: bool | None = None  # release MLX's freed buffers as mlx-lm does
     compile_decode: bool = True  # decode steps as compiled stages
+    # The KV cache's storage (model/kv_scheme.py; resolved by the worker once the model loads).
+    kv_quant: str = "off"  # "off" | "config" | "4" | "8"
+    kv_group_size: int = DEFAULT_GROUP_SIZE
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # a row turns quantized once it holds this many
 
     def engine_options(self) -> EngineOptions:
         """The engine's fields, which this object names alike."""

@@ -9,6 +9,7 @@ each can be tested as a plain function call. The scheduler's own rules are in
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -97,11 +98,61 @@ class AdmissionCeiling:
     max_safe_context: int
 
 
+def kv_bill(tokens: int, *, kv_bytes_per_token: int, kv_quant_ratio: float = 1.0, kv_quantized_from: int = 0) -> int:
+    """The KV bytes a row of `tokens` positions may hold. A quantized scheme stores a row in full
+    precision until its rows turn quantized (`kv_quantized_from`, 0 = never), then every position
+    at `kv_quant_ratio` of that rate: the larger of the two is what the row ever needs."""
+    full = kv_bytes_per_token * tokens
+    if kv_quantized_from <= 0 or kv_quant_ratio >= 1.0:
+        return full
+    return max(kv_bytes_per_token * min(tokens, kv_quantized_from), math.ceil(full * kv_quant_ratio))
+
+
+def max_tokens_billed(
+    usable_bytes: int, *, kv_bytes_per_token: int, kv_quant_ratio: float = 1.0, kv_quantized_from: int = 0
+) -> int:
+    """The most positions a row can hold with `kv_bill(n) <= usable_bytes` (0 when none)."""
+    if usable_bytes <= 0:
+        return 0
+    fp_tokens = usable_bytes // kv_bytes_per_token
+    if kv_quantized_from <= 0 or kv_quant_ratio >= 1.0 or fp_tokens < kv_quantized_from:
+        return fp_tokens  # the full-precision part alone fills the budget
+    tokens = int(usable_bytes / (kv_bytes_per_token * kv_quant_ratio))
+    start = kv_quantized_from
+
+    def bill(n: int) -> int:
+        return kv_bill(n, kv_bytes_per_token=kv_bytes_per_token, kv_quant_ratio=kv_quant_ratio, kv_quantized_from=start)
+
+    while tokens > 0 and bill(tokens) > usable_bytes:  # float rounding: settle on the exact bill
+        tokens -= 1
+    while bill(tokens + 1) <= usable_bytes:
+        tokens += 1
+    return tokens
+
+
 def admission_ceiling(
-    *, budget_bytes: int, weights_bytes: int, kv_bytes_per_token: int, context_length: int
+    *,
+    budget_bytes: int,
+    weights_bytes: int,
+    kv_bytes_per_token: int,
+    context_length: int,
+    kv_quant_ratio: float = 1.0,
+    kv_quantized_from: int = 0,
 ) -> AdmissionCeiling:
+    """The longest row one request may grow to: what its KV, billed at the scheme's true bytes
+    (`kv_bill`), fits in the budget after weights and the prefill transient, capped at the
+    model's context."""
     usable = budget_bytes - weights_bytes - PREFILL_TRANSIENT_BYTES
-    by_memory = usable // kv_bytes_per_token if kv_bytes_per_token > 0 else context_length
+    by_memory = (
+        max_tokens_billed(
+            usable,
+            kv_bytes_per_token=kv_bytes_per_token,
+            kv_quant_ratio=kv_quant_ratio,
+            kv_quantized_from=kv_quantized_from,
+        )
+        if kv_bytes_per_token > 0
+        else context_length
+    )
     return AdmissionCeiling(
         memory_budget_bytes=budget_bytes,
         usable_bytes=usable,
@@ -163,15 +214,28 @@ def parse_batch(text: str) -> int | None:
 
 
 def resolve_batch(
-    requested: int | None, *, budget_bytes: int, weights_bytes: int, kv_bytes_per_token: int, context_length: int
+    requested: int | None,
+    *,
+    budget_bytes: int,
+    weights_bytes: int,
+    kv_bytes_per_token: int,
+    context_length: int,
+    kv_quant_ratio: float = 1.0,
+    kv_quantized_from: int = 0,
 ) -> int:
     """The rows that decode at once: `requested` as given, or for auto (None) `AUTO_BATCH_ROWS`,
     fewer when that many rows of `AUTO_ROW_CONTEXT` tokens (or the model's whole context, if
-    shorter) would not fit the KV room the budget leaves after weights and the prefill transient;
-    never below 1 (then the strict serial executor)."""
+    shorter) would not fit the KV room the budget leaves after weights and the prefill transient
+    (a row billed as admission bills it: `kv_bill`); never below 1 (then the strict serial
+    executor)."""
     if requested is not None:
         return requested
-    row_bytes = kv_bytes_per_token * min(AUTO_ROW_CONTEXT, context_length)
+    row_bytes = kv_bill(
+        min(AUTO_ROW_CONTEXT, context_length),
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_quant_ratio=kv_quant_ratio,
+        kv_quantized_from=kv_quantized_from,
+    )
     if row_bytes <= 0:
         return AUTO_BATCH_ROWS
     usable = budget_bytes - weights_bytes - PREFILL_TRANSIENT_BYTES
@@ -186,4 +250,6 @@ def batch_rows(config: ServeConfig, info: ModelInfo) -> int:
         weights_bytes=info.weights_bytes,
         kv_bytes_per_token=info.kv_bytes_per_token,
         context_length=info.context_length,
+        kv_quant_ratio=info.kv_quant_ratio,
+        kv_quantized_from=info.kv_quantized_from,
     )

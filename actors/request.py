@@ -151,6 +151,7 @@ class RequestActor(Generic[EventT]):
         self._finalizer.atexit = False
         self.admitted: Admitted | None = None
         self.cached_tokens = 0
+        self.cache_created_tokens = 0  # prompt tokens the row puts at its retention hints
         self.completion_tokens = 0
         # Every TokenOut that carried logprobs (the row asked for them), EOS included: the
         # OpenAI routes build mlx-lm's `choices[0].logprobs` block from these.
@@ -208,7 +209,7 @@ class RequestActor(Generic[EventT]):
                 self._release.row_over = True
                 first = None
         if isinstance(first, RowOpened):
-            self.cached_tokens = first.cached_tokens
+            self.cached_tokens, self.cache_created_tokens = first.cached_tokens, first.cache_created
         else:  # a failure or the channel's end: `next_events` reports it as before
             self._early.append(first)
 
@@ -257,7 +258,7 @@ class RequestActor(Generic[EventT]):
         if item is None:  # shutdown cut-off, or the scheduler ended the row without a finish
             return self._finish("length")
         if isinstance(item, RowOpened):
-            self.cached_tokens = item.cached_tokens
+            self.cached_tokens, self.cache_created_tokens = item.cached_tokens, item.cache_created
             return None
         if isinstance(item, RowFailed):
             self._failed(GenerationFailed(item.message), raise_failure=raise_failure)
@@ -335,11 +336,14 @@ class RequestActor(Generic[EventT]):
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.request.prompt)
+        details: dict[str, int] = {"cached_tokens": self.cached_tokens}
+        if self.cache_created_tokens:  # only a request with retention hints stores any
+            details["cache_creation_tokens"] = self.cache_created_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
             "lane": self.lane,
         }
 

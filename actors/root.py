@@ -102,11 +102,12 @@ async def start_actors(
     started = time.monotonic()
     info: ModelInfo = await nursery.start(worker.run)
     log.info(
-        "model %s loaded in %.1f s (%s, context %d)",
+        "model %s loaded in %.1f s (%s, context %d, KV %s)",
         info.name,
         time.monotonic() - started,
         info.device,
         info.context_length,
+        info.kv_scheme,
     )
     tokenizer = make_tokenizer(info)
     budget = memory_budget_bytes(config.memory_budget_gb, device_memory_bytes=info.memory_bytes)
@@ -115,6 +116,8 @@ async def start_actors(
         weights_bytes=info.weights_bytes,
         kv_bytes_per_token=info.kv_bytes_per_token,
         context_length=info.context_length,
+        kv_quant_ratio=info.kv_quant_ratio,
+        kv_quantized_from=info.kv_quantized_from,
     )
     if ceiling.max_safe_context < 1:
         # Serve anyway: requests are refused one by one with a clear 400.
@@ -125,7 +128,12 @@ async def start_actors(
             info.weights_bytes / 1e9,
         )
     else:
-        log.info("admission: max safe context %d tokens (budget %.2f GB)", ceiling.max_safe_context, budget / 1e9)
+        log.info(
+            "admission: max safe context %d tokens (budget %.2f GB, KV %s)",
+            ceiling.max_safe_context,
+            budget / 1e9,
+            _kv_billing(info),
+        )
     rows = batch_rows(config, info)
     log.info("batch %s -> %d rows", "auto" if config.batch is None else config.batch, rows)
     config = attrs.evolve(config, batch=rows)  # /stats and every later reader see the rows in use
@@ -192,6 +200,13 @@ async def start_actors(
         worker=worker,
         ssd=ssd,
     )
+
+
+def _kv_billing(info: ModelInfo) -> str:
+    """How admission bills the KV, for the start-up log."""
+    if not info.kv_quantized_from:
+        return info.kv_scheme
+    return f"{info.kv_scheme}: {info.kv_quant_ratio:.3f} of full precision past {info.kv_quantized_from} tokens"
 
 
 async def run_server(

@@ -55,7 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def parser() -> argparse.ArgumentParser:
+    from actors.kv_flags import add_kv_flags
     from actors.policy import parse_batch
+    from actors.retention_flags import add_retention_flags
 
     p = argparse.ArgumentParser(
         prog="python -m actors.serve",
@@ -215,6 +217,8 @@ def parser() -> argparse.ArgumentParser:
         "the full --prefill-chunk on a GPU; 0 = always the full chunk)",
     )
     _add_engine_flags(p)
+    add_retention_flags(p)
+    add_kv_flags(p)
     p.add_argument(
         "--blas",
         default="auto",
@@ -434,12 +438,16 @@ def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[Mod
         model_dir,
         name=config.served_model_name[0] if config.served_model_name else None,
         prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
+        cache_retention_share=config.cache_retention_share,
         ssd_cache_dir=config.ssd_cache_dir,
         ssd_cache_max_bytes=int(config.ssd_cache_max_gb * 2**30),
         ssd_verify=config.ssd_verify,
         warm_up_batch=partial(batch_rows, config),  # --batch auto is sized once the model is loaded
         warm_up=config.warm_up,
         engine_options=config.engine_options(),
+        kv_quant=config.kv_quant,
+        kv_group_size=config.kv_group_size,
+        quantized_kv_start=config.quantized_kv_start,
     )
     return model_dir, worker, make_tokenizer
 

@@ -13,10 +13,11 @@ can then only be closed.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
+from model.kv_scheme import KVScheme
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
 
@@ -37,6 +38,29 @@ class ModelInfo:
     # generation_config.json sampling defaults the checkpoint ships (only the keys it gives).
     generation_defaults: tuple[tuple[str, float], ...] = ()
     model_type: str = ""  # config.json's model_type (tool-call format detection falls back on it)
+    # The KV cache's storage (model/kv_scheme.py). `kv_bytes_per_token` stays the full-precision
+    # rate; a quantized row costs `kv_quant_ratio` of it per token once it is past
+    # `kv_quantized_from` positions (0 = never quantized): actors/policy.py `kv_bill`.
+    kv_scheme: str = "bf16"  # its label
+    kv_quant_ratio: float = 1.0
+    kv_quantized_from: int = 0
+    kv_group_size: int | None = None  # None when nothing is quantized
+    kv_bits: int | tuple[int | None, ...] | None = None  # KVScheme.bits
+    kv_start: int = 0  # --quantized-kv-start
+
+
+def kv_fields(scheme: KVScheme, *, num_layers: int, dtype_bytes: int, prefill_chunk: int) -> dict[str, Any]:
+    """ModelInfo's kv_* fields for a loaded model stored under `scheme`. A long prompt's rows
+    turn quantized at the first prefill-chunk end at or past the scheme's start."""
+    quantized = scheme.quantized
+    return {
+        "kv_scheme": scheme.label,
+        "kv_quant_ratio": scheme.ratio(num_layers, dtype_bytes),
+        "kv_quantized_from": scheme.conversion_point(10**9, prefill_chunk) if quantized else 0,
+        "kv_group_size": scheme.group_size,
+        "kv_bits": scheme.bits,
+        "kv_start": scheme.start,
+    }
 
 
 class Worker(Protocol):

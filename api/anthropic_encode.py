@@ -23,14 +23,19 @@ def stop_reason(finish_reason: str | None, matched_stop: str | None) -> tuple[st
 
 
 def usage(openai_usage: Mapping[str, Any]) -> dict[str, Any]:
-    """Anthropic usage: `input_tokens` excludes prompt-cache reads, which are reported apart
-    (so input_tokens + cache_read_input_tokens is the whole prompt, as clients sum them)."""
+    """Anthropic usage: `input_tokens` excludes prompt-cache reads and the tokens stored at the
+    request's cache breakpoints, which are reported apart (input_tokens + cache_read_input_tokens
+    + cache_creation_input_tokens is the whole prompt, as clients sum them)."""
     prompt = int(openai_usage.get("prompt_tokens") or 0)
-    cached = int((openai_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    details = openai_usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens") or 0)
+    created = int(details.get("cache_creation_tokens") or 0)
     out: dict[str, Any] = {
-        "input_tokens": prompt - cached,
+        "input_tokens": prompt - cached - created,
         "output_tokens": int(openai_usage.get("completion_tokens") or 0),
     }
+    if created > 0:
+        out["cache_creation_input_tokens"] = created
     if cached > 0:
         out["cache_read_input_tokens"] = cached
     return out
@@ -69,14 +74,18 @@ def message_object(completion: Completion, *, message_id: str, model: str) -> di
 class AnthropicStream:
     """The native Messages event stream, built from the completion's text events.
 
-    `input_tokens` is the whole prompt and `cached_tokens` its part restored from the prompt
-    cache (known once the row opened): message_start reports the same split as message_delta."""
+    `input_tokens` is the whole prompt, `cached_tokens` its part restored from the prompt cache and
+    `cache_created_tokens` the part stored at its breakpoints (both known once the row opened):
+    message_start reports the same split as message_delta."""
 
-    def __init__(self, *, message_id: str, model: str, input_tokens: int, cached_tokens: int = 0) -> None:
+    def __init__(
+        self, *, message_id: str, model: str, input_tokens: int, cached_tokens: int = 0, cache_created_tokens: int = 0
+    ) -> None:
         self.message_id = message_id
         self.model = model
         self.input_tokens = input_tokens
         self.cached_tokens = cached_tokens
+        self.cache_created_tokens = cache_created_tokens
         self._index = -1
         self._open: str | None = None  # "thinking" | "text"
 
@@ -90,7 +99,13 @@ class AnthropicStream:
             "stop_reason": None,
             "stop_sequence": None,
             "usage": usage(
-                {"prompt_tokens": self.input_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                {
+                    "prompt_tokens": self.input_tokens,
+                    "prompt_tokens_details": {
+                        "cached_tokens": self.cached_tokens,
+                        "cache_creation_tokens": self.cache_created_tokens,
+                    },
+                }
             ),
         }
         return sse_event("message_start", {"type": "message_start", "message": message}) + self.ping()

@@ -52,6 +52,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
                 model=model,
                 input_tokens=len(started.prompt),
                 cached_tokens=started.actor.cached_tokens,  # known: the row opened before start_chat returned
+                cache_created_tokens=started.actor.cache_created_tokens,
             )
             return sse_response(_stream(started.actor, stream))
         completion = await collect(started.actor)

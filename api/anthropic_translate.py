@@ -3,7 +3,10 @@
 The request's own shape is checked first (messages and their blocks, system, tools,
 stop_sequences, stream); then what the server cannot take (image blocks, non-string tool ids),
 then the generation fields (api/fields.py, named as in OpenAI), a forced tool call and the
-thinking switches. Messages are built in the shape chat templates read. Raises `ApiError`.
+thinking switches. Messages are built in the shape chat templates read. A block's
+`cache_control` becomes a `CachePoint`: the conversation cut after that block (a text block cuts
+its message's text there; any other block keeps its whole message; a tool definition marks the
+leading system messages, where templates render tools). Raises `ApiError`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import attrs
 
 from api import structured
-from api.chat_request import ChatPrompt, ChatRequest
+from api.chat_request import CachePoint, ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
 from api.fields import parse_generation, pick, reasoning_options, stop_strings, stream_flag
 from api.template_messages import media_error, tool_call_id_error
@@ -44,6 +47,8 @@ MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1
 # Anthropic's rule for a client tool's name.
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_NAME_MESSAGE = "must be a string of 1 to 64 letters, digits, underscores or hyphens"
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl → seconds ("5m" when absent)
+MAX_CACHE_POINTS = 4  # Anthropic's limit on blocks with cache_control
 
 
 def messages_request(body: Mapping[str, Any]) -> ChatRequest:
@@ -61,7 +66,13 @@ def messages_request(body: Mapping[str, Any]) -> ChatRequest:
     generation = parse_generation(fields, vocab_size=None, stream=stream, max_temperature=MAX_TEMPERATURE)
     forced = structured.forced_tool_call(list(parsed.tools or ()), parsed.tool_choice)
     constraint = structured.request_constraint(structured.ConstraintFields(), forced)
-    return ChatRequest(prompt=parsed.prompt(), generation=generation, stop=stop_strings(stops), constraint=constraint)
+    return ChatRequest(
+        prompt=parsed.prompt(),
+        generation=generation,
+        stop=stop_strings(stops),
+        constraint=constraint,
+        cache_points=tuple(parsed.cache_points),
+    )
 
 
 def count_request(body: Mapping[str, Any]) -> ChatPrompt:
@@ -82,6 +93,15 @@ class _Parsed:
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: Any = None
     template_kwargs: dict[str, Any] = attrs.Factory(dict)
+    cache_points: list[CachePoint] = attrs.Factory(list)
+
+    def mark(self, ttl_s: float | None, messages: list[dict[str, Any]]) -> None:
+        """A breakpoint (when `ttl_s` is set) after `messages`, the conversation cut there."""
+        if ttl_s is None:
+            return
+        if len(self.cache_points) == MAX_CACHE_POINTS:
+            raise bad_request(f"A maximum of {MAX_CACHE_POINTS} blocks with cache_control may be provided.")
+        self.cache_points.append(CachePoint(ttl_s, tuple(messages)))
 
     def add(self, message: dict[str, Any], unsupported: ApiError | None = None) -> None:
         self.messages.append(message)
@@ -99,12 +119,16 @@ def _parse(body: Mapping[str, Any]) -> _Parsed:
     if not isinstance(raw_messages, list) or not raw_messages:
         raise bad_request("messages: at least one message is required", param="messages")
     parsed = _Parsed()
-    system = _system_text(body.get("system"))
+    system, system_marks = _system_text(body.get("system"))
+    for ttl_s, upto in system_marks:
+        parsed.mark(ttl_s, [{"role": "system", "content": upto}])
     if system:
         parsed.add({"role": "system", "content": system})
+    leading_system = list(parsed.messages)
     for index, message in enumerate(raw_messages):
         _translate_message(message, index, parsed)
-    tools = _tools(body.get("tools"))
+    tools, tools_ttl = _tools(body.get("tools"))
+    parsed.mark(tools_ttl, leading_system)
     if tools:
         parsed.tools = tuple(tools)
         parsed.tool_choice = _tool_choice(body.get("tool_choice"))
@@ -112,24 +136,42 @@ def _parse(body: Mapping[str, Any]) -> _Parsed:
     return parsed
 
 
-def _system_text(system: Any) -> str:
+def _system_text(system: Any) -> tuple[str, list[tuple[float, str]]]:
+    """The system text, and each breakpoint's (ttl, the system text up to its block)."""
     if system is None:
-        return ""
+        return "", []
     if isinstance(system, str):
-        return system
+        return system, []
     if isinstance(system, list):
-        texts = []
-        for block in system:
+        texts: list[str] = []
+        marks: list[tuple[float, str]] = []
+        for index, block in enumerate(system):
             if (
                 isinstance(block, Mapping)
                 and block.get("type", "text") == "text"
                 and isinstance(block.get("text"), str)
             ):
                 texts.append(block["text"])
+                ttl_s = _cache_ttl(block, f"system.{index}", "system")
+                if ttl_s is not None:
+                    marks.append((ttl_s, "\n".join(texts)))
             else:
                 raise bad_request("system: must be a string or an array of text blocks", param="system")
-        return "\n".join(texts)
+        return "\n".join(texts), marks
     raise bad_request("system: must be a string or an array of text blocks", param="system")
+
+
+def _cache_ttl(block: Mapping[str, Any], where: str, param: str) -> float | None:
+    """A block's `cache_control` as seconds to retain; None when it has none."""
+    control = block.get("cache_control")
+    if control is None:
+        return None
+    if not isinstance(control, Mapping) or control.get("type") != "ephemeral":
+        raise bad_request(f"{where}.cache_control.type: must be 'ephemeral'", param=param)
+    ttl = control.get("ttl", "5m")
+    if not isinstance(ttl, str) or ttl not in CACHE_TTLS:
+        raise bad_request(f"{where}.cache_control.ttl: must be '5m' or '1h'", param=param)
+    return CACHE_TTLS[ttl]
 
 
 def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
@@ -148,11 +190,22 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
     texts: list[str] = []
     has_image = False
     calls: list[dict[str, Any]] = []
+    text_marks: list[tuple[float, int]] = []  # (ttl, texts up to the block)
+    result_marks: list[tuple[float, int]] = []  # (ttl, tool results up to the block)
+    whole_marks: list[float] = []  # any other block: the whole message
     for j, block in enumerate(content):
         block_where = f"{where}.content.{j}"
         if not isinstance(block, Mapping):
             raise bad_request(f"{block_where}: must be an object", param="messages")
         kind = block.get("type")
+        ttl_s = _cache_ttl(block, block_where, "messages")
+        if ttl_s is not None:
+            if kind == "text":
+                text_marks.append((ttl_s, len(texts) + 1))
+            elif kind == "tool_result":
+                result_marks.append((ttl_s, len(tool_results) + 1))
+            else:
+                whole_marks.append(ttl_s)
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise bad_request(f"{block_where}.text: must be a string", param="messages")
@@ -178,12 +231,16 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
         else:
             raise bad_request(f"{block_where}: unsupported content block type {kind!r}", param="messages")
 
+    before_results = len(parsed.messages)
     for result in tool_results:
         call_id = result["tool_call_id"]
         bad_id = call_id is not None and not isinstance(call_id, str)
         parsed.add(result, tool_call_id_error(f"messages[{len(parsed.messages)}]") if bad_id else None)
+    for ttl_s, count in result_marks:
+        parsed.mark(ttl_s, parsed.messages[: before_results + count])
     # Text blocks join with a newline (as `system` does); an image makes the turn a 400.
     unsupported = media_error("image_url") if has_image else None
+    before = list(parsed.messages)
     if role == "assistant":
         if texts or has_image or calls:
             assistant: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
@@ -192,6 +249,10 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
             parsed.add(assistant, unsupported)
     elif texts or has_image or not tool_results:
         parsed.add({"role": "user", "content": "\n".join(texts)}, unsupported)
+    for ttl_s, count in text_marks:  # the message's text cut after the marked block
+        parsed.mark(ttl_s, [*before, {"role": role, "content": "\n".join(texts[:count])}])
+    for ttl_s in whole_marks:
+        parsed.mark(ttl_s, parsed.messages)
 
 
 def _check_image(block: Mapping[str, Any], where: str) -> None:
@@ -234,16 +295,21 @@ def _tool_result_text(content: Any, where: str) -> str:
     raise bad_request(f"{where}.content: must be a string or an array of blocks", param="messages")
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _tools(tools: Any) -> tuple[list[dict[str, Any]], float | None]:
+    """The client tools, and the longest ttl among the definitions' breakpoints (None: none)."""
     if tools is None:
-        return []
+        return [], None
     if not isinstance(tools, list):
         raise bad_request("tools: must be an array", param="tools")
     out = []
+    ttl_s: float | None = None
     for index, tool in enumerate(tools):
         where = f"tools.{index}"
         if not isinstance(tool, Mapping):
             raise bad_request(f"{where}: must be an object", param="tools")
+        tool_ttl = _cache_ttl(tool, where, "tools")
+        if tool_ttl is not None:
+            ttl_s = max(ttl_s or 0.0, tool_ttl)
         kind = tool.get("type")
         if kind not in (None, "custom"):
             if not isinstance(kind, str):
@@ -261,7 +327,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if description is not None:
             function["description"] = description
         out.append({"type": "function", "function": function})
-    return out
+    return out, ttl_s
 
 
 def _tool_choice(choice: Any) -> Any:

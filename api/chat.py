@@ -2,7 +2,8 @@
 
 `start_chat` applies the server's defaults (sampling, max_tokens) under the request's own
 fields, cools a no-think turn, renders the chat template, picks the tool-call format, builds a
-forced tool call's grammar in that format, finds the boundary-snapshot position, builds the
+forced tool call's grammar in that format, finds the boundary-snapshot position and the
+positions of the client's cache breakpoints (retention hints), builds the
 text pipeline (`CompletionSink`) and admits the generation through a `RequestActor` — so 400 /
 503 are real HTTP statuses, answered before any byte of the response. `start_text` is the same
 for a raw prompt (no template, tools or reasoning split). `prompt_token_count` renders exactly
@@ -22,6 +23,7 @@ import logging
 from typing import Any
 
 import attrs
+import numpy as np
 
 from actors.handles import ServerHandles
 from actors.messages import GenerationRequest, Siblings
@@ -36,6 +38,7 @@ from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools.detect import detect_tool_format
 from api.structured import ConstraintRequest, check_compiles, compiles_for
 from cache.boundary import stable_prefix_length
+from cache.prefix_match import common_prefix_length
 from model.params import SamplingParams
 from model.tokenizer import Tokenizer
 
@@ -155,6 +158,7 @@ class PreparedChat:
     generation: Generation
     sink: CompletionSink
     snapshot_at: int | None = None
+    retain: tuple[tuple[int, float], ...] = ()  # (prompt position, seconds): the cache breakpoints
 
 
 async def start_chat(handles: ServerHandles, request: ChatRequest) -> StartedGeneration:
@@ -162,7 +166,12 @@ async def start_chat(handles: ServerHandles, request: ChatRequest) -> StartedGen
     prepared = await offload.run(prepare_chat, handles, request)
     await _check_constraint(handles, request.constraint, prepared.generation)
     return await _admitted(
-        handles, prepared.tokens, prepared.generation, prepared.sink, snapshot_at=prepared.snapshot_at
+        handles,
+        prepared.tokens,
+        prepared.generation,
+        prepared.sink,
+        snapshot_at=prepared.snapshot_at,
+        retain=prepared.retain,
     )
 
 
@@ -200,7 +209,7 @@ def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
         tools_present=tool_format is not None,
     )
     snapshot_at = _snapshot_position(handles, request.prompt, rendered)
-    return PreparedChat(rendered.tokens, generation, sink, snapshot_at)
+    return PreparedChat(rendered.tokens, generation, sink, snapshot_at, _retained_positions(handles, request, rendered))
 
 
 async def start_text(handles: ServerHandles, request: TextRequest) -> StartedGeneration:
@@ -275,6 +284,32 @@ def _snapshot_position(handles: ServerHandles, prompt: ChatPrompt, rendered: Ren
     return position or None
 
 
+def _retained_positions(
+    handles: ServerHandles, request: ChatRequest, rendered: RenderedPrompt
+) -> tuple[tuple[int, float], ...]:
+    """Each cache breakpoint as a prompt position: the token prefix the prompt shares with the
+    conversation cut at the breakpoint, rendered without a generation prompt (its closing tokens
+    differ from what follows in the prompt, so the shared part ends at the cut, or a token or two
+    before it where the tokenizer merges across). A breakpoint that cannot be rendered is dropped:
+    a wrong position could only cost a cache miss (keys are exact token tuples)."""
+    if handles.prompt_cache is None or not request.cache_points:
+        return ()
+    prompt = np.asarray(rendered.tokens, np.int64)
+    positions: dict[int, float] = {}
+    for point in request.cache_points:
+        try:
+            cut = handles.tokenizer.encode_chat(
+                list(point.messages), tools=rendered.tools, add_generation_prompt=False, **rendered.template_kwargs
+            )
+        except Exception:  # a template that rejects the cut (role alternation, say): no hint
+            log.debug("cache breakpoint render failed", exc_info=True)
+            continue
+        at = common_prefix_length(prompt, np.asarray(cut, np.int64))
+        if at > 0:
+            positions[at] = max(positions.get(at, 0.0), point.ttl_s)
+    return tuple(sorted(positions.items()))
+
+
 async def _admitted(
     handles: ServerHandles,
     prompt: list[int],
@@ -282,6 +317,7 @@ async def _admitted(
     sink: CompletionSink,
     *,
     snapshot_at: int | None = None,
+    retain: tuple[tuple[int, float], ...] = (),
 ) -> StartedGeneration:
     """Admit every choice: each its own actor (text pipeline, row, abort), siblings in the
     scheduler, which prefills the prompt once for all of them. All or none: a rejection closes
@@ -301,6 +337,7 @@ async def _admitted(
                 # An explicit seed gives choice i seed + i: reproducible, and the choices differ.
                 seed=None if generation.seed is None else (generation.seed + index) & 0xFFFFFFFF,
                 snapshot_at=snapshot_at,
+                retain=retain,
                 siblings=None if family is None else Siblings(family, index, n),
             )
             choice_sink = sink if index == 0 else sink.fresh(handles.tokenizer.detokenizer())

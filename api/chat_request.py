@@ -83,6 +83,16 @@ class ChatPrompt:
 
 
 @attrs.frozen
+class CachePoint:
+    """A client's prompt-cache breakpoint (Anthropic `cache_control`): keep the prompt prefix that
+    ends where `messages` (the conversation cut after the marked block; the leading system
+    messages for a tool definition) rendered without a generation prompt ends, for `ttl_s`."""
+
+    ttl_s: float
+    messages: tuple[dict[str, Any], ...]
+
+
+@attrs.frozen
 class ChatRequest:
     """A chat turn: the prompt to template, how to generate, where to stop, what to constrain."""
 
@@ -90,6 +100,7 @@ class ChatRequest:
     generation: GenerationFields = GenerationFields()
     stop: tuple[str, ...] = ()
     constraint: ConstraintRequest | None = None
+    cache_points: tuple[CachePoint, ...] = ()  # retention hints, mapped to prompt positions by the chat core
 
 
 @attrs.frozen

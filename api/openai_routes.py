@@ -113,6 +113,7 @@ def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
         "vision": False,
         "audio": False,
         "batch_mode": handles.mode,
+        "kv_scheme": handles.info.kv_scheme,  # how the KV cache is stored: bf16, kv8, kv4, ...
         "tools": True,
         "structured_output": structured_output,
         "embeddings": False,

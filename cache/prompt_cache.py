@@ -5,6 +5,11 @@ longer), so one stored system prompt serves every agent that shares it. MLX arra
 values, so a clone stays valid after its donor is superseded or evicted: eviction only drops the
 cache's reference, it never frees memory a clone still uses.
 
+Retention (a client's prompt-cache breakpoint, api/chat.py): an entry put with `retain_s` is
+protected from LRU eviction until its deadline, within `retention_share` of the byte cap (over
+it, the protected entries whose deadlines come first lose protection first). A hit on a prefix
+holding it refreshes the deadline; after the deadline it is an ordinary LRU entry.
+
 Correctness rule: an entry's key must equal its KV coverage exactly, or every later hit would be
 silently wrong. `put` refuses anything it cannot verify (offset mismatch, mixed offsets).
 
@@ -14,6 +19,7 @@ Only ever called on the GPU-worker thread (arrays are thread-affine).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -57,6 +63,8 @@ class _Entry:
     caches: list[KVCache]
     nbytes: int
     trimmable: bool
+    retain_s: float | None = None  # put with a retention hint: protected for this long after a put or hit
+    deadline: float | None = None  # protected until then (None: an ordinary LRU entry)
 
 
 def _coverage(caches: Sequence[KVCache]) -> int | None:
@@ -66,8 +74,12 @@ def _coverage(caches: Sequence[KVCache]) -> int | None:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(
+        self, max_bytes: int, *, retention_share: float = 0.5, now: Callable[[], float] = time.monotonic
+    ) -> None:
         self.max_bytes = max(0, int(max_bytes))
+        self.retention_share = min(1.0, max(0.0, retention_share))
+        self._now = now
         self._entries: OrderedDict[EntryKey, _Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
         self.hits = 0
@@ -117,6 +129,7 @@ class PromptCache:
             return None, 0
         self._entries.move_to_end(entry.key)
         self.hits += 1
+        self._refresh(entry.ids[:usable], namespace)
         return clones, usable
 
     def _best(self, prompt: np.ndarray, namespace: str, cap: int) -> tuple[_Entry, int] | None:
@@ -144,9 +157,13 @@ class PromptCache:
 
     # -- put ---------------------------------------------------------------------------------
 
-    def put(self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "") -> bool:
-        """Store `caches` (taken over, not copied) as the KV of exactly `tokens`. False when not
-        stored: cache disabled, empty key, coverage that does not match the key, or too big."""
+    def put(
+        self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "", retain_s: float | None = None
+    ) -> bool:
+        """Store `caches` (taken over, not copied) as the KV of exactly `tokens`, protected from
+        eviction for `retain_s` seconds when given. False when not stored: cache disabled, empty
+        key, coverage that does not match the key, too big, or evicted at once (every other entry
+        protected)."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         key_tokens = tuple(ids.tolist())
         if not self.enabled or not key_tokens or not caches:
@@ -167,18 +184,29 @@ class PromptCache:
         )
         if entry.nbytes > self.max_bytes:
             return False
+        now = self._now()
+        replaced = self._entries.get(entry.key)
+        if retain_s is not None:
+            entry.retain_s, entry.deadline = retain_s, now + retain_s
+        if replaced is not None and replaced.retain_s is not None:  # a re-put keeps the longer promise
+            entry.retain_s = max(replaced.retain_s, entry.retain_s or 0.0)
+            entry.deadline = max(replaced.deadline or 0.0, entry.deadline or 0.0) or None
         self._remove(entry.key)
         if entry.trimmable:
-            # A trimmable entry serves every strict prefix of itself, so its ancestors only cost RAM.
-            for other in [e for e in self._entries.values() if e.key.namespace == namespace]:
+            # A trimmable entry serves every strict prefix of itself, so its ancestors only cost RAM
+            # (a protected one stays: it must outlive its descendants' LRU fate).
+            for other in [e for e in self._entries.values() if e.key.namespace == namespace and not self._held(e, now)]:
                 n = len(other.ids)
                 # The last-token check first: siblings sharing 99% of a long prompt are common.
                 if n < len(ids) and ids[n - 1] == other.ids[-1] and np.array_equal(ids[:n], other.ids):
                     self._remove(other.key)
         self._entries[entry.key] = entry
         self._bytes += entry.nbytes
+        self._cap_protection(now)
         while self._bytes > self.max_bytes:
-            self._remove(next(iter(self._entries)))
+            self._remove(self._victim(now))
+        if entry.key not in self._entries:
+            return False
         for hook in self.on_put:
             try:
                 hook(namespace, key_tokens)
@@ -186,6 +214,50 @@ class PromptCache:
                 # The durability tier must never take serving down; a missed hook is a future miss.
                 log.exception("prompt cache on_put hook failed")
         return True
+
+    # -- retention -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _held(entry: _Entry, now: float) -> bool:
+        return entry.deadline is not None and entry.deadline > now
+
+    def protected_bytes(self) -> int:
+        now = self._now()
+        return sum(e.nbytes for e in self._entries.values() if self._held(e, now))
+
+    def _victim(self, now: float) -> EntryKey:
+        """The least recently used unprotected entry; with none, the protected one whose deadline
+        comes first (only when the share is 1: otherwise unprotected bytes exceed the rest)."""
+        for key, entry in self._entries.items():
+            if not self._held(entry, now):
+                return key
+        return min(self._entries.values(), key=lambda e: e.deadline or 0.0).key
+
+    def _cap_protection(self, now: float) -> None:
+        """Over the share, the protected entries whose deadlines come first become ordinary."""
+        held = sorted((e for e in self._entries.values() if self._held(e, now)), key=lambda e: e.deadline or 0.0)
+        excess = sum(e.nbytes for e in held) - self.retention_share * self.max_bytes
+        for entry in held:
+            if excess <= 0:
+                break
+            entry.deadline = None
+            excess -= entry.nbytes
+
+    def _refresh(self, restored: np.ndarray, namespace: str) -> None:
+        """A hit uses every retained entry that is a prefix of what it restored: each one's
+        deadline starts again (Anthropic refreshes a cache entry's TTL on use)."""
+        now, refreshed = self._now(), False
+        for entry in self._entries.values():
+            n = len(entry.ids)
+            if (
+                entry.retain_s is not None
+                and entry.key.namespace == namespace
+                and n <= len(restored)
+                and np.array_equal(entry.ids, restored[:n])
+            ):
+                entry.deadline, refreshed = now + entry.retain_s, True
+        if refreshed:
+            self._cap_protection(now)
 
     def _remove(self, key: EntryKey) -> None:
         entry = self._entries.pop(key, None)

@@ -4,9 +4,10 @@
 
 The safetensors header holds the tensor table and `__metadata__` = {format, header, header_hash}:
 `header` is our JSON (format version, model id, fingerprint, scheme, tokenizer hash, namespace,
-the exact token list, per-layer cache kind / offset / trimmability, per-tensor dtype / shape /
-offset / sha256) and `header_hash` a sha256 over it plus the tensor table, so a flipped byte
-anywhere in the header region fails the parse. Tensors are contiguous, C order, in file order.
+the exact token list, per-layer cache kind / offset / trimmability (and a quantized layer's
+bits / group size / conversion point), per-tensor dtype / shape / offset / sha256) and
+`header_hash` a sha256 over it plus the tensor table, so a flipped byte anywhere in the header
+region fails the parse. Tensors are contiguous, C order, in file order.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import hashlib
 import json
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any, BinaryIO, TypedDict, cast
+from typing import Any, BinaryIO, NotRequired, TypedDict, TypeGuard, cast
 
 import attrs
 import numpy as np
 
-from cache.spill_item import STORAGE_DTYPES, LayerMeta
+from cache.spill_item import KV, LAYER_TENSORS, QKV, STORAGE_DTYPES, LayerMeta
 from cache.ssd_identity import Identity
 
 FORMAT = "mlx-trio-kv"
@@ -38,7 +39,7 @@ class SsdCorrupt(RuntimeError):
 
 
 class TensorRecord(TypedDict):
-    dtype: str  # safetensors tag: F32 / F16 / BF16
+    dtype: str  # safetensors tag: F32 / F16 / BF16 / U32
     shape: list[int]
     offset: int  # from the start of the tensor data
     nbytes: int
@@ -50,6 +51,10 @@ class LayerRecord(TypedDict):
     offset: int
     trimmable: bool
     tensors: list[str]
+    # QKV layers only (a KV layer's record is as it always was, so older files read unchanged)
+    bits: NotRequired[int]
+    group_size: NotRequired[int]
+    converted_at: NotRequired[int]
 
 
 class Header(TypedDict):
@@ -106,10 +111,7 @@ def encode_header(
         "tokenizer_hash": identity.tokenizer_hash,
         "namespace": namespace,
         "tokens": list(tokens),
-        "layers": [
-            {"kind": layer.kind, "offset": layer.offset, "trimmable": layer.trimmable, "tensors": list(layer.tensors)}
-            for layer in layers
-        ],
+        "layers": [_layer_record(layer) for layer in layers],
         "tensors": dict(tensors),
     }
     header_json = json.dumps(header, sort_keys=True, separators=(",", ":"))
@@ -123,10 +125,33 @@ def encode_header(
     return struct.pack("<Q", padded) + body + b" " * (padded - len(body))
 
 
+def _layer_record(layer: LayerMeta) -> LayerRecord:
+    record: LayerRecord = {
+        "kind": layer.kind,
+        "offset": layer.offset,
+        "trimmable": layer.trimmable,
+        "tensors": list(layer.tensors),
+    }
+    if layer.kind == QKV:
+        if layer.bits is None or layer.group_size is None or layer.converted_at is None:
+            raise ValueError("a quantized layer needs bits, group_size and converted_at")
+        record["bits"], record["group_size"] = layer.bits, layer.group_size
+        record["converted_at"] = layer.converted_at
+    return record
+
+
 def parse_header(f: BinaryIO, size: int, identity: Identity) -> ParsedHeader:
     """Read and verify the header region of a `size`-byte file open at offset 0: header hash,
     format version, `identity`, tensor table against our header, sizes against shapes, file size,
     and every layer's coverage of the token key. Raises SsdCorrupt on any doubt."""
+    try:
+        return _parse_header(f, size, identity)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        # a field missing or of the wrong type (a hand-edited header that was re-hashed)
+        raise SsdCorrupt(f"malformed header: {type(e).__name__}: {e}") from None
+
+
+def _parse_header(f: BinaryIO, size: int, identity: Identity) -> ParsedHeader:
     head = f.read(8)
     if len(head) != 8:
         raise SsdCorrupt("truncated file")
@@ -156,8 +181,8 @@ def parse_header(f: BinaryIO, size: int, identity: Identity) -> ParsedHeader:
         if header.get(field) != want:
             raise SsdCorrupt(f"{field} mismatch")
     total = 0
-    tensors = header["tensors"]
-    if set(tensors) != set(table):
+    tensors = header.get("tensors")
+    if not isinstance(tensors, dict) or set(tensors) != set(table):
         raise SsdCorrupt("tensor table mismatch")
     for name, t in tensors.items():
         entry = table[name]
@@ -175,10 +200,47 @@ def parse_header(f: BinaryIO, size: int, identity: Identity) -> ParsedHeader:
     if 8 + n + total != size:
         raise SsdCorrupt(f"file size {size} != {8 + n + total}")
     tokens = header["tokens"]
+    if not isinstance(tokens, list) or not isinstance(header["layers"], list):
+        raise SsdCorrupt("tokens / layers are not lists")
     for layer in header["layers"]:
-        if layer["kind"] != "kv" or layer["offset"] != len(tokens):
-            raise SsdCorrupt("layer coverage does not match the token key")
-        for name in layer["tensors"]:
-            if name not in tensors or tensors[name]["shape"][2] != len(tokens):
-                raise SsdCorrupt(f"layer tensor {name} does not cover the key")
+        _check_layer(layer, tensors, len(tokens))
     return ParsedHeader(header=cast(Header, header), data_start=8 + n, file_size=size)
+
+
+def _is_int(x: Any) -> TypeGuard[int]:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_layer(layer: Any, tensors: Mapping[str, TensorRecord], n: int) -> None:
+    """A layer record is one we can restore: a known kind, its fields, tensors covering the key
+    with the shapes and dtypes of its kind. Raises SsdCorrupt otherwise."""
+    if not isinstance(layer, dict) or layer.get("kind") not in LAYER_TENSORS:
+        raise SsdCorrupt(f"unknown layer kind {layer.get('kind') if isinstance(layer, dict) else layer!r}")
+    kind, names = layer["kind"], layer.get("tensors")
+    if layer.get("offset") != n or not isinstance(layer.get("trimmable"), bool):
+        raise SsdCorrupt("layer coverage does not match the token key")
+    if not isinstance(names, list) or len(names) != len(LAYER_TENSORS[kind]):
+        raise SsdCorrupt(f"a {kind} layer needs {len(LAYER_TENSORS[kind])} tensors")
+    for name in names:
+        if not isinstance(name, str) or name not in tensors:
+            raise SsdCorrupt(f"layer tensor {name} missing")
+        shape = tensors[name]["shape"]
+        if len(shape) != 4 or shape[2] != n:
+            raise SsdCorrupt(f"layer tensor {name} does not cover the key")
+    if kind == KV:
+        if any(tensors[name]["dtype"] == "U32" for name in names):
+            raise SsdCorrupt("a full-precision layer holds packed words")
+        return
+    bits, group, at = layer.get("bits"), layer.get("group_size"), layer.get("converted_at")
+    if not (_is_int(bits) and _is_int(group) and _is_int(at) and bits > 0 and group > 0 and 0 <= at <= n):
+        raise SsdCorrupt("a quantized layer's bits / group_size / converted_at are missing or invalid")
+    packed = [tensors[names[0]], tensors[names[3]]]
+    groups = [tensors[name] for i, name in enumerate(names) if i % 3]
+    # packed: [.., head_dim * bits / 32] uint32; scales, biases: [.., head_dim / group_size]
+    if any(t["dtype"] != "U32" for t in packed) or any(t["dtype"] == "U32" for t in groups):
+        raise SsdCorrupt("a quantized layer's tensor dtypes are wrong")
+    for p, s, b in (packed[:1] + groups[:2], packed[1:] + groups[2:]):
+        if p["shape"][:3] != s["shape"][:3] or s["shape"] != b["shape"] or s["dtype"] != b["dtype"]:
+            raise SsdCorrupt("a quantized layer's tensor shapes disagree")
+        if p["shape"][3] * 32 != s["shape"][3] * group * bits:
+            raise SsdCorrupt("a quantized layer's packing does not match its bits / group_size")

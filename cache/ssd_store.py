@@ -328,7 +328,7 @@ class SsdStore:
         if (
             not item.tokens
             or not item.layers
-            or any(layer.kind != "kv" or layer.offset != len(item.tokens) for layer in item.layers)
+            or any(not layer.storable or layer.offset != len(item.tokens) for layer in item.layers)
             or item.nbytes > self.max_bytes
         ):
             self.stats.refused += 1

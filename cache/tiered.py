@@ -9,7 +9,8 @@ engine sees either as a `model.kv_cache.PrefixCache`. What it adds, all on the G
 * `snapshot(tokens, ns)`: an exact entry as a `SpillItem` — numpy views of its evaluated KV
   buffers (zero-copy; the writer thread reads them, MLX never sees another thread).
 * `demote_idle(idle_s)`: entries unused that long leave RAM; the ones not yet on disk come
-  back as SpillItems for the spill queue.
+  back as SpillItems for the spill queue, those put with a retention hint first. An entry still
+  protected by its retention deadline stays in RAM.
 
 Restored entries are not put back into RAM: the row that restored one puts its longer KV when it
 finishes, which supersedes it.
@@ -20,15 +21,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from cache.prompt_cache import EntryKey, PromptCache
-from cache.spill_item import LayerMeta, SpillItem, SpillTensor
+from cache.spill_item import KV, LAYER_TENSORS, QKV, LayerMeta, SpillItem, SpillTensor
 from cache.ssd_index import IndexEntry
 from cache.ssd_store import SsdStore, TensorSpec
 from model.kv_cache import KVCache
+from model.kv_quant import QuantizedKVCache
+from model.kv_scheme import LayerQuant
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +40,12 @@ log = logging.getLogger(__name__)
 # its first few template tokens with every stored entry).
 MIN_RESTORE_TOKENS = 64
 
-_TAGS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+_TAGS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
 
 
 def _export(array: mx.array) -> tuple[str, np.ndarray]:
-    """(safetensors tag, zero-copy numpy view) of an evaluated array; bf16 as raw uint16 bits."""
+    """(safetensors tag, zero-copy numpy view) of an evaluated array; bf16 as raw uint16 bits,
+    a quantized layer's packed uint32 words as they are."""
     tag = _TAGS.get(array.dtype)
     if tag is None:
         raise TypeError(f"unsupported KV dtype {array.dtype}")
@@ -55,7 +60,7 @@ def _import(data: np.ndarray, tag: str) -> mx.array:
     return array.view(mx.bfloat16) if tag == "BF16" else array
 
 
-_STORAGE = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.uint16}  # bf16 lands as its raw bits
+_STORAGE = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.uint16, "U32": mx.uint32}  # bf16 lands as its raw bits
 
 
 class _DirectImport:
@@ -112,19 +117,26 @@ def _views_alias() -> bool:
     return _ALIAS_CHECKED[0]
 
 
-def spill_item(namespace: str, tokens: Sequence[int], caches: Sequence[KVCache]) -> SpillItem | None:
+def spill_item(namespace: str, tokens: Sequence[int], caches: Sequence[Any]) -> SpillItem | None:
     """Materialize caches covering exactly `tokens` for the writer; None when they cannot be
-    stored (an unsupported cache kind, or coverage that does not match the key)."""
+    stored (an unsupported cache kind, or coverage that does not match the key). Full-precision
+    (`KVCache`) and quantized (`QuantizedKVCache`) layers may mix, as per-layer schemes do."""
     n = len(tokens)
     layers, tensors = [], []
     for i, cache in enumerate(caches):
-        if type(cache) is not KVCache or cache.keys is None or cache.values is None or cache.offset != n:
+        if type(cache) not in (KVCache, QuantizedKVCache) or cache.offset != n:
             return None
-        names = (f"l{i}.keys", f"l{i}.values")
-        for name, full in zip(names, (cache.keys, cache.values)):
+        if cache.keys is None or cache.values is None:
+            return None
+        kind = KV if type(cache) is KVCache else QKV
+        names = tuple(f"l{i}.{suffix}" for suffix in LAYER_TENSORS[kind])
+        arrays = [cache.keys, cache.values] if kind == KV else [*cache.keys, *cache.values]
+        for name, full in zip(names, arrays):
             tag, data = _export(full[..., :n, :])
             tensors.append(SpillTensor(name=name, dtype=tag, shape=tuple(data.shape), data=data))
-        layers.append(LayerMeta(kind="kv", offset=n, trimmable=cache.is_trimmable(), tensors=names))
+        quant = {} if kind == KV else {"bits": cache.quant.bits, "group_size": cache.quant.group_size}
+        at = {} if kind == KV else {"converted_at": cache.converted_at}
+        layers.append(LayerMeta(kind=kind, offset=n, trimmable=cache.is_trimmable(), tensors=names, **quant, **at))
     if not layers:
         return None
     return SpillItem(namespace=namespace, tokens=tuple(int(t) for t in tokens), layers=layers, tensors=tensors)
@@ -138,8 +150,9 @@ class TieredPromptCache(PromptCache):
         *,
         min_restore_tokens: int = MIN_RESTORE_TOKENS,
         clock: Callable[[], float] = time.monotonic,
+        retention_share: float = 0.5,
     ) -> None:
-        super().__init__(max_bytes)
+        super().__init__(max_bytes, retention_share=retention_share, now=clock)
         self.ssd = ssd
         self.min_restore_tokens = min_restore_tokens
         self.clock = clock
@@ -177,17 +190,21 @@ class TieredPromptCache(PromptCache):
             header, arrays = ssd.read(entry, into=direct)
             tags = header["tensors"]
             imported = direct.arrays or {name: _import(a, tags[name]["dtype"]) for name, a in arrays.items()}
-            caches = []
+            caches: list[Any] = []
             for layer in header["layers"]:
-                cache = KVCache()
-                k_name, v_name = layer["tensors"]
-                cache.keys, cache.values = imported[k_name], imported[v_name]
-                if (
-                    cache.keys.ndim != 4
-                    or cache.keys.shape[2] != layer["offset"]
-                    or cache.values.shape[2] != layer["offset"]
-                ):
+                parts = [imported[name] for name in layer["tensors"]]
+                if any(a.ndim != 4 or a.shape[2] != layer["offset"] for a in parts):
                     raise ValueError("tensor shapes do not match the layer offset")
+                cache: KVCache | QuantizedKVCache
+                if layer["kind"] == QKV:
+                    quant = LayerQuant(layer["bits"], layer["group_size"])
+                    cache = QuantizedKVCache(quant, layer["converted_at"])
+                    cache.keys, cache.values = (parts[0], parts[1], parts[2]), (parts[3], parts[4], parts[5])
+                elif layer["kind"] == KV and len(parts) == 2:
+                    cache = KVCache()
+                    cache.keys, cache.values = parts
+                else:
+                    raise ValueError(f"unknown layer kind {layer['kind']}")
                 cache.offset = layer["offset"]
                 caches.append(cache)
             excess = entry.length - usable
@@ -209,8 +226,10 @@ class TieredPromptCache(PromptCache):
 
     # -- put -----------------------------------------------------------------------------------
 
-    def put(self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "") -> bool:
-        stored = super().put(tokens, caches, namespace)
+    def put(
+        self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "", retain_s: float | None = None
+    ) -> bool:
+        stored = super().put(tokens, caches, namespace, retain_s)
         if stored and self._entries:
             self._last_used[next(reversed(self._entries))] = self.clock()
         return stored
@@ -231,9 +250,10 @@ class TieredPromptCache(PromptCache):
         out: list[SpillItem] = []
         for key in [k for k in self._last_used if k not in self._entries]:
             del self._last_used[key]
-        for key, entry in list(self._entries.items()):
+        # Hinted entries first (the spill queue writes in order), least recently used first within each.
+        for key, entry in sorted(self._entries.items(), key=lambda item: item[1].retain_s is None):
             last = self._last_used.setdefault(key, now)
-            if now - last < idle_s:
+            if now - last < idle_s or self._held(entry, now):
                 continue
             if not self.ssd.has_exact(key.tokens, key.namespace):
                 item = spill_item(key.namespace, key.tokens, entry.caches)

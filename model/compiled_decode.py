@@ -124,8 +124,7 @@ class CompiledDecode:
         h, q, k, v = self._first(params[0], tokens, offset)
         last = len(caches) - 1
         for i, cache in enumerate(caches):
-            keys, values = cache.update_and_fetch(k, v)
-            attended = layers[i].self_attn.attend(q, keys, values, mask)
+            attended = layers[i].self_attn.attend_cached(q, k, v, mask, cache)
             if i == last:
                 return self._last(params[i], h, attended)
             h, q, k, v = self._mid(params[i], params[i + 1], h, attended, offset)

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from model.kernels import cpu_attention, cpu_swiglu, unfused_attention
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv_cache import LayerCache
+from model.kv_quant import ATTENDING_CACHES
 from model.language_model import AfterLayer, LanguageModel
 
 # A decode step of at most this many rows multiplies by a layer's fused q/k/v (and gate/up)
@@ -136,8 +137,16 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any, cache: LayerCache) -> mx.array:
         queries, keys, values = self.project(x, cache.offset)
+        return self.output(self.attend_cached(queries, keys, values, mask, cache))
+
+    def attend_cached(
+        self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any, cache: LayerCache
+    ) -> mx.array:
+        """Store the step's keys and values in `cache`, then attend over everything it holds."""
+        if isinstance(cache, ATTENDING_CACHES):  # quantized storage: the cache runs the attention
+            return cache.attend(queries, keys, values, self.scale, mask, self.attend)
         keys, values = cache.update_and_fetch(keys, values)
-        return self.output(self.attend(queries, keys, values, mask))
+        return self.attend(queries, keys, values, mask)
 
     # The three stages, split so a compiled decode step (model/compiled_decode.py) can run the
     # shape-stable ones fused and only the cache update + attention eagerly.

@@ -37,9 +37,13 @@ class Row:
     finished: bool = False
     in_batch: bool = False
     namespace: str = ""
-    snapshot_at: int | None = None  # prefill splits here and puts a clone of the caches
+    # (position, retention seconds or None), ascending: the prefill puts a clone of the caches at each.
+    snapshots: list[tuple[int, float | None]] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)  # every generated token, in order (the put key's tail)
     aborted: bool = False  # a prefill forward stopped midway: its KV was dropped, the row only closes
+    convert_at: int | None = None  # KV positions after which the row's caches turn quantized (None: never)
+    quantized: bool = False  # they have
+    kv_length: int = 0  # positions in the row's KV once it is in the batch (counts dispatched steps)
 
 
 @attrs.define(eq=False)

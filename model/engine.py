@@ -16,16 +16,17 @@ step n's still-unread tokens) with `async_eval` before reading step n's tokens, 
 idles the device. A row that has finished may have one extra step computed; it is never emitted.
 
 Prompt cache (optional): `open_row` restores the longest cached prefix, so prefill forwards only
-the rest; the chunk that reaches `RowSpec.snapshot_at` puts clones trimmed back to exactly that
-prefix; `close_row(reusable=True)` puts the row's KV keyed by exactly the tokens it covers
-(prompt + every generated token fed into a forward). The coverage is read from the cache offset,
-never assumed: when it cannot be matched to known tokens, nothing is put.
+the rest; the chunk that reaches a snapshot position (`RowSpec.snapshot_at`, `.retain`) puts
+clones trimmed back to exactly that prefix; `close_row(reusable=True)` puts the row's KV keyed by
+exactly the tokens it covers (prompt + every generated token fed into a forward). The coverage
+is read from the cache offset, never assumed: when it cannot be matched to known tokens, nothing is put.
 
-Prefill shapes (CUDA): MLX builds a cuDNN attention graph per new (rows, q, k) shape, ~66 ms on
-an H200 against well under 1 ms to run it. So a group prefill rounds its width (and row count)
-up to buckets that recur, a prefill after a prompt-cache hit runs its attention unfused (its k
-length is new almost every time), and a cold solo prompt keeps its exact width — and with it
-mlx-lm's greedy tokens — unless `prefill_bucket` asks for padding. Device defaults: model/options.py.
+Prefill shapes (CUDA): a group prefill rounds its width and row count up to recurring buckets, a
+prefill after a prompt-cache hit runs its attention unfused, a cold solo prompt keeps its exact
+width (and mlx-lm's greedy tokens): model/options.py says why.
+
+KV quantization (model/kv_scheme.py, model/kv_rows.py): a row's caches turn quantized after the
+forward that reaches its conversion point; a prefill chunk ends there.
 """
 
 from __future__ import annotations
@@ -36,18 +37,21 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 
 import mlx.core as mx
 
+from model import row_cache
 from model.abort_flags import AbortFlags
 from model.compiled_decode import CompiledDecode
 from model.decoder import DecoderModel
 from model.decoding import Inflight, Row, read, record, sample_batch, sample_row
 from model.kv_cache import BatchKVCache, KVCache, LayerCache, PrefixCache, make_caches
+from model.kv_rows import convert_at, is_merged, merge_batch, quantize_due, quantize_due_rows
 from model.kv_scheme import KVScheme
 from model.language_model import LanguageModel
 from model.options import EngineOptions
 from model.prefill_abort import forward_unless_aborted
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.sampling import RowSampler
-from model.warm_up import meet_shapes
+from model.snapshots import retained_length, snapshot_plan
+from model.warm_up import meet_shapes, prefill_shapes
 
 if TYPE_CHECKING:
     from model.grammar import GrammarCompiler
@@ -72,11 +76,11 @@ MIN_CACHE_TOKENS = 256
 
 def _solo(caches: Sequence[LayerCache]) -> TypeGuard[list[KVCache]]:
     """The batch's caches are one row's own (it runs the serial graph)."""
-    return bool(caches) and isinstance(caches[0], KVCache)
+    return bool(caches) and not is_merged(caches)
 
 
 def _merged(caches: Sequence[LayerCache]) -> TypeGuard[list[BatchKVCache]]:
-    return bool(caches) and isinstance(caches[0], BatchKVCache)
+    return is_merged(caches)
 
 
 class Engine:
@@ -130,14 +134,16 @@ class Engine:
         if spec.row_id in self._rows:
             raise ValueError(f"row {spec.row_id} already open")
         row = self._new_row(spec)
-        row.caches, row.processed = self._take(row.prompt, spec.namespace, spec.min_cached_tokens)
+        row.caches, row.processed = row_cache.take(
+            self.prompt_cache, self.kv_scheme, row, self.num_layers, spec.min_cached_tokens
+        )
+        row.quantized = quantize_due(self.kv_scheme, row.caches, row.processed, row.convert_at)
         row.restored = row.processed
-        if spec.snapshot_at is not None and self.prompt_cache is not None:
-            at = min(spec.snapshot_at, len(row.prompt) - 1)
-            if at >= MIN_CACHE_TOKENS and at > row.processed:
-                row.snapshot_at = at
+        if self.prompt_cache is not None:  # the boundary and any retention hints (model/snapshots.py)
+            row.snapshots = snapshot_plan(spec, row.processed, MIN_CACHE_TOKENS)
         self._rows[spec.row_id] = row
-        return RowOpened(row.row_id, cached_tokens=row.processed, to_prefill=len(row.prompt) - 1 - row.processed)
+        to_prefill, created = len(row.prompt) - 1 - row.processed, retained_length(row.snapshots)
+        return RowOpened(row.row_id, cached_tokens=row.processed, to_prefill=to_prefill, cache_created=created)
 
     def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress:
         """One chunk of the row's prompt: `prefill_chunk` tokens, or fewer when `max_tokens` says
@@ -148,6 +154,8 @@ class Engine:
         options = self.options
         chunk_tokens = min(options.prefill_chunk, max_tokens) if max_tokens else options.prefill_chunk
         end = min(row.processed + chunk_tokens, len(row.prompt) - 1)
+        if row.convert_at is not None and row.processed < row.convert_at < end:
+            end = row.convert_at  # the chunk ends where the row turns quantized, as mlx-lm's does
         if end > row.processed:
             chunk = row.prompt[row.processed : end]
             trimmable = options.prefill_bucket and all(c.is_trimmable() for c in row.caches)
@@ -168,20 +176,22 @@ class Engine:
             row.processed = end
             if options.clear_cache:
                 mx.clear_cache()
-        self._snapshot_if_passed(row)
+        self._snapshot_if_passed(row)  # (from the caches as they were computed: before they turn)
+        row.quantized = quantize_due(self.kv_scheme, row.caches, row.processed, row.convert_at)
         return self._progress(row_id)
 
     def _snapshot_if_passed(self, row: Row) -> None:
-        if row.snapshot_at is not None and row.processed >= row.snapshot_at:
+        while row.snapshots and row.processed >= row.snapshots[0][0]:
             # The forward ran past the boundary: attention is causal, so the KV of the tokens
             # before it is what a forward stopping there computes. Clones trimmed back to the
             # boundary are the snapshot — one forward instead of two (on CUDA each new prefill
             # shape also costs MLX an attention graph).
-            at, row.snapshot_at = row.snapshot_at, None
+            (at, retain_s), *row.snapshots = row.snapshots
             snapshot = [c.clone() for c in row.caches]
             for c in snapshot:
                 c.trim(row.processed - at)
-            self._put(row.prompt[:at], snapshot, row.namespace)
+            assert self.prompt_cache is not None  # (snapshots are planned only with one)
+            row_cache.put(self.prompt_cache, self.kv_scheme, row.prompt[:at], snapshot, row.namespace, retain_s)
 
     def _progress(self, row_id: int) -> PrefillProgress:
         row = self._rows[row_id]
@@ -240,6 +250,7 @@ class Engine:
         mx.eval([c.state for row in rows for c in row.caches])
         for row in rows:
             self._snapshot_if_passed(row)
+            row.quantized = quantize_due(self.kv_scheme, row.caches, row.processed, row.convert_at)
         if self.options.clear_cache:
             mx.clear_cache()
 
@@ -258,12 +269,14 @@ class Engine:
         for spec in specs:  # (checked first: all or nothing)
             row = self._rows[spec.row_id] = self._new_row(spec)
             row.caches = [c.clone() for c in source.caches]
-            row.processed, row.restored = source.processed, source.restored
+            row.processed, row.restored, row.quantized = source.processed, source.restored, source.quantized
         return [RowOpened(i, cached_tokens=source.restored, to_prefill=0) for i in ids]
 
     def _new_row(self, spec: RowSpec) -> Row:
         sampler = RowSampler(spec.sampling, protected_ids=self.protected, grammars=self.grammars)
-        return Row(spec.row_id, list(spec.prompt), sampler, max(1, spec.max_tokens), namespace=spec.namespace)
+        row = Row(spec.row_id, list(spec.prompt), sampler, max(1, spec.max_tokens), namespace=spec.namespace)
+        row.convert_at = convert_at(self.kv_scheme, len(row.prompt), self.options.prefill_chunk)
+        return row
 
     def join(self, row_id: int) -> TokenOut:
         row = self._rows[row_id]
@@ -272,6 +285,8 @@ class Engine:
         last = mx.array(row.prompt[-1:])
         hidden = self.model(last[None], row.caches)
         row.processed += 1
+        row.kv_length = row.processed
+        row.quantized = quantize_due(self.kv_scheme, row.caches, row.processed, row.convert_at)
         if row.sampler.history_size:
             row.history = mx.array(row.prompt[-row.sampler.history_size :], dtype=mx.int32)
         token, lp, top = sample_row(row, self.model.logits(hidden[:, -1, :]))
@@ -299,6 +314,7 @@ class Engine:
                 continue
             # The dispatch feeds last_token and, for penalty processors, appends it to history.
             row.last_token = row.prompt[-1]
+            row.kv_length = row.processed
             if row.sampler.history_size:
                 row.history = mx.array(
                     row.prompt[:-1][-row.sampler.history_size :], dtype=mx.int32
@@ -366,14 +382,7 @@ class Engine:
             mx.clear_cache()
 
     def prefill_shapes(self, max_batch: int) -> list[tuple[int, int]]:
-        """(rows, width) of the fresh-prompt prefill forwards worth meeting before serving: with
-        `prefill_bucket`, one row at 1, 2, 4 ... 32 buckets (up to a chunk); with `group_bucket`,
-        groups of 2, 4 ... `max_batch` rows at one and two buckets. Exact widths never repeat
-        reliably, so without buckets there is nothing to meet."""
-        b, g, chunk = self.options.prefill_bucket, self.options.group_bucket, self.options.prefill_chunk
-        solo = [(1, b << k) for k in range(6) if b << k <= chunk] if b else []
-        counts = [1 << k for k in range(1, 6) if 1 << k <= max_batch] if g else []
-        return solo + [(n, w) for n in counts for w in (g, 2 * g) if n * w <= GROUP_PAD_TOKENS]
+        return prefill_shapes(self.options, max_batch, GROUP_PAD_TOKENS)
 
     @property
     def active_rows(self) -> int:
@@ -384,23 +393,6 @@ class Engine:
         return len(self._batch) - self._departed
 
     # -- prompt cache ----------------------------------------------------------------------------
-
-    def _take(self, prompt: list[int], namespace: str, min_tokens: int = 1) -> tuple[list[KVCache], int]:
-        if self.prompt_cache is not None:
-            caches, cached = self.prompt_cache.take(prompt, namespace, min_tokens)
-            if (
-                caches is not None
-                and len(caches) == self.num_layers
-                and all(isinstance(c, KVCache) and c.offset == cached for c in caches)
-            ):
-                return caches, cached
-        return make_caches(self.num_layers), 0
-
-    def _put(self, tokens: Sequence[int], caches: list[KVCache], namespace: str) -> None:
-        assert self.prompt_cache is not None
-        if any(c.offset != len(tokens) for c in caches):
-            return
-        self.prompt_cache.put(tokens, caches, namespace)
 
     def _put_row(self, row: Row) -> None:
         """Put a closing row's KV, keyed by exactly what it covers; called before it leaves."""
@@ -416,15 +408,8 @@ class Engine:
             mx.eval([c.state for c in caches])
         else:
             return
-        if not caches:
-            return
-        covered = caches[0].offset
-        known = row.prompt + row.tokens
-        # More KV than known tokens means a forward was fed a token we never read (a step
-        # computed ahead after the row finished): its key would be a guess, so no put.
-        if covered == 0 or covered > len(known):
-            return
-        self._put(known[:covered], list(caches), row.namespace)
+        assert self.prompt_cache is not None
+        row_cache.put_covered(self.prompt_cache, self.kv_scheme, row, caches)
 
     # -- batch membership --------------------------------------------------------------------
 
@@ -440,12 +425,10 @@ class Engine:
             self._caches, rows = rows[0].caches, rows[1:]  # adopt: one row runs the serial graph
         batch = self._caches
         if rows and _solo(batch):  # one row so far: its solo caches join the merge
-            self._caches = [
-                BatchKVCache.merge([solo, *(r.caches[layer] for r in rows)]) for layer, solo in enumerate(batch)
-            ]
+            self._caches = merge_batch(self.kv_scheme, [batch, *(r.caches for r in rows)])
         elif rows and _merged(batch):
-            for layer, batch_cache in enumerate(batch):
-                batch_cache.extend(BatchKVCache.merge([r.caches[layer] for r in rows]))
+            for batch_cache, joining_cache in zip(batch, merge_batch(self.kv_scheme, [r.caches for r in rows])):
+                batch_cache.extend(joining_cache)
         for row in joining:
             row.caches = []
             row.in_batch = True
@@ -481,6 +464,10 @@ class Engine:
     def _dispatch(self, inputs: mx.array) -> Inflight:
         """Start the decode step that feeds `inputs` ([B] tokens) to the batch's rows."""
         tokens = inputs[:, None]
+        if self.kv_scheme.quantized:
+            quantize_due_rows(self.kv_scheme, self._batch, self._caches)
+        for row in self._batch:
+            row.kv_length += 1
         if self._compiled is not None:
             logits = self._compiled(tokens, self._caches)
         else:

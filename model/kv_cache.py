@@ -11,7 +11,7 @@ buffers: cheap, and writes to either side never show through to the other.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -253,8 +253,9 @@ class BatchKVCache:
         return solo
 
 
-# One layer's cache, for a solo row or a batch: what a model's forward updates.
-LayerCache = KVCache | BatchKVCache
+# One layer's cache, for a solo row or a batch: what a model's forward updates (the quantized
+# kinds of model/kv_quant.py meet the same interface).
+LayerCache = Any
 
 
 def make_caches(num_layers: int) -> list[KVCache]:
@@ -264,10 +265,13 @@ def make_caches(num_layers: int) -> list[KVCache]:
 class PrefixCache(Protocol):
     """Where rows' KV is kept between requests (the prompt cache tiers implement it): `take`
     restores the longest cached prefix of a prompt as clones (None, 0 on a miss); `put` stores
-    caches keyed by exactly the tokens they cover."""
+    caches keyed by exactly the tokens they cover, protected from eviction for `retain_s` seconds
+    when given (a client's retention hint)."""
 
     def take(
         self, prompt: Sequence[int], namespace: str = "", min_tokens: int = 1
     ) -> tuple[list[KVCache] | None, int]: ...
 
-    def put(self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "") -> bool: ...
+    def put(
+        self, tokens: Sequence[int], caches: Sequence[KVCache], namespace: str = "", retain_s: float | None = None
+    ) -> bool: ...

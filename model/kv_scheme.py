@@ -59,6 +59,20 @@ class KVScheme:
         return f"kv{q.bits}"
 
     @property
+    def group_size(self) -> int | None:
+        """The quantized layers' group size (a scheme has one); None when nothing is quantized."""
+        return next((q.group_size for q in self.layers if q is not None), None)
+
+    @property
+    def bits(self) -> int | tuple[int | None, ...] | None:
+        """What /stats shows: None when nothing is quantized, the bits when every layer has the
+        same, else each layer's (None = full precision)."""
+        if not self.quantized:
+            return None
+        per_layer = tuple(None if q is None else q.bits for q in self.layers)
+        return per_layer[0] if len(set(per_layer)) == 1 else per_layer
+
+    @property
     def cache_key(self) -> str:
         """Names the stored representation: prompt-cache entries of one scheme never serve
         another (it prefixes the cache namespace and so the SSD tier's keys too)."""

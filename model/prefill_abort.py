@@ -92,6 +92,6 @@ def forward_unless_aborted(
         model(tokens, caches, unfused_attention=unfused_attention, after_layer=stops)
     except PrefillAborted:
         for row in rows:
-            row.caches, row.processed, row.snapshot_at, row.aborted = [], 0, None, True
+            row.caches, row.processed, row.snapshots, row.aborted = [], 0, [], True
         return False
     return True

@@ -21,6 +21,9 @@ class RowSpec:
     # Template-stable prefix length (cache/boundary.py): the engine snapshots the KV there so the
     # next turn of the conversation hits. None = no snapshot.
     snapshot_at: int | None = None
+    # A client's retention hints (api/chat.py): (prompt position, seconds). The engine snapshots
+    # the KV at each position and puts it protected from eviction for that long.
+    retain: tuple[tuple[int, float], ...] = ()
     # A cached prefix shorter than this is not restored: the scheduler asks for it when it opens
     # rows to prefill together, where a short hit would only keep the row out of the group.
     min_cached_tokens: int = 1
@@ -31,6 +34,7 @@ class RowOpened:
     row_id: int
     cached_tokens: int  # prompt tokens restored from the prompt cache
     to_prefill: int  # prompt tokens still to forward before token 0 (excludes the last token)
+    cache_created: int = 0  # the longest retention-hinted prefix this row's prefill will put
 
 
 @attrs.frozen

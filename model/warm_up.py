@@ -44,6 +44,17 @@ HIT_WARM_PREFIX = 256
 HIT_WARM_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 
 
+def prefill_shapes(options: ResolvedOptions, max_batch: int, group_pad_tokens: int) -> list[tuple[int, int]]:
+    """(rows, width) of the fresh-prompt prefill forwards worth meeting before serving: with
+    `prefill_bucket`, one row at 1, 2, 4 ... 32 buckets (up to a chunk); with `group_bucket`,
+    groups of 2, 4 ... `max_batch` rows at one and two buckets (while rows x width stays within
+    `group_pad_tokens`). Exact widths never repeat reliably, so without buckets there is nothing."""
+    b, g, chunk = options.prefill_bucket, options.group_bucket, options.prefill_chunk
+    solo = [(1, b << k) for k in range(6) if b << k <= chunk] if b else []
+    counts = [1 << k for k in range(1, 6) if 1 << k <= max_batch] if g else []
+    return solo + [(n, w) for n in counts for w in (g, 2 * g) if n * w <= group_pad_tokens]
+
+
 def meet_shapes(engine: Engine, max_batch: int, *, prompt_len: int = 8) -> None:
     """Run every shape above once on `engine`, which must be idle (rows it opens may be left
     open on an error: the caller closes them)."""
