@@ -47,7 +47,9 @@ def main() -> None:
     prompt = tuple(3 + (i * 7919) % 1000 for i in range(args.tokens))
     rows = []
     for mode in args.modes.split(","):
-        scheme = kv_scheme.resolve(mode, model_dir=Path(args.model), num_layers=layers)
+        scheme = kv_scheme.resolve(
+            mode, model_dir=Path(args.model), num_layers=layers, start=kv_scheme.DEFAULT_QUANTIZED_KV_START
+        )
         engine = Engine(model, eos_token_ids=[], kv_scheme=scheme)
         fields = kv_fields(
             scheme, num_layers=layers, dtype_bytes=loaded.kv_dtype.size, prefill_chunk=engine.options.prefill_chunk

@@ -199,3 +199,21 @@ def test_conversion_point_is_mlx_lm_s():
     assert scheme.conversion_point(40, 64) == 100  # decode reaches it
     assert KVScheme("8", (LayerQuant(8, 64),), start=0).conversion_point(1, 64) == 1  # the join
     assert KVScheme("8", (LayerQuant(8, 64),), start=0).conversion_point(30, 16) == 16
+
+
+def test_per_layer_config_batched_equals_solo_and_differs_from_uniform(tiny_model_factory, tmp_path):
+    model_dir = tiny_model_factory("qwen3", **SHAPE)
+    config_dir = tmp_path / "with-config"
+    config_dir.mkdir()
+    for f in model_dir.iterdir():
+        (config_dir / f.name).symlink_to(f)
+    (config_dir / "kv_config.json").write_text('{"bits": 4, "layers": {"0": null}}')
+    loaded = load_model(config_dir).model
+    scheme = kv_scheme.resolve("config", model_dir=config_dir, num_layers=len(loaded.layers), start=10)
+    assert scheme.layer(0) is None and scheme.layer(1) == LayerQuant(4, 64)
+    assert scheme.label == "mixed (kv_config.json)"
+    engine = Engine(loaded, eos_token_ids=[], options=EngineOptions(prefill_chunk=2048), kv_scheme=scheme)
+    alone = solo_runs(engine, PROMPTS)
+    batched = generate_tokens(engine, [RowSpec(i, tuple(p), SamplingParams(), N_TOKENS) for i, p in enumerate(PROMPTS)])
+    assert [batched[i] for i in range(len(PROMPTS))] == alone
+    assert alone != solo_runs(engine_for(model_dir, 4, 10, 2048), PROMPTS)  # layer 0 kept full precision
