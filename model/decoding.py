@@ -44,6 +44,7 @@ class Row:
     convert_at: int | None = None  # KV positions after which the row's caches turn quantized (None: never)
     quantized: bool = False  # they have
     kv_length: int = 0  # positions in the row's KV once it is in the batch (counts dispatched steps)
+    draft: object = None  # a draft model's state for this row (model/speculative_step.py)
 
 
 @attrs.define(eq=False)

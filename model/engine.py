@@ -51,6 +51,8 @@ from model.prefill_abort import forward_unless_aborted
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.sampling import RowSampler
 from model.snapshots import retained_length, snapshot_plan
+from model.speculation import Speculation
+from model.speculative_step import Speculator, speculative_step
 from model.warm_up import meet_shapes, prefill_shapes
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ class Engine:
         options: EngineOptions = EngineOptions(),
         aborts: AbortFlags | None = None,  # rows to stop prefilling (set from another thread)
         kv_scheme: KVScheme = KVScheme(),  # how the rows' KV is stored (model/kv_scheme.py)
+        speculation: Speculation | None = None,  # drafts verified when the batch holds one row
     ) -> None:
         self.model = model
         self.grammars = grammar_compiler
@@ -105,6 +108,7 @@ class Engine:
         self.options = options.resolve(gpu=gpu, cuda=cuda)  # what each one does: model/options.py
         self.aborts = aborts if aborts is not None else AbortFlags()
         self.kv_scheme = kv_scheme
+        self.speculator = Speculator(speculation) if speculation is not None else None
         self._gpu = gpu
         self._heads = model.attention_heads
         self.prompt_cache = prompt_cache
@@ -332,6 +336,13 @@ class Engine:
         self._settle_departures()
         if not self._batch:
             return []
+        if self.speculator is not None and len(self._batch) == 1 and self.speculator.applies(self._batch[0]):
+            if self._inflight is not None:  # a pipelined step is out: read it first
+                current, self._inflight = self._inflight, None
+                return read(current, self.eos)
+            outs = speculative_step(self.model, self._caches, self._batch[0], self.speculator, self.eos)
+            if outs is not None:
+                return outs
         if self._inflight is None:
             self._inflight = self._dispatch(mx.array([r.last_token for r in self._batch]))
         current = self._inflight

@@ -60,3 +60,7 @@ class TokenOut:
     logprob: float | None = None  # only when the row asked for logprobs
     top_logprobs: tuple[TopLogprob, ...] = ()
     error: str | None = None
+    # Speculative decoding: on the first token a verification produced, the draft tokens it
+    # checked and how many the target accepted (0, 0 on every other token).
+    drafted: int = 0
+    accepted: int = 0
