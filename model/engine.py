@@ -52,7 +52,7 @@ from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.sampling import RowSampler
 from model.snapshots import retained_length, snapshot_plan
 from model.speculation import Speculation
-from model.speculative_step import Speculator, speculative_step
+from model.speculative_step import Speculator
 from model.warm_up import meet_shapes, prefill_shapes
 
 if TYPE_CHECKING:
@@ -108,7 +108,8 @@ class Engine:
         self.options = options.resolve(gpu=gpu, cuda=cuda)  # what each one does: model/options.py
         self.aborts = aborts if aborts is not None else AbortFlags()
         self.kv_scheme = kv_scheme
-        self.speculator = Speculator(speculation) if speculation is not None else None
+        # (KV quantization turns rows quantized at exact positions: a verification jumps past them.)
+        self.speculator = Speculator(speculation) if speculation and not kv_scheme.quantized else None
         self._gpu = gpu
         self._heads = model.attention_heads
         self.prompt_cache = prompt_cache
@@ -336,13 +337,11 @@ class Engine:
         self._settle_departures()
         if not self._batch:
             return []
-        if self.speculator is not None and len(self._batch) == 1 and self.speculator.applies(self._batch[0]):
-            if self._inflight is not None:  # a pipelined step is out: read it first
-                current, self._inflight = self._inflight, None
-                return read(current, self.eos)
-            outs = speculative_step(self.model, self._caches, self._batch[0], self.speculator, self.eos)
-            if outs is not None:
-                return outs
+        if self.speculator is not None:  # speculate, or not: its policy measures which is faster
+            return self.speculator.step(self, self._plain_step)
+        return self._plain_step()
+
+    def _plain_step(self) -> list[TokenOut]:
         if self._inflight is None:
             self._inflight = self._dispatch(mx.array([r.last_token for r in self._batch]))
         current = self._inflight

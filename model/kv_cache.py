@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 STEP = 256
 
@@ -125,6 +126,10 @@ class BatchKVCache:
         self.left_padding = mx.array(self.pads)
         self.offset = mx.array([-p for p in self.pads])
         self._idx = 0
+        # Slots a row does not use, right of its padding: the drafts a speculative verification
+        # rejected (`reject`). None = none; else host bools [rows, _idx], mirrored on the device.
+        self.holes: np.ndarray | None = None
+        self._holes_dev: mx.array | None = None
 
     @classmethod
     def merge(cls, caches: Sequence[KVCache]) -> BatchKVCache:
@@ -167,7 +172,57 @@ class BatchKVCache:
         return stored_keys[..., : self._idx, :], stored_values[..., : self._idx, :]
 
     def make_mask(self, N: int) -> mx.array:
-        return causal_mask(N, self._idx, left_padding=self.left_padding)
+        mask = causal_mask(N, self._idx, left_padding=self.left_padding)
+        if self.holes is None:
+            return mask
+        if self._holes_dev is None or self._holes_dev.shape[1] != self._idx:
+            self._holes_dev = mx.array(self._holes_upto())
+        used = mx.concatenate([~self._holes_dev, mx.ones((self.size, N), mx.bool_)], axis=1)
+        return mask & used[:, None, None, :]
+
+    def _holes_upto(self) -> np.ndarray:
+        """`holes` as wide as the slots in use (slots written since the last reject are used)."""
+        assert self.holes is not None
+        width = self.holes.shape[1]
+        if width < self._idx:
+            self.holes = np.pad(self.holes, ((0, 0), (0, self._idx - width)))
+        return self.holes[:, : self._idx]
+
+    def reject(self, kept: Sequence[int], fed: int) -> None:
+        """After a forward of `fed` tokens per row, row i keeps only its first `kept[i]`: the
+        rest become holes (masked out from now on) and its position goes back by as many."""
+        drop = [fed - k for k in kept]
+        if not any(drop):
+            return
+        if len(set(drop)) == 1 and self.holes is None:  # all alike: plain trim
+            self._idx -= drop[0]
+            self.offset = self.offset - drop[0]
+            return
+        holes = np.zeros((len(kept), self._idx), np.bool_) if self.holes is None else self._holes_upto().copy()
+        for i, d in enumerate(drop):
+            holes[i, self._idx - d : self._idx] = True
+        self.holes, self._holes_dev = holes, None
+        self.offset = self.offset - mx.array(drop)
+        if bool(np.any(np.all(holes, axis=0))):  # slots no row uses: drop them
+            self._squeeze()
+
+    def _squeeze(self) -> None:
+        assert self.holes is not None and self.keys is not None and self.values is not None
+        keep = np.flatnonzero(~np.all(self._holes_upto(), axis=0))
+        idx = mx.array(keep)
+        self.keys = mx.take(self.keys[..., : self._idx, :], idx, axis=2)
+        self.values = mx.take(self.values[..., : self._idx, :], idx, axis=2)
+        self.holes = self._holes_upto()[:, keep]
+        self._holes_dev = None
+        self._idx = len(keep)
+        if not self.holes.any():
+            self.holes = None
+
+    def _row_slots(self, i: int) -> mx.array | None:
+        """Row i's used slots past its padding (None: all of them, contiguous)."""
+        if self.holes is None or not self.holes[i].any():
+            return None
+        return mx.array(np.flatnonzero(~self._holes_upto()[i, self.pads[i] :]) + self.pads[i])
 
     @property
     def state(self) -> list[mx.array]:
@@ -183,17 +238,33 @@ class BatchKVCache:
         self.offset = self.offset[idx]
         self.left_padding = self.left_padding[idx]
         self.pads = [self.pads[i] for i in keep]
+        if self.holes is not None:
+            self.holes, self._holes_dev = self.holes[list(keep)], None
+            if not self.holes.any():
+                self.holes = None
         min_pad = min(self.pads)
         if min_pad > 0:
             if self.keys is not None and self.values is not None:
                 self.keys = self.keys[..., min_pad:, :]
                 self.values = self.values[..., min_pad:, :]
+            if self.holes is not None:
+                self.holes = self._holes_upto()[:, min_pad:]
             self._idx -= min_pad
             self.left_padding = self.left_padding - min_pad
             self.pads = [p - min_pad for p in self.pads]
 
     def extend(self, other: BatchKVCache) -> None:
         """Append `other`'s rows, right-justifying both so every row ends at the same slot."""
+        if self.holes is not None or other.holes is not None:
+            width = max(self._idx, other._idx)
+
+            def holes_of(c: BatchKVCache) -> np.ndarray:
+                out = np.zeros((c.size, width), np.bool_)
+                if c.holes is not None:
+                    out[:, width - c._idx :] = c._holes_upto()
+                return out
+
+            self.holes, self._holes_dev = np.concatenate([holes_of(self), holes_of(other)]), None
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -231,8 +302,13 @@ class BatchKVCache:
         pad = self.pads[i]
         cache = KVCache()
         if self.keys is not None and self.values is not None:
-            cache.keys = mx.contiguous(self.keys[i : i + 1, :, pad : self._idx])
-            cache.values = mx.contiguous(self.values[i : i + 1, :, pad : self._idx])
+            slots = self._row_slots(i)
+            if slots is None:
+                cache.keys = mx.contiguous(self.keys[i : i + 1, :, pad : self._idx])
+                cache.values = mx.contiguous(self.values[i : i + 1, :, pad : self._idx])
+            else:
+                cache.keys = mx.take(self.keys[i : i + 1], slots, axis=2)
+                cache.values = mx.take(self.values[i : i + 1], slots, axis=2)
             cache.offset = cache.keys.shape[2]
         return cache
 
@@ -243,6 +319,8 @@ class BatchKVCache:
     def to_solo(self) -> KVCache:
         """A one-row batch as a solo cache. With no padding it is exactly one: the buffers are
         handed over; a padded row's are views past its padding (pinning the whole buffer)."""
+        if self.holes is not None:
+            return self.extract(0)
         solo = KVCache()
         if self.keys is not None and self.values is not None:
             pad = self.pads[0]

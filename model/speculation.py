@@ -28,6 +28,8 @@ class Speculation:
     draft_model: LanguageModel | None = attrs.field(default=None, eq=False)
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
+    # Verify drafts at every step, not only while measured faster (benchmarks, tests).
+    always: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in ("draft", "ngram"):
@@ -53,3 +55,48 @@ def ngram_drafts(tokens: Sequence[int], k: int, ngram_min: int, ngram_max: int) 
                 if follow:
                     return follow
     return []
+
+
+class SpecPolicy:
+    """Whether a decode step of a batch of `width` rows speculates, from what this server has
+    measured: seconds per plain step and per verification, and tokens per verification, by
+    batch width (moving averages). It speculates while a verification's tokens per second beat
+    plain steps', and re-measures the other choice every `PROBE_EVERY` steps. The output does
+    not depend on it (model/speculative_step.py): only speed does."""
+
+    PROBE_EVERY = 32
+    WEIGHT = 0.2  # of a new measurement in a moving average
+
+    def __init__(self) -> None:
+        self.plain: dict[int, float] = {}  # width -> seconds per plain step
+        self.spec: dict[int, tuple[float, float]] = {}  # width -> (seconds, tokens) per verification
+        self.idle: dict[int, int] = {}  # width -> steps left before drafting is tried again
+        self._steps = 0
+
+    def speculate(self, width: int) -> bool:
+        self._steps += 1
+        if self.idle.get(width, 0) > 0:
+            self.idle[width] -= 1
+            return False
+        plain, spec = self.plain.get(width), self.spec.get(width)
+        if spec is None or plain is None:
+            return spec is None  # measure each once: a verification first
+        probe = self._steps % self.PROBE_EVERY == 0
+        faster = spec[1] / spec[0] >= width / plain
+        return faster != probe
+
+    def plain_done(self, width: int, seconds: float) -> None:
+        old = self.plain.get(width)
+        self.plain[width] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+
+    def spec_done(self, width: int, seconds: float, tokens: int) -> None:
+        old = self.spec.get(width)
+        if old is None:
+            self.spec[width] = (seconds, float(tokens))
+        else:
+            w = self.WEIGHT
+            self.spec[width] = (old[0] + w * (seconds - old[0]), old[1] + w * (tokens - old[1]))
+
+    def nothing_to_draft(self, width: int) -> None:
+        """No row had a draft (n-gram lookup found nothing): plain steps for a while."""
+        self.idle[width] = self.PROBE_EVERY // 4

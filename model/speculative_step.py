@@ -1,33 +1,34 @@
-"""One speculative decode step for a row: draft K tokens, verify them in one target forward,
-keep the longest prefix the target's own sampling produces.
+"""One speculative decode step for the batch: each row drafts up to K tokens, one target forward
+verifies them all, and each row keeps the longest prefix its own sampling produces.
 
-Greedy rows accept a draft token while it equals the target's argmax there, so the output is
-exactly plain decoding's. Sampled rows use the standard speculative-sampling rule for a
-deterministic drafter (both drafters propose their single likeliest continuation, so the draft
-distribution is one-hot): draft token d at position i is kept with probability p_i(d), and the
-first rejected one is replaced by a sample from p_i with d removed; after K kept tokens a bonus
-token is sampled from p_K. The output is distributed as the target's, and each draw is keyed by
-(seed, token index), so a seeded row is reproducible.
+At every drafted position the row's token is sampled exactly as plain decoding samples it (the
+same processed logits, the same (seed, token index) key), and a draft token is kept while it
+equals that sample. Both drafters propose their single likeliest continuation (a one-hot draft
+distribution), for which this is the standard speculative-sampling rule: d is kept with
+probability p(d), and a rejected d is replaced by a sample of p without d. So greedy and seeded
+sampled output is plain decoding's token for token, whatever steps speculate.
 
-The target's caches take K + 1 positions (the row's last token and the drafts) and are trimmed
-back to what was kept; a draft model keeps its own per-row caches (`DraftState`), re-prefilled
-from the row's tokens on the row's first step (the target's prompt-cache hit does not cover them).
+Rows with fewer drafts are padded to the batch's K. A lone row's caches are trimmed back to what
+was kept; a merged batch's rejected slots become holes (`BatchKVCache.reject`). A draft model
+keeps its own per-row caches (`DraftState`), re-prefilled from the row's tokens on the row's
+first step (the target's prompt-cache hit does not cover them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import attrs
 import mlx.core as mx
 
-from model.decoding import Row, record
+from model.decoding import Row, read, record
 from model.kv_cache import KVCache, make_caches
 from model.language_model import LanguageModel
 from model.rows import TokenOut
-from model.sampling import apply_min_p, apply_top_k, apply_top_p, logprobs_of, step_key
-from model.speculation import Speculation, ngram_drafts
+from model.sampling import logprobs_of
+from model.speculation import SpecPolicy, Speculation, ngram_drafts
 
 DRAFT_PREFILL_CHUNK = 2048
 
@@ -45,12 +46,36 @@ class Speculator:
     def __init__(self, speculation: Speculation) -> None:
         self.settings = speculation
         self.k = speculation.num_draft_tokens
+        self.policy = SpecPolicy()
+        self.caught_up = 0  # tokens the draft model caught up on in this step
 
     def applies(self, row: Row) -> bool:
-        """Rows whose next-token distribution depends only on the target's logits: no grammar
-        (its mask needs each token before the next), no penalty history, no XTC draw."""
-        s = row.sampler
-        return not s.constrained and not s.history_size and s.params.xtc_probability <= 0.0
+        """Rows whose token at each position depends only on the target's logits there: no
+        grammar (its mask needs each token before the next) and no penalty history."""
+        return not row.sampler.constrained and not row.sampler.history_size
+
+    def step(self, engine: Any, plain: Callable[[], list[TokenOut]]) -> list[TokenOut]:
+        """The engine's decode step: a verification when the policy expects more tokens per
+        second from it than from `plain` (the pipelined one-token step), else `plain`."""
+        rows = engine._batch
+        width = len(rows)
+        if not (self.settings.always or self.policy.speculate(width)) or not all(self.applies(r) for r in rows):
+            started = time.perf_counter()
+            done = plain()
+            self.policy.plain_done(width, time.perf_counter() - started)
+            return done
+        if engine._inflight is not None:  # a pipelined step is out: read it first
+            current, engine._inflight = engine._inflight, None
+            return read(current, engine.eos)
+        started, self.caught_up = time.perf_counter(), 0
+        outs = speculative_step(engine.model, engine._caches, rows, self, engine.eos)
+        if outs is None:
+            if not self.settings.always:
+                self.policy.nothing_to_draft(width)
+            return plain()
+        if self.caught_up <= self.k + 1:  # (a draft model's first prefill of a row is not a step's cost)
+            self.policy.spec_done(width, time.perf_counter() - started, len(outs))
+        return outs
 
     def propose(self, row: Row) -> list[int]:
         known = row.prompt + row.tokens
@@ -62,7 +87,7 @@ class Speculator:
         if s.kind == "ngram":
             return ngram_drafts(known, k, s.ngram_min, s.ngram_max)
         assert s.draft_model is not None
-        return _draft(s.draft_model, row, known, k)
+        return _draft(self, s.draft_model, row, known, k)
 
     def verified(self, row: Row, drafts: Sequence[int], kept: int) -> None:
         """The target kept `kept` of `drafts`: the draft model's caches keep what still matches."""
@@ -81,11 +106,12 @@ def _draft_state(row: Row) -> DraftState | None:
     return cast(DraftState | None, row.draft)
 
 
-def _draft(model: LanguageModel, row: Row, known: list[int], k: int) -> list[int]:
+def _draft(speculator: Speculator, model: LanguageModel, row: Row, known: list[int], k: int) -> list[int]:
     state = _draft_state(row)
     if state is None:
         state = row.draft = DraftState(make_caches(len(model.layers)))
     todo = known[state.covered :]
+    speculator.caught_up += len(todo)
     for start in range(0, len(todo) - 1, DRAFT_PREFILL_CHUNK):  # catch up (a whole prompt at first)
         model(mx.array(todo[start : min(start + DRAFT_PREFILL_CHUNK, len(todo) - 1)])[None], state.caches)
         mx.eval([c.state for c in state.caches])
@@ -99,61 +125,48 @@ def _draft(model: LanguageModel, row: Row, known: list[int], k: int) -> list[int
     return cast(list[int], mx.concatenate(drafts).tolist())
 
 
-def _distribution(row: Row, logprobs: mx.array) -> mx.array:
-    """Log-weights of what `RowSampler.sample` draws from (temperature > 0), over the last axis."""
-    p = row.sampler.params
-    if 0 < p.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, p.top_p)
-    if p.min_p != 0.0:
-        logprobs = apply_min_p(logprobs, p.min_p)
-    if p.top_k > 0:
-        logprobs = apply_top_k(logprobs, p.top_k)
-    return logprobs_of(logprobs * (1.0 / p.temperature))
-
-
 def speculative_step(
-    model: LanguageModel, caches: list[Any], row: Row, speculator: Speculator, eos: Collection[int]
+    model: LanguageModel, caches: list[Any], rows: list[Row], speculator: Speculator, eos: Collection[int]
 ) -> list[TokenOut] | None:
-    """Draft, verify and keep for the batch's only row (its caches are `caches`); None when the
-    drafter has nothing to propose (the caller decodes one token as usual)."""
-    drafts = speculator.propose(row)
-    if not drafts:
+    """Draft, verify and keep for every row of the batch (its caches are `caches`: a lone row's
+    own, or the merged batch's); None when no row has a draft (the caller decodes as usual)."""
+    if not all(speculator.applies(r) for r in rows):
         return None
-    fed = [row.last_token, *drafts]
-    logits = model.logits(model(mx.array(fed)[None], caches)[0])  # [K + 1, vocab]
-    logprobs = logprobs_of(logits)
-    n = len(drafts)
-    if row.sampler.greedy:
-        chosen = mx.argmax(logprobs, axis=-1)
-        chosen_list = cast(list[int], chosen.tolist())
-        kept = next((i for i in range(n) if drafts[i] != chosen_list[i]), n)
-        emitted = chosen_list[: kept + 1]
+    drafts = [speculator.propose(r) for r in rows]
+    k = max(len(d) for d in drafts)
+    if k == 0:
+        return None
+    # Rows with fewer drafts are padded with repeats: their results are never read, and their
+    # KV slots are dropped with the rejected ones.
+    fed = [[r.last_token, *d, *[(d or [r.last_token])[-1]] * (k - len(d))] for r, d in zip(rows, drafts)]
+    logprobs = logprobs_of(model.logits(model(mx.array(fed), caches)))  # [B, k + 1, vocab]
+    # Each position's token is what plain decoding samples there (the same key, seed and step):
+    # a draft is kept while it equals it. For a one-hot drafter that is the speculative-sampling
+    # rule, and the output is plain decoding's, sampled rows included.
+    if all(r.sampler.greedy for r in rows):
+        samples = cast(list[list[int]], mx.argmax(logprobs, axis=-1).tolist())
     else:
-        emitted, kept = _sample_verify(row, logprobs, drafts)
+        per_row = [
+            mx.concatenate([r.sampler.sample(logprobs[b, i][None], r.sampled + i) for i in range(len(d) + 1)])
+            for b, (r, d) in enumerate(zip(rows, drafts))
+        ]
+        samples = [cast(list[int], t.tolist()) for t in per_row]
+    kept = [next((i for i in range(len(d)) if d[i] != s[i]), len(d)) for d, s in zip(drafts, samples)]
     for c in caches:
-        c.trim(n - kept)  # the rejected drafts' positions
-    outs = _record_all(row, logprobs, emitted, eos)
-    outs[0] = attrs.evolve(outs[0], drafted=n, accepted=kept)
-    row.sampled += len(emitted)
-    row.kv_length += kept + 1
-    speculator.verified(row, drafts, kept)
+        if isinstance(c, KVCache):
+            c.trim(k - kept[0])
+        else:
+            c.reject([n + 1 for n in kept], k + 1)
+    outs: list[TokenOut] = []
+    for b, (row, d, n) in enumerate(zip(rows, drafts, kept)):
+        emitted = samples[b][: n + 1]
+        row_outs = _record_all(row, logprobs[b], emitted, eos)
+        row_outs[0] = attrs.evolve(row_outs[0], drafted=len(d), accepted=n)
+        outs.extend(row_outs)
+        row.sampled += len(emitted)
+        row.kv_length += n + 1
+        speculator.verified(row, d, n)
     return outs
-
-
-def _sample_verify(row: Row, logprobs: mx.array, drafts: list[int]) -> tuple[list[int], int]:
-    n = len(drafts)
-    weights = _distribution(row, logprobs)  # [n + 1, vocab] log-probabilities
-    ids = mx.array(drafts)
-    p_draft = mx.exp(mx.take_along_axis(weights[:n], ids[:, None], axis=-1)[:, 0])
-    keys = [mx.random.split(step_key(row.sampler.params.seed, row.sampled + i)) for i in range(n + 1)]
-    uniforms = mx.stack([mx.random.uniform(key=keys[i][0]) for i in range(n)])
-    without = mx.put_along_axis(weights[:n], ids[:, None], mx.array(-mx.inf, weights.dtype), axis=-1)
-    resampled = mx.stack([mx.random.categorical(without[i], key=keys[i][1]) for i in range(n)])
-    bonus = mx.random.categorical(weights[n], key=keys[n][1])
-    accept = cast(list[bool], (uniforms < p_draft).tolist())
-    kept = next((i for i in range(n) if not accept[i]), n)
-    last = cast(int, bonus.item()) if kept == n else cast(int, resampled[kept].item())
-    return [*drafts[:kept], last], kept
 
 
 def _record_all(row: Row, logprobs: mx.array, emitted: list[int], eos: Collection[int]) -> list[TokenOut]:

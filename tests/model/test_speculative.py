@@ -59,7 +59,9 @@ def target(qwen3_dir):
 
 def test_target_as_its_own_draft_accepts_everything_and_equals_mlx_lm(target, qwen3_dir, reference):
     engine = Engine(
-        target, eos_token_ids=[], speculation=Speculation("draft", 3, draft_model=load_model(qwen3_dir).model)
+        target,
+        eos_token_ids=[],
+        speculation=Speculation("draft", 3, always=True, draft_model=load_model(qwen3_dir).model),
     )
     got, drafted, accepted = run_solo(engine, PROMPTS)
     assert got == reference
@@ -68,21 +70,21 @@ def test_target_as_its_own_draft_accepts_everything_and_equals_mlx_lm(target, qw
 
 def test_another_draft_model_equals_mlx_lm(target, tiny_model_factory, reference):
     draft = load_model(tiny_model_factory("qwen3", seed=5, num_hidden_layers=1)).model
-    engine = Engine(target, eos_token_ids=[], speculation=Speculation("draft", 4, draft_model=draft))
+    engine = Engine(target, eos_token_ids=[], speculation=Speculation("draft", 4, always=True, draft_model=draft))
     got, drafted, _ = run_solo(engine, PROMPTS)
     assert got == reference
     assert drafted > 0
 
 
 def test_ngram_equals_mlx_lm_and_accepts_on_a_repeating_prompt(target, reference):
-    engine = Engine(target, eos_token_ids=[], speculation=Speculation("ngram", 3))
+    engine = Engine(target, eos_token_ids=[], speculation=Speculation("ngram", 3, always=True))
     got, drafted, accepted = run_solo(engine, PROMPTS)
     assert got == reference
     assert drafted > 0 and accepted > 0
 
 
 def test_batched_rows_with_speculation_mounted_equal_solo(target, reference):
-    engine = Engine(target, eos_token_ids=[], speculation=Speculation("ngram", 3))
+    engine = Engine(target, eos_token_ids=[], speculation=Speculation("ngram", 3, always=True))
     specs = [RowSpec(i, tuple(p), SamplingParams(), N_TOKENS) for i, p in enumerate(PROMPTS)]
     batched = generate_tokens(engine, specs)
     assert [batched[i] for i in range(len(PROMPTS))] == reference
@@ -90,7 +92,7 @@ def test_batched_rows_with_speculation_mounted_equal_solo(target, reference):
 
 def test_seeded_sampled_rows_are_reproducible_and_follow_the_target(target, qwen3_dir):
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
-    spec = Speculation("draft", 3, draft_model=load_model(qwen3_dir).model)
+    spec = Speculation("draft", 3, always=True, draft_model=load_model(qwen3_dir).model)
     first, drafted, accepted = run_solo(Engine(target, eos_token_ids=[], speculation=spec), PROMPTS, sampling)
     again, _, _ = run_solo(Engine(target, eos_token_ids=[], speculation=spec), PROMPTS, sampling)
     assert first == again
@@ -107,7 +109,9 @@ def test_logprobs_and_max_tokens_behave_as_without_speculation(target, qwen3_dir
     sampling = SamplingParams(logprobs=True, top_logprobs=3)
     plain = Engine(target, eos_token_ids=[])
     spec = Engine(
-        target, eos_token_ids=[], speculation=Speculation("draft", 3, draft_model=load_model(qwen3_dir).model)
+        target,
+        eos_token_ids=[],
+        speculation=Speculation("draft", 3, always=True, draft_model=load_model(qwen3_dir).model),
     )
     for engine_a, engine_b in ((plain, spec),):
         for n in (1, 2, 7):
@@ -134,3 +138,65 @@ def test_ngram_drafts_take_the_latest_longest_match():
     assert ngram_drafts(tokens, 3, 2, 4) == [5, 6, 7]  # "1 2 3" last seen before "5 6 7"
     assert ngram_drafts([1, 2, 3, 4], 3, 2, 4) == []
     assert ngram_drafts([7, 8, 7, 8], 5, 2, 2) == [7, 8]
+
+
+def test_batched_verification_with_ragged_acceptance_joins_and_leaves_equals_solo(
+    target, tiny_model_factory, reference
+):
+    """N-gram drafts: rows keep different numbers of drafts, so the batch's KV gets holes; rows
+    finish at different lengths and one joins mid-flight."""
+    engine = Engine(target, eos_token_ids=[], speculation=Speculation("ngram", 4, ngram_min=1, always=True))
+    lengths = [N_TOKENS, 12, N_TOKENS, 25, N_TOKENS]
+    got: dict[int, list[int]] = {}
+    ragged = False
+
+    def open_and_join(i):
+        engine.open_row(RowSpec(i, tuple(PROMPTS[i]), SamplingParams(), lengths[i]))
+        while engine.prefill(i).remaining:
+            pass
+        got[i] = [engine.join(i).token]
+
+    for i in range(4):
+        open_and_join(i)
+    live, steps = {0, 1, 2, 3}, 0
+    while live:
+        outs = engine.step()
+        accepted = {t.row_id: t.accepted for t in outs if t.drafted}
+        ragged = ragged or len(set(accepted.values())) > 1
+        for t in outs:
+            got[t.row_id].append(t.token)
+            if t.finish:
+                engine.close_row(t.row_id)
+                live.discard(t.row_id)
+        steps += 1
+        if steps == 3:
+            open_and_join(4)
+            live.add(4)
+    assert ragged  # the holes path ran
+    assert got == {i: reference[i][: lengths[i]] for i in range(5)}
+
+
+def test_prompt_cache_put_after_ragged_verification_equals_a_cold_run(target):
+    from cache.prompt_cache import PromptCache
+
+    cache = PromptCache(1 << 30)
+    engine = Engine(
+        target,
+        eos_token_ids=[],
+        prompt_cache=cache,
+        speculation=Speculation("ngram", 4, ngram_min=1, always=True),
+    )
+    long_prompt = [(i * 13) % 400 + 3 for i in range(300)]  # long enough for a batch row's put
+    specs = [RowSpec(i, tuple(long_prompt[: 280 + 7 * i]), SamplingParams(), 20) for i in range(3)]
+    first = generate_tokens(engine, specs, reusable=True)
+    follow = long_prompt[:294] + first[2] + [5, 6, 7]
+    opened = engine.open_row(RowSpec(9, tuple(follow), SamplingParams(), 12))
+    assert opened.cached_tokens > 294  # the batch row's extracted KV (holes skipped) was put
+    while engine.prefill(9).remaining:
+        pass
+    out = [engine.join(9).token]
+    while len(out) < 12:
+        out.extend(t.token for t in engine.step())
+    engine.close_row(9)
+    cold = Engine(target, eos_token_ids=[])
+    assert out == generate_tokens(cold, [RowSpec(9, tuple(follow), SamplingParams(), 12)])[9]
