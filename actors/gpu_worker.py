@@ -35,6 +35,7 @@ import outcome
 import trio
 
 from actors.policy import device_memory, system_memory_bytes
+from actors.speculation_setup import SpecChoice, build_speculation
 from actors.worker_api import ModelInfo, kv_fields
 from model.abort_flags import AbortFlags
 from model.errors import ModelLoadError
@@ -113,10 +114,12 @@ class GpuWorker:
         kv_quant: str = "off",
         kv_group_size: int = DEFAULT_GROUP_SIZE,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        speculation: SpecChoice | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         # --kv-quant and its knobs: resolved into a KVScheme once the model is loaded.
         self.kv_quant = (kv_quant, kv_group_size, quantized_kv_start)
+        self.speculation = speculation  # built into the engine's Speculation once the target loads
         # Decode batch sizes 1..warm_up_batch are met once before serving ("auto": on a GPU only,
         # where a new shape's first step stalls live streams; "on" / "off" force it). A callable
         # is asked once the model is loaded (`--batch auto` is sized from the model and device).
@@ -213,6 +216,7 @@ class GpuWorker:
         self.thread_ident = threading.get_ident()
         loaded = load_model(self.model_dir, name=self.name)
         kv_scheme = self._kv_scheme(loaded)
+        speculation, spec_label = build_speculation(self.speculation, loaded.path, kv_quantized=kv_scheme.quantized)
         eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
         if self.prompt_cache_bytes > 0:
             self._tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
@@ -233,6 +237,7 @@ class GpuWorker:
             options=self.engine_options,
             aborts=self._aborts,
             kv_scheme=kv_scheme,
+            speculation=speculation,
         )
         device = mx.default_device()
         self.info = ModelInfo(
@@ -244,6 +249,7 @@ class GpuWorker:
             device=str(device.type).rsplit(".", 1)[-1],
             memory_bytes=_device_memory_bytes(mx),
             model_type=loaded.config.model_type,
+            speculation=spec_label,
             generation_defaults=tuple(
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None
             ),

@@ -102,6 +102,7 @@ class ServerHandles:
                 "recent_opens": [(i, round(t * 1e3, 1), round(w * 1e3, 2), n) for i, t, w, n in sched.recent_opens],
             },
             "kv_quant": kv_quant_stats(self.info),
+            "speculation": speculation_stats(self.info, sched.counters.drafted_tokens, sched.counters.accepted_tokens),
             "prompt_cache": (
                 {"enabled": True, **self.prompt_cache.stats()}
                 if self.prompt_cache is not None
@@ -121,6 +122,16 @@ def kv_quant_stats(info: ModelInfo) -> dict[str, Any]:
         "bits": list(info.kv_bits) if isinstance(info.kv_bits, tuple) else info.kv_bits,
         "ratio": round(info.kv_quant_ratio, 6),
         "quantized_from": info.kv_quantized_from,
+    }
+
+
+def speculation_stats(info: ModelInfo, drafted: int, accepted: int) -> dict[str, Any]:
+    """/stats' `speculation`: the drafter ("" = off) and the draft tokens verified and accepted."""
+    return {
+        "mode": info.speculation,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": round(accepted / drafted, 6) if drafted else None,
     }
 
 

@@ -10,6 +10,7 @@ import attrs
 
 from model.kv_scheme import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START
 from model.options import EngineOptions
+from model.speculation import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 
 
 @attrs.frozen
@@ -68,6 +69,12 @@ class ServeConfig:
     kv_quant: str = "off"  # "off" | "config" | "4" | "8"
     kv_group_size: int = DEFAULT_GROUP_SIZE
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # a row turns quantized once it holds this many
+    # Speculative decoding (actors/spec_flags.py; built by the worker once the target loads).
+    draft_model: str | None = None  # a draft model's directory or HF cache name, as --model
+    draft_kind: str | None = None  # "draft" | "ngram"; None = draft when draft_model is set, else off
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
 
     def engine_options(self) -> EngineOptions:
         """The engine's fields, which this object names alike."""

@@ -82,6 +82,7 @@ class RequestPorts:
     submits: trio.MemorySendChannel[Submit]
     control: trio.MemorySendChannel[Control]
     admission: Admission
+    speculation: bool = False  # the server verifies drafts: usage reports them
 
 
 class RequestRejected(Exception):
@@ -153,6 +154,9 @@ class RequestActor(Generic[EventT]):
         self.cached_tokens = 0
         self.cache_created_tokens = 0  # prompt tokens the row puts at its retention hints
         self.completion_tokens = 0
+        # Speculative decoding: the draft tokens the row's verifications checked, and accepted.
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
         # Every TokenOut that carried logprobs (the row asked for them), EOS included: the
         # OpenAI routes build mlx-lm's `choices[0].logprobs` block from these.
         self.token_logprobs: list[TokenOut] = []
@@ -263,6 +267,8 @@ class RequestActor(Generic[EventT]):
         if isinstance(item, RowFailed):
             self._failed(GenerationFailed(item.message), raise_failure=raise_failure)
             return None
+        self.drafted_tokens += item.drafted
+        self.accepted_tokens += item.accepted
         if item.finish == "error":  # the row's output constraint failed: its token is not shown
             self.completion_tokens += 1
             self._failed(
@@ -339,13 +345,16 @@ class RequestActor(Generic[EventT]):
         details: dict[str, int] = {"cached_tokens": self.cached_tokens}
         if self.cache_created_tokens:  # only a request with retention hints stores any
             details["cache_creation_tokens"] = self.cache_created_tokens
-        return {
+        out: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": details,
             "lane": self.lane,
         }
+        if self._ports.speculation:
+            out["speculation"] = {"drafted": self.drafted_tokens, "accepted": self.accepted_tokens}
+        return out
 
     def close(self) -> None:
         """Synchronous and idempotent: safe in a `finally` under cancellation."""

@@ -191,7 +191,9 @@ async def start_actors(
         tokenizer=tokenizer,
         mode=mode,
         ceiling=ceiling,
-        ports=RequestPorts(submits=submits_send, control=inbox_send, admission=admission),
+        ports=RequestPorts(
+            submits=submits_send, control=inbox_send, admission=admission, speculation=bool(info.speculation)
+        ),
         admission=admission,
         scheduler=scheduler,
         arrivals=arrivals,

@@ -79,6 +79,8 @@ class SchedulerCounters:
     held_heads: int = 0  # queue heads held for requests still on their way in
     held_s: float = 0.0  # their total wait
     tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified (TokenOut.drafted)
+    accepted_tokens: int = 0  # and accepted by the model
 
 
 class Scheduler:
@@ -376,6 +378,8 @@ class Scheduler:
     def _on_token(self, row: Row, token: TokenOut) -> None:
         if self._deliver(row, token):
             self.counters.tokens += 1
+            self.counters.drafted_tokens += token.drafted
+            self.counters.accepted_tokens += token.accepted
         if token.finish is not None and row.leaving is None:
             row.leaving = "finish"
 

@@ -51,13 +51,16 @@ SECOND_SIGNAL_EXIT = 130  # the shell's code for "ended by Ctrl-C": streams were
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return parser().parse_args(argv)
+    from actors.spec_flags import check_spec_flags
+
+    return check_spec_flags(p := parser(), p.parse_args(argv))
 
 
 def parser() -> argparse.ArgumentParser:
     from actors.kv_flags import add_kv_flags
     from actors.policy import parse_batch
     from actors.retention_flags import add_retention_flags
+    from actors.spec_flags import add_spec_flags
 
     p = argparse.ArgumentParser(
         prog="python -m actors.serve",
@@ -219,6 +222,7 @@ def parser() -> argparse.ArgumentParser:
     _add_engine_flags(p)
     add_retention_flags(p)
     add_kv_flags(p)
+    add_spec_flags(p)
     p.add_argument(
         "--blas",
         default="auto",
@@ -418,6 +422,7 @@ def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[Mod
     """The model directory, its worker (not yet loaded) and the tokenizer factory."""
     from actors.gpu_worker import GpuWorker
     from actors.policy import batch_rows
+    from actors.speculation_setup import spec_choice
     from model.tokenizer import Tokenizer
 
     if config.model:
@@ -448,6 +453,7 @@ def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[Mod
         kv_quant=config.kv_quant,
         kv_group_size=config.kv_group_size,
         quantized_kv_start=config.quantized_kv_start,
+        speculation=spec_choice(config),
     )
     return model_dir, worker, make_tokenizer
 

@@ -47,6 +47,8 @@ class ModelInfo:
     kv_group_size: int | None = None  # None when nothing is quantized
     kv_bits: int | tuple[int | None, ...] | None = None  # KVScheme.bits
     kv_start: int = 0  # --quantized-kv-start
+    # Speculative decoding: "" = off, else "draft:<name> k=K" or "ngram k=K n=MIN..MAX".
+    speculation: str = ""
 
 
 def kv_fields(scheme: KVScheme, *, num_layers: int, dtype_bytes: int, prefill_chunk: int) -> dict[str, Any]:

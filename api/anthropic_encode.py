@@ -38,6 +38,8 @@ def usage(openai_usage: Mapping[str, Any]) -> dict[str, Any]:
         out["cache_creation_input_tokens"] = created
     if cached > 0:
         out["cache_read_input_tokens"] = cached
+    if "speculation" in openai_usage:  # an extension: the server verifies drafts
+        out["speculation"] = dict(openai_usage["speculation"])
     return out
 
 

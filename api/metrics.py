@@ -36,6 +36,7 @@ SSD tier, simply yields no series):
 | `mlx_trio:ssd_cache_{restore_failures,quarantined,demotions}_total` | `ssd_cache` |
 | `mlx_trio:ssd_cache_{entries,bytes,max_bytes,pending_snapshots,pending_spills,pending_spill_bytes}` | `ssd_cache` |
 | `mlx_trio:ssd_cache_{restore_ms_last,longest_durable_prefix_tokens}` | `ssd_cache` |
+| `mlx_trio:spec_drafted_tokens_total` / `spec_accepted_tokens_total` | `speculation.drafted` / `.accepted` |
 
 Each app has its own `CollectorRegistry` (never the process-global one), so tests can build many.
 """
@@ -308,6 +309,7 @@ class StatsCollector:
         yield from _admission_series(_block(stats, "admission"))
         yield from _prompt_cache_series(_block(stats, "prompt_cache"))
         yield from _ssd_series(_block(stats, "ssd_cache"))
+        yield from _simple(_block(stats, "speculation"), _SPEC_SPECS)
 
 
 def _block(stats: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -422,6 +424,13 @@ _SSD_SPECS = [
     ("ssd_cache_pending_snapshots", "gauge", "pending_snapshots", "Snapshots waiting to be spilled."),
     ("ssd_cache_pending_spills", "gauge", "pending_spills", "Spills queued."),
     ("ssd_cache_pending_spill_bytes", "gauge", "pending_spill_bytes", "Bytes of queued spills."),
+]
+
+
+# vLLM's spec_decode_num_draft_tokens / num_accepted_tokens, summed over every verification step.
+_SPEC_SPECS = [
+    ("spec_drafted_tokens", "counter", "drafted", "Draft tokens verified by speculative decoding."),
+    ("spec_accepted_tokens", "counter", "accepted", "Draft tokens the model accepted."),
 ]
 
 

@@ -61,6 +61,11 @@ def usage(choices: Choices) -> dict[str, Any]:
     out = choices[0].usage()
     completion = sum(actor.completion_tokens for actor in choices)
     out.update(completion_tokens=completion, total_tokens=out["prompt_tokens"] + completion)
+    if "speculation" in out:  # the server verifies drafts: every choice's
+        out["speculation"] = {
+            "drafted": sum(actor.drafted_tokens for actor in choices),
+            "accepted": sum(actor.accepted_tokens for actor in choices),
+        }
     return out
 
 

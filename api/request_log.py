@@ -87,6 +87,7 @@ class RequestRecord:
     first_token_at: float | None = None
     last_token_at: float | None = None
     generated_tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified for its rows
     sink_finish_reason: str | None = None
     abort_phase: str | None = None  # queued | prefill | decode
     abort_cause: str | None = None  # client | cutoff (the shutdown deadline ended the stream)
@@ -164,6 +165,7 @@ class RequestRecord:
                 self.cached_tokens = event.cached_tokens
         elif isinstance(event, TokenOut):
             self.generated_tokens += 1
+            self.drafted_tokens += event.drafted
             if self.first_token_at is None:
                 self.first_token_at = now
             elif self.last_token_at is not None and self.monitor is not None:
@@ -209,7 +211,8 @@ class RequestRecord:
         }
         if self.submitted_at is not None:
             out.update(
-                lane=self.lane,
+                # "+spec": its rows' tokens came from draft verifications (speculative decoding)
+                lane=f"{self.lane}+spec" if self.lane and self.drafted_tokens else self.lane,
                 prompt_tokens=self.prompt_tokens,
                 cached_tokens=self.cached_tokens,
                 generated_tokens=self.generated_tokens,

@@ -146,7 +146,7 @@ def usage(openai_usage: Mapping[str, Any], reasoning: str) -> dict[str, Any]:
     prompt = int(openai_usage.get("prompt_tokens") or 0)
     completion = int(openai_usage.get("completion_tokens") or 0)
     cached = int((openai_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return {
+    out: dict[str, Any] = {
         "input_tokens": prompt,
         # cache_write_tokens: the current SDK requires the key; prompt-cache puts are not billed.
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
@@ -154,6 +154,9 @@ def usage(openai_usage: Mapping[str, Any], reasoning: str) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": min(completion, reasoning_token_estimate(reasoning))},
         "total_tokens": prompt + completion,
     }
+    if "speculation" in openai_usage:  # an extension: the server verifies drafts
+        out["speculation"] = dict(openai_usage["speculation"])
+    return out
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:

@@ -175,6 +175,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def vocab(self) -> dict[str, int]:
+        """Every piece and its id, added tokens included (a copy: two models share a tokenizer
+        when these are equal)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     @property
     def has_thinking(self) -> bool:
         return self.token_to_id(_THINK_START) is not None and self.token_to_id(_THINK_END) is not None

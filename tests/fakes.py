@@ -56,6 +56,7 @@ class FakeWorker:
         eos_at: Callable[[RowSpec], int | None] = lambda spec: None,
         fail_step_at: int | None = None,
         info: ModelInfo | None = None,
+        spec_at: Callable[[RowSpec, int], tuple[int, int]] = lambda spec, position: (0, 0),
     ) -> None:
         self.chunk = chunk
         self.open_cost, self.prefill_cost, self.join_cost = open_cost, prefill_cost, join_cost
@@ -63,6 +64,8 @@ class FakeWorker:
         self.token_fn = token_fn
         self.eos_at = eos_at
         self.fail_step_at = fail_step_at
+        # Speculative decoding's report on the token at a position: (drafted, accepted).
+        self.spec_at = spec_at
         self.info = info or ModelInfo(
             name="fake-model",
             context_length=4096,
@@ -207,14 +210,16 @@ class FakeWorker:
     def _next_token(self, row: _FakeRow) -> TokenOut:
         pos = row.generated
         row.generated += 1
+        drafted, accepted = self.spec_at(row.spec, pos)
         if self.eos_at(row.spec) == pos:
             row.finished = True
-            return TokenOut(row.spec.row_id, EOS, "stop")
+            return TokenOut(row.spec.row_id, EOS, "stop", drafted=drafted, accepted=accepted)
         token = self.token_fn(row.spec.prompt, pos)
+        finish = None
         if row.generated >= row.spec.max_tokens:
             row.finished = True
-            return TokenOut(row.spec.row_id, token, "length")
-        return TokenOut(row.spec.row_id, token)
+            finish = "length"
+        return TokenOut(row.spec.row_id, token, finish, drafted=drafted, accepted=accepted)
 
     def _row(self, row_id: int, call: str) -> _FakeRow:
         row = self.rows.get(row_id)
