@@ -45,6 +45,8 @@ class Row:
     quantized: bool = False  # they have
     kv_length: int = 0  # positions in the row's KV once it is in the batch (counts dispatched steps)
     draft: object = None  # a draft model's state for this row (model/speculative_step.py)
+    adapters: tuple[str, ...] = ()  # LoRA adapter ids (model/adapters.py)
+    lora: tuple[int, ...] = ()  # and the indices model/lora.py selects them by
 
 
 @attrs.define(eq=False)

@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 
 import mlx.core as mx
 
-from model import row_cache
+from model import lora, row_cache
 from model.abort_flags import AbortFlags
+from model.adapters import AdapterInfo, AdapterSet
 from model.compiled_decode import CompiledDecode
 from model.decoder import DecoderModel
 from model.decoding import Inflight, Row, read, record, sample_batch, sample_row
@@ -53,7 +54,7 @@ from model.sampling import RowSampler
 from model.snapshots import retained_length, snapshot_plan
 from model.speculation import Speculation
 from model.speculative_step import Speculator
-from model.warm_up import meet_shapes, prefill_shapes
+from model.warm_up import prefill_shapes, warm_up
 
 if TYPE_CHECKING:
     from model.grammar import GrammarCompiler
@@ -108,8 +109,8 @@ class Engine:
         self.options = options.resolve(gpu=gpu, cuda=cuda)  # what each one does: model/options.py
         self.aborts = aborts if aborts is not None else AbortFlags()
         self.kv_scheme = kv_scheme
-        # (KV quantization turns rows quantized at exact positions: a verification jumps past them.)
         self.speculator = Speculator(speculation) if speculation and not kv_scheme.quantized else None
+        self.adapters = AdapterSet(model)  # LoRA adapters mounted at runtime (model/adapters.py)
         self._gpu = gpu
         self._heads = model.attention_heads
         self.prompt_cache = prompt_cache
@@ -126,9 +127,15 @@ class Engine:
         self._ready: list[TokenOut] = []  # tokens read early (pipeline flush at a join)
         self._steps = 0
         self.prefill_tokens = 0  # prompt tokens forwarded by prefill (a join feeds the last; a fork none)
+        self._cuda = cuda
         self._compiled: CompiledDecode | None = None
-        if self.options.compile_decode and isinstance(model, DecoderModel):
-            compiled = CompiledDecode(model, fuse=cuda)
+        self._compile()
+
+    def _compile(self) -> None:
+        """The compiled decode step, while no adapter is installed (model/lora.py)."""
+        model = self.model
+        if self.options.compile_decode and isinstance(model, DecoderModel) and lora.installed(model) is None:
+            compiled = CompiledDecode(model, fuse=self._cuda)
             self._compiled = compiled if compiled.enabled else None
 
     # -- row lifecycle ---------------------------------------------------------------------
@@ -172,6 +179,7 @@ class Engine:
                 and 4 * self._heads * width * (row.processed + width) <= UNFUSED_SCORES_BYTES
             )
             tokens = mx.array(chunk + chunk[-1:] * pad)[None]
+            self.adapters.select([row.lora])
             if not forward_unless_aborted(self.model, tokens, row.caches, [row], self.aborts, self._gpu, unfused):
                 return self._progress(row_id)
             for c in row.caches:
@@ -246,6 +254,7 @@ class Engine:
             if padded_count * width <= GROUP_PAD_TOKENS:
                 tokens += tokens[:1] * (padded_count - count)  # duplicates, dropped below
         caches = make_caches(self.num_layers)
+        self.adapters.select([r.lora for r in rows] + [rows[0].lora] * (len(tokens) - count))
         if not forward_unless_aborted(self.model, mx.array(tokens), caches, rows, self.aborts, self._gpu):
             return
         for i, (row, n) in enumerate(zip(rows, lengths)):
@@ -279,7 +288,10 @@ class Engine:
 
     def _new_row(self, spec: RowSpec) -> Row:
         sampler = RowSampler(spec.sampling, protected_ids=self.protected, grammars=self.grammars)
-        row = Row(spec.row_id, list(spec.prompt), sampler, max(1, spec.max_tokens), namespace=spec.namespace)
+        lora_rows = self.adapters.open(spec.adapters)  # (ValueError: one is not mounted)
+        namespace = self.adapters.namespace(spec.adapters, spec.namespace)
+        row = Row(spec.row_id, list(spec.prompt), sampler, max(1, spec.max_tokens), namespace=namespace)
+        row.adapters, row.lora = spec.adapters, lora_rows
         row.convert_at = convert_at(self.kv_scheme, len(row.prompt), self.options.prefill_chunk)
         return row
 
@@ -288,6 +300,7 @@ class Engine:
         if row.processed != len(row.prompt) - 1:
             raise RuntimeError(f"row {row_id} joined before its prefill finished")
         last = mx.array(row.prompt[-1:])
+        self.adapters.select([row.lora])
         hidden = self.model(last[None], row.caches)
         row.processed += 1
         row.kv_length = row.processed
@@ -357,6 +370,7 @@ class Engine:
         if row is None:
             return
         row.finished = True
+        self.adapters.close(row.adapters)
         if reusable and self.prompt_cache is not None:
             try:
                 self._put_row(row)
@@ -373,23 +387,16 @@ class Engine:
         return self._rows[row_id].caches
 
     def warm_up(self, max_batch: int, *, prompt_len: int = 8) -> None:
-        """Meet the shapes serving will run (model/warm_up.py) on throwaway rows, so their
-        one-off costs (compiling the decode stages, kernel JIT, GEMM plans, attention graphs) are
-        paid before serving instead of as a stall in live streams. Needs an idle engine; leaves
-        it idle, with nothing put to the prompt cache."""
-        if self._rows:
-            raise RuntimeError("warm_up needs an idle engine")
-        eos, self.eos = self.eos, frozenset()  # a throwaway row must not finish early
-        cache, self.prompt_cache = self.prompt_cache, None  # nor count in the cache's stats
-        try:
-            meet_shapes(self, max_batch, prompt_len=prompt_len)
-        finally:
-            for rid in list(self._rows):
-                self.close_row(rid)
-            self.eos, self.prompt_cache = eos, cache
-            self._steps = 0
-            mx.synchronize()
-            mx.clear_cache()
+        """Meet serving's shapes on throwaway rows before serving (model/warm_up.py)."""
+        warm_up(self, max_batch, prompt_len=prompt_len)
+
+    def mount_adapter(self, adapter_id: str, path: str) -> AdapterInfo:
+        info = self.adapters.mount(adapter_id, path)
+        self._compiled = None  # it would bake one selection in (model/lora.py)
+        return info
+
+    def unmount_adapter(self, adapter_id: str) -> bool:
+        return self.adapters.unmount(adapter_id)  # False: once the rows using it close
 
     def prefill_shapes(self, max_batch: int) -> list[tuple[int, int]]:
         return prefill_shapes(self.options, max_batch, GROUP_PAD_TOKENS)
@@ -474,6 +481,9 @@ class Engine:
     def _dispatch(self, inputs: mx.array) -> Inflight:
         """Start the decode step that feeds `inputs` ([B] tokens) to the batch's rows."""
         tokens = inputs[:, None]
+        self.adapters.select([r.lora for r in self._batch])
+        if self._compiled is None and not self.adapters.installed and self.options.compile_decode:
+            self._compile()  # the last adapter left: base rows decode compiled again
         if self.kv_scheme.quantized:
             quantize_due_rows(self.kv_scheme, self._batch, self._caches)
         for row in self._batch:

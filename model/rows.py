@@ -27,6 +27,8 @@ class RowSpec:
     # A cached prefix shorter than this is not restored: the scheduler asks for it when it opens
     # rows to prefill together, where a short hit would only keep the row out of the group.
     min_cached_tokens: int = 1
+    # LoRA adapters (ids, mounted on the engine) whose deltas this row's forwards add, in order.
+    adapters: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -23,6 +23,7 @@ from typing import Any, cast
 import attrs
 import mlx.core as mx
 
+from model import lora
 from model.decoding import Row, read, record
 from model.kv_cache import KVCache, make_caches
 from model.language_model import LanguageModel
@@ -68,7 +69,7 @@ class Speculator:
             current, engine._inflight = engine._inflight, None
             return read(current, engine.eos)
         started, self.caught_up = time.perf_counter(), 0
-        outs = speculative_step(engine.model, engine._caches, rows, self, engine.eos)
+        outs = speculative_step(engine.model, engine._caches, rows, self, engine.eos, engine.adapters.select)
         if outs is None:
             if not self.settings.always:
                 self.policy.nothing_to_draft(width)
@@ -111,6 +112,8 @@ def _draft(speculator: Speculator, model: LanguageModel, row: Row, known: list[i
     if state is None:
         state = row.draft = DraftState(make_caches(len(model.layers)))
     todo = known[state.covered :]
+    if lora.installed(model) is not None:  # (the target drafting for itself)
+        lora.select(model, [row.lora])
     speculator.caught_up += len(todo)
     for start in range(0, len(todo) - 1, DRAFT_PREFILL_CHUNK):  # catch up (a whole prompt at first)
         model(mx.array(todo[start : min(start + DRAFT_PREFILL_CHUNK, len(todo) - 1)])[None], state.caches)
@@ -126,7 +129,12 @@ def _draft(speculator: Speculator, model: LanguageModel, row: Row, known: list[i
 
 
 def speculative_step(
-    model: LanguageModel, caches: list[Any], rows: list[Row], speculator: Speculator, eos: Collection[int]
+    model: LanguageModel,
+    caches: list[Any],
+    rows: list[Row],
+    speculator: Speculator,
+    eos: Collection[int],
+    select: Callable[[list[tuple[int, ...]]], None] = lambda _: None,  # the rows' LoRA adapters
 ) -> list[TokenOut] | None:
     """Draft, verify and keep for every row of the batch (its caches are `caches`: a lone row's
     own, or the merged batch's); None when no row has a draft (the caller decodes as usual)."""
@@ -139,6 +147,7 @@ def speculative_step(
     # Rows with fewer drafts are padded with repeats: their results are never read, and their
     # KV slots are dropped with the rejected ones.
     fed = [[r.last_token, *d, *[(d or [r.last_token])[-1]] * (k - len(d))] for r, d in zip(rows, drafts)]
+    select([r.lora for r in rows])
     logprobs = logprobs_of(model.logits(model(mx.array(fed), caches)))  # [B, k + 1, vocab]
     # Each position's token is what plain decoding samples there (the same key, seed and step):
     # a draft is kept while it equals it. For a one-hot drafter that is the speculative-sampling

@@ -11,7 +11,7 @@ and on CUDA a cuDNN attention graph — that would otherwise stall a live stream
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -53,6 +53,26 @@ def prefill_shapes(options: ResolvedOptions, max_batch: int, group_pad_tokens: i
     solo = [(1, b << k) for k in range(6) if b << k <= chunk] if b else []
     counts = [1 << k for k in range(1, 6) if 1 << k <= max_batch] if g else []
     return solo + [(n, w) for n in counts for w in (g, 2 * g) if n * w <= group_pad_tokens]
+
+
+def warm_up(engine: Any, max_batch: int, *, prompt_len: int = 8) -> None:
+    """Meet the shapes serving will run on throwaway rows of `engine` (a model.engine.Engine), so
+    their one-off costs (compiling the decode stages, kernel JIT, GEMM plans, attention graphs)
+    are paid before serving instead of as a stall in live streams. Needs an idle engine; leaves
+    it idle, with nothing put to the prompt cache."""
+    if engine._rows:
+        raise RuntimeError("warm_up needs an idle engine")
+    eos, engine.eos = engine.eos, frozenset()  # a throwaway row must not finish early
+    cache, engine.prompt_cache = engine.prompt_cache, None  # nor count in the cache's stats
+    try:
+        meet_shapes(engine, max_batch, prompt_len=prompt_len)
+    finally:
+        for rid in list(engine._rows):
+            engine.close_row(rid)
+        engine.eos, engine.prompt_cache = eos, cache
+        engine._steps = 0
+        mx.synchronize()
+        mx.clear_cache()
 
 
 def meet_shapes(engine: Engine, max_batch: int, *, prompt_len: int = 8) -> None:

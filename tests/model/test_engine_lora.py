@@ -1,0 +1,124 @@
+"""LoRA adapters in the engine: rows choose adapters per request and decode in one batch (each
+equal to its solo run), adapters mount and unmount while rows run, and prompt-cache entries never
+cross adapter sets."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache.prompt_cache import PromptCache
+from model.engine import Engine
+from model.loader import load_model
+from model.params import SamplingParams
+from model.rows import RowSpec
+from tests.engine_helpers import decode_to_the_end, generate_tokens
+from tests.fixtures.lora import write_adapter
+
+PROMPTS = [
+    [5, 17, 42, 99, 3, 250, 11, 7],
+    [300, 2, 77],
+    list(range(40, 140, 3)),
+    [9] * 5 + [123, 456, 78],
+]
+N_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen3_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "a": str(write_adapter(root / "a", qwen3_dir, seed=1)),
+        "b": str(write_adapter(root / "b", qwen3_dir, seed=2, keys=["self_attn.q_proj", "mlp.down_proj"])),
+    }
+
+
+def engine_with(qwen3_dir, adapters, **kw):
+    engine = Engine(load_model(qwen3_dir).model, eos_token_ids=[], **kw)
+    for aid, path in adapters.items():
+        engine.mount_adapter(aid, path)
+    return engine
+
+
+def spec(row_id, prompt, adapters=(), n=N_TOKENS):
+    return RowSpec(row_id, tuple(prompt), SamplingParams(), n, adapters=tuple(adapters))
+
+
+CHOICES = [(), ("a",), ("b",), ("a", "b"), ("a",), (), ("b",), ("a",)]  # 8 rows: two adapters, stacked, none
+
+
+def test_eight_rows_mixing_adapters_equal_their_solo_runs(qwen3_dir, adapters):
+    engine = engine_with(qwen3_dir, adapters)
+    specs = [spec(i, PROMPTS[i % len(PROMPTS)], CHOICES[i]) for i in range(8)]
+    alone = {s.row_id: generate_tokens(engine, [s])[s.row_id] for s in specs}
+    assert alone[0] != alone[1] != alone[2] != alone[3]  # every choice changes the output
+    assert generate_tokens(engine, specs) == alone  # joined one by one
+    out: dict[int, list[int]] = {}
+    for s in specs:  # joined together
+        engine.open_row(s)
+        while engine.prefill(s.row_id).remaining:
+            pass
+    for s, t in zip(specs, engine.join_group([s.row_id for s in specs])):
+        out[s.row_id] = [] if t is None else [t.token]
+    assert decode_to_the_end(engine, out, {s.row_id for s in specs}) == alone
+    group = engine_with(qwen3_dir, adapters)
+    for s in specs:  # prefilled in one group forward
+        group.open_row(s)
+    group.prefill_group([s.row_id for s in specs])
+    out = {s.row_id: [group.join(s.row_id).token] for s in specs}
+    assert decode_to_the_end(group, out, {s.row_id for s in specs}) == alone
+
+
+def test_mount_and_unmount_while_rows_run(qwen3_dir, adapters):
+    engine = engine_with(qwen3_dir, {"a": adapters["a"]})
+    alone_a = generate_tokens(engine, [spec(0, PROMPTS[0], ("a",))])[0]
+    base = generate_tokens(engine, [spec(1, PROMPTS[1])])[1]
+    engine.open_row(spec(0, PROMPTS[0], ("a",)))
+    while engine.prefill(0).remaining:
+        pass
+    got = {0: [engine.join(0).token]}
+    assert engine.unmount_adapter("a") is False  # row 0 still uses it: it leaves when the row does
+    with pytest.raises(ValueError, match="not mounted"):
+        engine.open_row(spec(5, PROMPTS[2], ("a",)))
+    info = engine.mount_adapter("b", adapters["b"])  # mounted while row 0 decodes
+    assert info.id == "b" and info.rank == 4
+    engine.open_row(spec(1, PROMPTS[1]))
+    while engine.prefill(1).remaining:
+        pass
+    got[1] = [engine.join(1).token]
+    got = decode_to_the_end(engine, got, {0, 1})
+    assert got == {0: alone_a, 1: base}
+    assert [i.id for i in engine.adapters.infos()] == ["b"]  # "a" left with its last row
+    with pytest.raises(ValueError, match="not mounted"):
+        engine.unmount_adapter("a")
+
+
+def test_prompt_cache_entries_never_cross_adapter_sets(qwen3_dir, adapters):
+    engine = engine_with(qwen3_dir, adapters, prompt_cache=PromptCache(1 << 30))
+    prompt = [(i * 11) % 400 + 3 for i in range(300)]
+    for choice in [(), ("a",), ("b",), ("a", "b")]:
+        first = engine.open_row(spec(0, prompt, choice))
+        assert first.cached_tokens == 0  # nothing of another set was served
+        while engine.prefill(0).remaining:
+            pass
+        out = decode_to_the_end(engine, {0: [engine.join(0).token]}, {0}, reusable=True)[0]
+        engine.close_row(0, reusable=True)
+        hit = engine.open_row(spec(1, prompt + out[:5], choice))
+        assert hit.cached_tokens >= len(prompt)  # its own set's entry is there
+        while engine.prefill(1).remaining:
+            pass
+        warm = decode_to_the_end(engine, {1: [engine.join(1).token]}, {1})[1]
+        cold = Engine(load_model(qwen3_dir).model, eos_token_ids=[])
+        for aid in choice:
+            cold.mount_adapter(aid, adapters[aid])
+        assert warm == generate_tokens(cold, [spec(1, prompt + out[:5], choice)])[1]
+
+
+def test_bad_adapters_are_refused_with_clear_errors(qwen3_dir, adapters, tmp_path, tiny_model_factory):
+    engine = engine_with(qwen3_dir, {"a": adapters["a"]})
+    with pytest.raises(ValueError, match="already mounted"):
+        engine.mount_adapter("a", adapters["a"])
+    other = write_adapter(tmp_path / "other", tiny_model_factory("llama", hidden_size=128, num_attention_heads=2))
+    with pytest.raises(ValueError, match="does not fit this model"):
+        engine.mount_adapter("other", str(other))
+    with pytest.raises(ValueError, match="not mounted"):
+        engine.open_row(spec(0, PROMPTS[0], ("missing",)))
