@@ -68,6 +68,10 @@ class Plan:
     rows: tuple[Selection, ...] = ()
     uniform: Selection | None = ()
     groups: tuple[tuple[Selection, mx.array], ...] = ()
+    # Every row on one plain LoRA adapter or none: `order` = the adapters by slot (slot 0 = none),
+    # `slots` = each row's slot; the deltas then run as two gathered matmuls for the whole batch.
+    order: tuple[int, ...] = ()
+    slots: mx.array | None = None
 
 
 @attrs.define(eq=False)
@@ -107,6 +111,13 @@ class AdaptedLinear(nn.Module):
         if x.shape[0] != len(plan.rows):
             raise ValueError(f"LoRA selection has {len(plan.rows)} rows, the forward {x.shape[0]}")
         y = self.base(x)
+        if plan.slots is not None:
+            a, b, scales = self._stacked(plan.order)
+            if x.dtype == mx.float32:  # (MLX's GatherMM takes float32 only, for now)
+                z = mx.gather_mm(mx.gather_mm(x, a, rhs_indices=plan.slots), b, rhs_indices=plan.slots)
+            else:  # each row's A and B gathered (small: rank columns), then batched products
+                z = (x @ a[plan.slots]) @ b[plan.slots]
+            return y + (scales[plan.slots][:, None, None] * z).astype(x.dtype)
         for selection, rows in plan.groups:
             deltas = self._deltas(selection)
             if not deltas:
@@ -117,6 +128,33 @@ class AdaptedLinear(nn.Module):
             else:  # the same expression as a uniform batch, on these rows of the shared base product
                 y[rows] = self._add_deltas(y[rows], xs, deltas)
         return y
+
+    def _stacked(self, order: tuple[int, ...]) -> tuple[mx.array, mx.array, mx.array]:
+        """These adapters' A and B stacked by slot (slot 0 and adapters that leave this module
+        alone: zeros; ranks padded with zero columns), and their scales: kept per `order`."""
+        cache = self.__dict__.setdefault("_stacks", {})
+        if order not in cache:
+            deltas = [self._state.adapters[i].modules.get(self.key) for i in order]
+            found = [d for d in deltas if d is not None]
+            rank = max(d.lora_a.shape[1] for d in found)
+            n_in, n_out = found[0].lora_a.shape[0], found[0].lora_b.shape[1]
+            dtype = found[0].lora_a.dtype
+            a = [mx.zeros((n_in, rank), dtype)]
+            b = [mx.zeros((rank, n_out), dtype)]
+            scales = [0.0]
+            for d in deltas:
+                if d is None:
+                    a.append(a[0])
+                    b.append(b[0])
+                    scales.append(0.0)
+                    continue
+                r = d.lora_a.shape[1]
+                a.append(mx.pad(d.lora_a, [(0, 0), (0, rank - r)]))
+                b.append(mx.pad(d.lora_b, [(0, rank - r), (0, 0)]))
+                scales.append(d.scale)
+            cache.clear()  # one batch composition at a time is what decode reuses
+            cache[order] = (mx.stack(a), mx.stack(b), mx.array(scales))
+        return cache[order]
 
     def _apply(self, x: mx.array, deltas: list[ModuleDelta]) -> mx.array:
         if not deltas:
@@ -254,7 +292,13 @@ def select(model: LanguageModel, rows: Sequence[Selection]) -> None:
     if len(distinct) <= 1:
         state.plan = Plan(rows=rows, uniform=distinct[0] if distinct else ())
         return
+    if all(len(s) <= 1 for s in distinct) and not any(state.adapters[s[0]].is_dora for s in distinct if s):
+        order = tuple(sorted({s[0] for s in distinct if s}))
+        slot = {i: n + 1 for n, i in enumerate(order)}
+        slots = mx.array([slot[r[0]] if r else 0 for r in rows], dtype=mx.uint32)
+    else:
+        order, slots = (), None
     groups = tuple(
         (s, mx.array([r for r, chosen in enumerate(rows) if chosen == s], dtype=mx.int32)) for s in distinct if s
     )
-    state.plan = Plan(rows=rows, uniform=None, groups=groups)
+    state.plan = Plan(rows=rows, uniform=None, groups=groups, order=order, slots=slots)

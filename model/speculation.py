@@ -11,10 +11,12 @@ arguments).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
-from model.language_model import LanguageModel
+if TYPE_CHECKING:
+    from model.language_model import LanguageModel
 
 DEFAULT_DRAFT_TOKENS = 3
 DEFAULT_NGRAM_MAX = 4

@@ -122,3 +122,17 @@ def test_bad_adapters_are_refused_with_clear_errors(qwen3_dir, adapters, tmp_pat
         engine.mount_adapter("other", str(other))
     with pytest.raises(ValueError, match="not mounted"):
         engine.open_row(spec(0, PROMPTS[0], ("missing",)))
+
+
+def test_bfloat16_rows_mixing_single_adapters_equal_solo(tiny_model_factory, tmp_path):
+    """bfloat16 activations take the gathered-rows path (float32 ones MLX's gather_mm)."""
+    model_dir = tiny_model_factory("qwen3", dtype="bfloat16")
+    paths = {
+        aid: str(write_adapter(tmp_path / aid, model_dir, seed=i + 3, dtype="bfloat16")) for i, aid in enumerate("ab")
+    }
+    engine = engine_with(model_dir, paths)
+    choices = [(), ("a",), ("b",), ("a",), (), ("b",)]
+    specs = [spec(i, PROMPTS[i % len(PROMPTS)], choices[i]) for i in range(len(choices))]
+    alone = {s.row_id: generate_tokens(engine, [s])[s.row_id] for s in specs}
+    assert alone[0] != alone[1] != alone[2]
+    assert generate_tokens(engine, specs) == alone
