@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from model import lora
 from model.decoding import Row, read, record
@@ -79,16 +80,15 @@ class Speculator:
         return outs
 
     def propose(self, row: Row) -> list[int]:
-        known = row.prompt + row.tokens
         room = row.max_tokens - row.generated - 1  # tokens the row may still take after this one
         k = min(self.k, max(0, room))
         if k <= 0:
             return []
         s = self.settings
         if s.kind == "ngram":
-            return ngram_drafts(known, k, s.ngram_min, s.ngram_max)
+            return ngram_drafts(_token_array(row), k, s.ngram_min, s.ngram_max)
         assert s.draft_model is not None
-        return _draft(self, s.draft_model, row, known, k)
+        return _draft(self, s.draft_model, row, row.prompt + row.tokens, k)
 
     def verified(self, row: Row, drafts: Sequence[int], kept: int) -> None:
         """The target kept `kept` of `drafts`: the draft model's caches keep what still matches."""
@@ -103,8 +103,30 @@ class Speculator:
         state.pending = 0
 
 
+class _Tokens:
+    """A row's prompt and output as one growing int64 array (n-gram lookup reads it every step)."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.array = np.zeros(max(64, 2 * len(prompt)), np.int64)
+        self.array[: len(prompt)] = prompt
+        self.size, self.prompt = len(prompt), len(prompt)
+
+
+def _token_array(row: Row) -> np.ndarray:
+    state = row.draft
+    if not isinstance(state, _Tokens):
+        state = row.draft = _Tokens(row.prompt)
+    new = row.tokens[state.size - state.prompt :]
+    if new:
+        if state.size + len(new) > len(state.array):
+            state.array = np.concatenate([state.array, np.zeros(len(state.array) + len(new), np.int64)])
+        state.array[state.size : state.size + len(new)] = new
+        state.size += len(new)
+    return state.array[: state.size]
+
+
 def _draft_state(row: Row) -> DraftState | None:
-    return cast(DraftState | None, row.draft)
+    return row.draft if isinstance(row.draft, DraftState) else None
 
 
 def _draft(speculator: Speculator, model: LanguageModel, row: Row, known: list[int], k: int) -> list[int]:
