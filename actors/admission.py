@@ -94,6 +94,7 @@ class Admission:
                 namespace=request.namespace,
                 snapshot_at=request.snapshot_at,
                 retain=request.retain,
+                adapters=request.adapters,
             )
             self._scheduler.send_nowait(
                 Enqueue(

@@ -1,7 +1,8 @@
 """GPU-worker actor: the only owner of MLX objects.
 
 Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `fork_rows`, `join`,
-`join_group`, `step`, `close_row`) and from the SSD tier (`run_exclusive`, `snapshot`,
+`join_group`, `step`, `close_row`), from the embeddings route (`embed`: jobs of its own between
+those calls) and from the SSD tier (`run_exclusive`, `snapshot`,
 `demote_idle`), each an awaited method that puts a `_Job` on the worker's thread-safe job queue.
 Outbound: each job's result (or exception) on that job's reply channel (buffer 1); with the SSD
 tier, every prompt-cache put is posted to the put listener (durability's `MarkDirty`).
@@ -34,10 +35,12 @@ import attrs
 import outcome
 import trio
 
+from actors.adapter_registry import mounted_for
 from actors.policy import device_memory, system_memory_bytes
 from actors.speculation_setup import SpecChoice, build_speculation
-from actors.worker_api import ModelInfo, kv_fields
+from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields
 from model.abort_flags import AbortFlags
+from model.embedding_config import Pooling, plan_jobs
 from model.errors import ModelLoadError
 from model.kv_scheme import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KVScheme
 from model.kv_scheme import resolve as resolve_kv_scheme
@@ -149,6 +152,7 @@ class GpuWorker:
         self._current_reply: trio.MemorySendChannel | None = None
         # Rows being aborted: written here from the trio thread, read by a running prefill.
         self._aborts = AbortFlags()
+        self.pooling: Pooling | None = None  # an embedding model's, once loaded
 
     @property
     def prefill_chunk(self) -> int:
@@ -218,6 +222,7 @@ class GpuWorker:
         kv_scheme = self._kv_scheme(loaded)
         speculation, spec_label = build_speculation(self.speculation, loaded.path, kv_quantized=kv_scheme.quantized)
         eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
+        self.pooling = loaded.pooling
         if self.prompt_cache_bytes > 0:
             self._tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
             self.prompt_cache = self._tiered
@@ -250,6 +255,7 @@ class GpuWorker:
             memory_bytes=_device_memory_bytes(mx),
             model_type=loaded.config.model_type,
             speculation=spec_label,
+            embedding=loaded.pooling,
             generation_defaults=tuple(
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None
             ),
@@ -261,6 +267,8 @@ class GpuWorker:
             ),
         )
         batch = self.warm_up_batch(self.info) if callable(self.warm_up_batch) else self.warm_up_batch
+        if loaded.pooling is not None:
+            batch = 0  # an embedding model never decodes
         if batch > 0 and (self.warm_up == "on" or (self.warm_up == "auto" and device.type == mx.gpu)):
             started = time.perf_counter()
             engine.warm_up(batch)
@@ -318,7 +326,7 @@ class GpuWorker:
     # -- the Worker interface (actors/worker_api.py) -------------------------------------------
 
     async def open_row(self, spec: RowSpec) -> RowOpened:
-        return await self._call(lambda engine: engine.open_row(spec), "open_row")
+        return await self._call(lambda engine: engine.open_row(mounted_for(engine, spec)), "open_row")
 
     async def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress:
         return await self._call(lambda engine: engine.prefill(row_id, max_tokens), "prefill")
@@ -329,7 +337,9 @@ class GpuWorker:
 
     async def fork_rows(self, source_id: int, specs: list[RowSpec]) -> list[RowOpened]:
         forks = list(specs)
-        return await self._call(lambda engine: engine.fork_rows(source_id, forks), "fork_rows")
+        return await self._call(
+            lambda engine: engine.fork_rows(source_id, [mounted_for(engine, s) for s in forks]), "fork_rows"
+        )
 
     async def join(self, row_id: int) -> TokenOut:
         return await self._call(lambda engine: engine.join(row_id), "join")
@@ -343,6 +353,34 @@ class GpuWorker:
 
     async def close_row(self, row_id: int, *, reusable: bool) -> None:
         return await self._call(lambda engine: engine.close_row(row_id, reusable=reusable), "close_row")
+
+    async def mount_adapter(self, adapter_id: str, path: str) -> AdapterReport:
+        info = await self._call(lambda engine: engine.mount_adapter(adapter_id, path), "adapter")
+        return AdapterReport(**attrs.asdict(info))  # plain values across the thread boundary
+
+    async def unmount_adapter(self, adapter_id: str) -> bool:
+        return await self._call(lambda engine: engine.unmount_adapter(adapter_id), "adapter")
+
+    async def embed(self, inputs: list[list[int]], *, dimensions: int | None = None) -> list[list[float]]:
+        """Pooled vectors, in order. Inputs of similar length run together, one job per
+        `plan_jobs` group, so the scheduler's calls (decode steps) run between a large request's
+        jobs instead of waiting for all of it."""
+        pooling = self.pooling
+        if pooling is None:
+            raise NotAnEmbeddingModel("this model is not an embedding model")
+        chunk = self.engine_options.prefill_chunk  # long inputs run in prefill's pieces
+        vectors: list[list[float]] = [[] for _ in inputs]
+        for group in plan_jobs([len(t) for t in inputs]):
+            batch = [list(inputs[i]) for i in group]
+
+            def job(engine: Engine, batch: list[list[int]] = batch) -> list[list[float]]:
+                from model.embedding import embed
+
+                return embed(engine.model, batch, pooling, dimensions=dimensions, chunk=chunk)
+
+            for index, vector in zip(group, await self._call(job, "embed")):
+                vectors[index] = vector
+        return vectors
 
     def abort(self, row_id: int) -> None:
         """The row is leaving: a prefill forward of it running now stops at its next checkpoint

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from actors.adapter_registry import AdapterRegistry, ceiling_with_adapters
 from actors.admission import Admission
 from actors.arrivals import Arrivals
 from actors.messages import FlushResult
@@ -68,6 +69,14 @@ class ServerHandles:
     prompt_cache: CacheStats | None = None  # the worker's prompt cache, when it has one
     worker: Worker | None = None
     ssd: SsdTier | None = None  # when --ssd-cache is on and the store opened
+    adapters: AdapterRegistry = attrs.Factory(AdapterRegistry)  # mounted LoRA adapters
+
+    def __attrs_post_init__(self) -> None:
+        self.adapters.on_change = self._bill_adapters
+
+    def _bill_adapters(self, nbytes: int) -> None:
+        """Mounted adapters' weights come out of admission's memory budget."""
+        self.ceiling = self.admission.ceiling = ceiling_with_adapters(self.ceiling, self.info, nbytes)
 
     async def flush_cache(self) -> FlushResult:
         """POST /admin/cache/flush: durable, with zeros, without the SSD tier."""
@@ -85,6 +94,7 @@ class ServerHandles:
                 "memory_budget_bytes": self.ceiling.memory_budget_bytes,
                 "usable_bytes": self.ceiling.usable_bytes,
                 "weights_bytes": self.ceiling.weights_bytes,
+                "adapter_bytes": self.ceiling.adapter_bytes,
                 "max_queue": self.admission.max_queue,
                 "accepting": not self.admission.closed,
                 "in_flight": self.admission.in_flight,

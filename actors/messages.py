@@ -50,6 +50,7 @@ class GenerationRequest:
     snapshot_at: int | None = None  # template-stable prefix (cache/boundary.py), chat only
     retain: tuple[tuple[int, float], ...] = ()  # a client's retention hints: (prompt position, seconds)
     siblings: Siblings | None = None  # one of several choices sharing one prefill
+    adapters: tuple[str, ...] = ()  # LoRA adapter ids stacked for the row (checked mounted by the route)
 
 
 class RequestObserver(Protocol):
@@ -67,6 +68,10 @@ class RequestObserver(Protocol):
 
     def row_event(self, event: RowEvent) -> None:
         """The scheduler delivered an event on the row's channel."""
+
+    def prefilled(self, started: float, done: int, remaining: int, rows: int) -> None:
+        """A prefill forward of the row ran from `started` (trio time) to now: `done` prompt tokens
+        are in its KV, `remaining` still to go; `rows` > 1 for a group prefill (the trace's chunks)."""
 
     def row_ended(self) -> None:
         """The scheduler closed the row's channel: a later abort cuts nothing."""
@@ -91,6 +96,9 @@ class NullObserver:
         pass
 
     def row_event(self, event: RowEvent) -> None:
+        pass
+
+    def prefilled(self, started: float, done: int, remaining: int, rows: int) -> None:
         pass
 
     def row_ended(self) -> None:
@@ -158,6 +166,7 @@ class StopRow:
 class RowFailed:
     row_id: int
     message: str
+    status: int = 500  # 400: the request's own mistake (an adapter unmounted before its row opened)
 
 
 RowEvent = RowOpened | TokenOut | RowFailed

@@ -41,6 +41,7 @@ class ServeConfig:
     max_body_mb: float = 16.0  # request body cap in MiB (413 above); 0 = no cap
     log_prompts: bool = False  # put the prompt text in the per-request log line
     idle_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (hypercorn)
+    ui: bool = True  # the chat page at GET / (api/ui_routes.py); --no-ui turns it off
     # Server-wide sampling defaults (--temp, --top-p, --top-k, --min-p); None = not set, so the
     # checkpoint's generation_config.json value (or the fallback) applies.
     temperature: float | None = None
@@ -75,6 +76,12 @@ class ServeConfig:
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
+    # LoRA adapters (actors/adapter_flags.py): (id, path) mounted at start-up; the directory
+    # GET /v1/adapters/available lists.
+    adapters: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=tuple)
+    adapters_dir: str | None = None
+    # OpenTelemetry traces (actors/trace_flags.py, api/tracing.py): the OTLP/HTTP collector's URL.
+    otlp_endpoint: str | None = None
 
     def engine_options(self) -> EngineOptions:
         """The engine's fields, which this object names alike."""

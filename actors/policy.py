@@ -93,9 +93,10 @@ def memory_budget_bytes(budget_gb: float | None, *, device_memory_bytes: int = 0
 @attrs.frozen
 class AdmissionCeiling:
     memory_budget_bytes: int
-    usable_bytes: int  # budget − weights − prefill transient (may be negative)
+    usable_bytes: int  # budget − weights − mounted adapters − prefill transient (may be negative)
     weights_bytes: int
     max_safe_context: int
+    adapter_bytes: int = 0  # the mounted LoRA adapters' weights
 
 
 def kv_bill(tokens: int, *, kv_bytes_per_token: int, kv_quant_ratio: float = 1.0, kv_quantized_from: int = 0) -> int:
@@ -138,11 +139,12 @@ def admission_ceiling(
     context_length: int,
     kv_quant_ratio: float = 1.0,
     kv_quantized_from: int = 0,
+    adapter_bytes: int = 0,
 ) -> AdmissionCeiling:
     """The longest row one request may grow to: what its KV, billed at the scheme's true bytes
-    (`kv_bill`), fits in the budget after weights and the prefill transient, capped at the
-    model's context."""
-    usable = budget_bytes - weights_bytes - PREFILL_TRANSIENT_BYTES
+    (`kv_bill`), fits in the budget after weights, the mounted adapters' weights and the prefill
+    transient, capped at the model's context."""
+    usable = budget_bytes - weights_bytes - adapter_bytes - PREFILL_TRANSIENT_BYTES
     by_memory = (
         max_tokens_billed(
             usable,
@@ -158,6 +160,7 @@ def admission_ceiling(
         usable_bytes=usable,
         weights_bytes=weights_bytes,
         max_safe_context=max(0, min(by_memory, context_length)),
+        adapter_bytes=adapter_bytes,
     )
 
 

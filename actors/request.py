@@ -214,6 +214,10 @@ class RequestActor(Generic[EventT]):
                 first = None
         if isinstance(first, RowOpened):
             self.cached_tokens, self.cache_created_tokens = first.cached_tokens, first.cache_created
+        elif isinstance(first, RowFailed) and first.status < 500:  # the request's own mistake, before any byte
+            self._release.row_over = True
+            self.close()
+            raise RequestRejected(Rejected(first.status, first.message, "invalid_request_error", "adapter_not_mounted"))
         else:  # a failure or the channel's end: `next_events` reports it as before
             self._early.append(first)
 
@@ -265,7 +269,7 @@ class RequestActor(Generic[EventT]):
             self.cached_tokens, self.cache_created_tokens = item.cached_tokens, item.cache_created
             return None
         if isinstance(item, RowFailed):
-            self._failed(GenerationFailed(item.message), raise_failure=raise_failure)
+            self._failed(GenerationFailed(item.message, status=item.status), raise_failure=raise_failure)
             return None
         self.drafted_tokens += item.drafted
         self.accepted_tokens += item.accepted

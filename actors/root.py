@@ -42,6 +42,7 @@ import attrs
 import trio
 from hypercorn.typing import ASGIFramework
 
+from actors.adapter_registry import AdapterRegistry, mount_flag_adapters
 from actors.admission import Admission
 from actors.arrivals import Arrivals
 from actors.durability import shutdown_flush, start_ssd_tier
@@ -185,7 +186,7 @@ async def start_actors(
         demote_idle_s=config.ssd_demote_idle_s,
     )
 
-    return ServerHandles(
+    handles = ServerHandles(
         config=config,
         info=info,
         tokenizer=tokenizer,
@@ -201,7 +202,10 @@ async def start_actors(
         prompt_cache=worker.prompt_cache if isinstance(worker, HoldsPromptCache) else None,
         worker=worker,
         ssd=ssd,
+        adapters=AdapterRegistry(worker),
     )
+    await mount_flag_adapters(handles.adapters, config.adapters)  # --adapter: a bad one fails start-up
+    return handles
 
 
 def _kv_billing(info: ModelInfo) -> str:

@@ -19,8 +19,8 @@ Rows leave only between worker calls: an abort during a decode step takes effect
 step, and the aborted row's token from that call is discarded, never delivered. An abort during a
 prefill is also passed to the worker at once (`Worker.abort`), so the chunk stops at its next
 check between layers instead of running to its end; the row then leaves as after any call.
-Each row's `RequestObserver` is told of every event delivered on its channel and of the
-channel's close.
+Each row's `RequestObserver` is told of every event delivered on its channel, of each prefill
+forward of the row, and of the channel's close.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from actors.scheduling import (
     decide,
     joined_in_burst,
 )
-from actors.worker_api import Worker
+from actors.worker_api import AdapterNotMounted, Worker
 from model.rows import TokenOut
 
 log = logging.getLogger(__name__)
@@ -293,6 +293,7 @@ class Scheduler:
         wanted = [r for r in rows if r.opened and r.leaving is None and r.to_prefill > 0]
         if len(wanted) < 2:
             return
+        started = trio.current_time()
         try:
             self._calls += 1
             progress = await self._worker.prefill_group([r.row_id for r in wanted])
@@ -304,6 +305,7 @@ class Scheduler:
         by_id = {r.row_id: r for r in wanted}
         for p in progress:
             by_id[p.row_id].to_prefill = p.remaining
+            by_id[p.row_id].observer.prefilled(started, p.done, p.remaining, len(wanted))
 
     async def _join_group(self, rows: Sequence[Row], *, staged: bool) -> None:
         """Rows join in one call; their first tokens come with the next step (a grammar-
@@ -324,6 +326,7 @@ class Scheduler:
                 self._on_token(row, first)
 
     async def _prefill(self, row: Row, limit: int | None) -> None:
+        started = trio.current_time()
         try:
             self._calls += 1
             progress = await self._worker.prefill(row.row_id, limit)
@@ -332,6 +335,7 @@ class Scheduler:
             return
         self.counters.prefill_chunks += 1
         row.to_prefill = progress.remaining
+        row.observer.prefilled(started, progress.done, progress.remaining, 1)
 
     async def _fork(self, leader: Row) -> None:
         """The prefilled leader's siblings are opened from its KV: staged, they join after it."""
@@ -395,9 +399,14 @@ class Scheduler:
         return True
 
     def _fail(self, rows: list[Row], exc: Exception, call: str) -> None:
-        log.error("worker.%s failed for rows %s", call, [r.row_id for r in rows], exc_info=exc)
+        if isinstance(exc, AdapterNotMounted):  # unmounted after the route's check: that request's 400
+            log.info("worker.%s refused rows %s: %s", call, [r.row_id for r in rows], exc)
+            failed = RowFailed(0, str(exc), status=400)
+        else:
+            log.error("worker.%s failed for rows %s", call, [r.row_id for r in rows], exc_info=exc)
+            failed = RowFailed(0, f"generation failed: {exc}")
         for row in rows:
-            self._deliver(row, RowFailed(row.row_id, f"generation failed: {exc}"))
+            self._deliver(row, attrs.evolve(failed, row_id=row.row_id))
             if row.leaving is None:
                 row.leaving = "error"
 

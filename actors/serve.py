@@ -57,10 +57,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def parser() -> argparse.ArgumentParser:
-    from actors.kv_flags import add_kv_flags
+    from actors.feature_flags import add_feature_flags
+    from actors.flag_types import (
+        at_least_one,
+        non_empty,
+        non_negative_float,
+        non_negative_int,
+        positive_float,
+    )
     from actors.policy import parse_batch
-    from actors.retention_flags import add_retention_flags
-    from actors.spec_flags import add_spec_flags
 
     p = argparse.ArgumentParser(
         prog="python -m actors.serve",
@@ -71,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
         "--served-model-name",
         nargs="+",
         default=(),
-        type=_non_empty,
+        type=non_empty,
         metavar="NAME",
         help="names the model answers to; the first is used in replies and logs (default: org/name or directory name)",
     )
@@ -84,25 +89,25 @@ def parser() -> argparse.ArgumentParser:
         metavar="N|auto",
         help="max concurrent rows; 1 = strict serial executor (default auto: 32, fewer if their KV does not fit)",
     )
-    p.add_argument("--max-tokens", type=_at_least_one, default=None, help="default max_tokens for requests")
+    p.add_argument("--max-tokens", type=at_least_one, default=None, help="default max_tokens for requests")
     p.add_argument(
         "--memory-budget",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="GB",
         help="memory budget in decimal GB (default: 0.75 x device/system memory)",
     )
-    p.add_argument("--max-queue", type=_at_least_one, default=256, help="requests allowed to wait; more get 503")
+    p.add_argument("--max-queue", type=at_least_one, default=256, help="requests allowed to wait; more get 503")
     p.add_argument(
         "--shutdown-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=30.0,
         metavar="S",
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
     )
     p.add_argument(
         "--prompt-cache",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=8.0,
         metavar="GiB",
         help="RAM prompt cache size in GiB (default 8; 0 disables it)",
@@ -115,21 +120,21 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ssd-cache-max",
-        type=_positive_float,
+        type=positive_float,
         default=32.0,
         metavar="GiB",
         help="SSD cache size cap in GiB (default 32)",
     )
     p.add_argument(
         "--ssd-spill-queue",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=2.0,
         metavar="GiB",
         help="write-behind queue cap in GiB; over it the oldest queued spill is dropped (default 2)",
     )
     p.add_argument(
         "--ssd-demote-idle",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=300.0,
         metavar="S",
         help="move RAM entries unused this long to the SSD tier (default 300; 0 = off)",
@@ -142,14 +147,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--temp",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=None,
         dest="temperature",
         help="default sampling temperature (default: generation_config.json, else 0 = greedy)",
     )
-    p.add_argument("--top-p", type=_non_negative_float, default=None, help="default top_p")
+    p.add_argument("--top-p", type=non_negative_float, default=None, help="default top_p")
     p.add_argument("--top-k", type=int, default=None, help="default top_k (0 = off)")
-    p.add_argument("--min-p", type=_non_negative_float, default=None, help="default min_p")
+    p.add_argument("--min-p", type=non_negative_float, default=None, help="default min_p")
     # Secrets may come from the environment so they stay out of `ps`.
     p.add_argument(
         "--api-key",
@@ -171,7 +176,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-body-mb",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=16.0,
         metavar="MiB",
         help="request body cap in MiB, 413 above it (default 16; 0 = no cap)",
@@ -185,7 +190,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--idle-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=5.0,
         metavar="S",
         help="seconds an idle keep-alive connection stays open (default 5)",
@@ -204,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--arrival-window-ms",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=10.0,
         metavar="MS",
         help="with group prefill, a queue head waits up to MS for requests still being read "
@@ -212,17 +217,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--decoding-prefill-chunk",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="prefill a joining prompt N tokens at a time while other rows decode, so their "
         "streams wait for at most one such chunk between tokens (default: 512 on CPU, "
         "the full --prefill-chunk on a GPU; 0 = always the full chunk)",
     )
-    _add_engine_flags(p)
-    add_retention_flags(p)
-    add_kv_flags(p)
-    add_spec_flags(p)
+    add_feature_flags(p)
     p.add_argument(
         "--blas",
         default="auto",
@@ -232,100 +234,6 @@ def parser() -> argparse.ArgumentParser:
         "(default auto)",
     )
     return p
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The engine's shape and device choices (model/options.py); `auto` = the device's default."""
-    p.add_argument(
-        "--prefill-chunk",
-        type=_at_least_one,
-        default=2048,
-        metavar="N",
-        help="prompt tokens per prefill forward; a longer prompt takes several (default 2048)",
-    )
-    p.add_argument(
-        "--prefill-bucket",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="right-pad a request's prefill to a multiple of N tokens so CUDA attention graphs "
-        "are reused (first prompt of a new length ~60 ms faster on an H200); greedy "
-        "tokens may then differ from mlx-lm's in the last bits (default 0 = exact widths)",
-    )
-    p.add_argument(
-        "--group-bucket",
-        type=_non_negative_int,
-        default=None,
-        metavar="N",
-        help="round a group prefill's shared width up to a multiple of N tokens, so its shapes "
-        "recur (default: 64 on a GPU, where each new shape builds a cuDNN graph; 0 elsewhere)",
-    )
-    p.add_argument(
-        "--unfused-hit-prefill",
-        type=_auto_on_off,
-        default=None,
-        metavar="auto|on|off",
-        help="after a prompt-cache hit, run the prefill's attention as plain matmuls, which build "
-        "no per-shape cuDNN graph; cold prompts never take it (default auto: on under CUDA)",
-    )
-    p.add_argument(
-        "--warm-decode-capacity",
-        type=_non_negative_int,
-        default=None,
-        metavar="N",
-        help="warm-up also meets KV buffers of every capacity up to N tokens, each a first-use "
-        "stall of ~0.4 s on CUDA (default: 8192 on CUDA, else 0)",
-    )
-    p.add_argument(
-        "--clear-cache",
-        type=_auto_on_off,
-        default=None,
-        metavar="auto|on|off",
-        help="release MLX's freed buffers after each prefill and every 256 steps, as mlx-lm does "
-        "(default auto: off on CUDA, where reused buffers are faster; on elsewhere)",
-    )
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return value
-
-
-def _non_empty(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty")
-    return text
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return value
-
-
-def _auto_on_off(text: str) -> bool | None:
-    """auto → None (the device's default), on → True, off → False."""
-    choices: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
-    if text not in choices:
-        raise argparse.ArgumentTypeError("must be auto, on or off")
-    return choices[text]
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

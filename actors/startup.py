@@ -39,6 +39,9 @@ def listen_failed(host: str, port: int, error: BaseException) -> StartupFailed:
 
 def load_failed(model: str | None, error: BaseException) -> StartupFailed:
     """A failure while the model loads or the actors start."""
+    failed = find(error, StartupFailed)  # already one line (a bad --adapter, say)
+    if isinstance(failed, StartupFailed):
+        return failed
     usage = find(error, (ModelLoadError, SsdUnavailable))
     if usage is not None:
         # The model layer's messages are one line and usually name the directory already.

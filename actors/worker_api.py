@@ -9,6 +9,11 @@ A call is never interrupted once started: cancellation takes effect at call boun
 exactly the "step boundaries" rows leave at. The one exception is `abort`, which is not a call
 but a signal: a prefill forward of that row, running or still to come, stops early and the row
 can then only be closed.
+
+LoRA adapters mount and unmount as calls too (`mount_adapter`, `unmount_adapter`), between other
+calls; what crosses back is an `AdapterReport` of plain values. A row naming an adapter that is
+no longer mounted fails its `open_row` / `fork_rows` with `AdapterNotMounted`: that request's
+mistake (a 400), never the worker's.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from model.embedding_config import Pooling
 from model.kv_scheme import KVScheme
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
@@ -49,6 +55,8 @@ class ModelInfo:
     kv_start: int = 0  # --quantized-kv-start
     # Speculative decoding: "" = off, else "draft:<name> k=K" or "ngram k=K n=MIN..MAX".
     speculation: str = ""
+    # An embedding model's pooling (sentence-transformers files): it serves /v1/embeddings only.
+    embedding: Pooling | None = None
 
 
 def kv_fields(scheme: KVScheme, *, num_layers: int, dtype_bytes: int, prefill_chunk: int) -> dict[str, Any]:
@@ -63,6 +71,26 @@ def kv_fields(scheme: KVScheme, *, num_layers: int, dtype_bytes: int, prefill_ch
         "kv_bits": scheme.bits,
         "kv_start": scheme.start,
     }
+
+
+@attrs.frozen
+class AdapterReport:
+    """A mounted LoRA adapter, as the trio side sees it (model/adapters.py `AdapterInfo`'s values)."""
+
+    id: str
+    path: str
+    fine_tune_type: str
+    rank: int
+    nbytes: int
+    fingerprint: str
+
+
+class AdapterNotMounted(ValueError):
+    """A row named an adapter the worker does not have mounted (it was unmounted meanwhile)."""
+
+
+class NotAnEmbeddingModel(ValueError):
+    """`embed` on a model without a Pooling module: it has no embeddings to give."""
 
 
 class Worker(Protocol):
@@ -81,6 +109,19 @@ class Worker(Protocol):
     async def step(self) -> list[TokenOut]: ...
 
     async def close_row(self, row_id: int, *, reusable: bool) -> None: ...
+
+    async def mount_adapter(self, adapter_id: str, path: str) -> AdapterReport:
+        """Load and mount a LoRA adapter (ValueError: the engine's reason it cannot)."""
+        ...
+
+    async def unmount_adapter(self, adapter_id: str) -> bool:
+        """True: gone now; False: it leaves once the rows using it close (ValueError: not mounted)."""
+        ...
+
+    async def embed(self, inputs: list[list[int]], *, dimensions: int | None = None) -> list[list[float]]:
+        """One pooled vector per input (`ModelInfo.embedding`), run as jobs of their own between
+        the scheduler's calls (NotAnEmbeddingModel: the model has no pooling)."""
+        ...
 
     def abort(self, row_id: int) -> None:
         """An opened row is leaving (it will be closed, not reused): a prefill forward of it

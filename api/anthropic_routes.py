@@ -42,8 +42,9 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     @bp.post("/v1/messages")
     async def messages() -> Response:
         with handles.arrivals.arriving():
-            check_requested_model(handles, await json_body())
-            started = await start_chat(handles, await offload.run(messages_request, await json_body()))
+            adapters = check_requested_model(handles, await json_body())
+            request = await offload.run(messages_request, await json_body())
+            started = await start_chat(handles, request, adapters=adapters)
         message_id = new_id("msg")
         model = model_name(handles)
         if started.generation.stream:

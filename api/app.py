@@ -14,12 +14,15 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import admin_routes, anthropic_routes, openai_routes, responses_routes
+from api import adapter_routes, admin_routes, anthropic_routes, openai_routes, responses_routes, ui_routes
+from api.embeddings_routes import blueprint as embeddings_blueprint
+from api.embeddings_routes import install_embedding_guard
 from api.errors import ApiError, error_response_for
 from api.health import install_health
 from api.metrics import install_metrics
 from api.request_log import install_request_log
 from api.security import install_security
+from api.tracing import install_tracing
 
 if TYPE_CHECKING:
     from actors.handles import ServerHandles
@@ -36,10 +39,15 @@ def create_app(handles: ServerHandles) -> QuartTrio:
     install_health(app, handles)
     install_request_log(app, handles)
     install_metrics(app, handles)
+    install_tracing(app, handles)  # off (and importing no OpenTelemetry) unless configured
     app.register_blueprint(openai_routes.blueprint(handles))
     app.register_blueprint(anthropic_routes.blueprint(handles))
     app.register_blueprint(responses_routes.blueprint(handles))
     app.register_blueprint(admin_routes.blueprint(handles))  # POST /admin/cache/flush
+    app.register_blueprint(ui_routes.blueprint(handles.config.ui))  # GET / and /ui/*: the chat page
+    app.register_blueprint(adapter_routes.blueprint(handles))  # /v1/adapters*
+    app.register_blueprint(embeddings_blueprint(handles))  # POST /v1/embeddings
+    install_embedding_guard(app, handles)  # an embedding model refuses the generation routes
 
     def error_response(error: ApiError) -> Response:
         # Each API answers in its own envelope, 404s for unknown sub-paths included.

@@ -36,6 +36,7 @@ from api.pipeline.events import Event
 from api.pipeline.sink import CompletionSink
 from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools.detect import detect_tool_format
+from api.request_log import note_templating
 from api.structured import ConstraintRequest, check_compiles, compiles_for
 from cache.boundary import stable_prefix_length
 from cache.prefix_match import common_prefix_length
@@ -161,8 +162,12 @@ class PreparedChat:
     retain: tuple[tuple[int, float], ...] = ()  # (prompt position, seconds): the cache breakpoints
 
 
-async def start_chat(handles: ServerHandles, request: ChatRequest) -> StartedGeneration:
-    """Template and admit a chat request. Raises `ApiError` (400 / 503)."""
+async def start_chat(
+    handles: ServerHandles, request: ChatRequest, *, adapters: tuple[str, ...] = ()
+) -> StartedGeneration:
+    """Template and admit a chat request (`adapters`: the LoRA adapters its rows stack, checked
+    mounted by the route). Raises `ApiError` (400 / 503)."""
+    note_templating()
     prepared = await offload.run(prepare_chat, handles, request)
     await _check_constraint(handles, request.constraint, prepared.generation)
     return await _admitted(
@@ -172,6 +177,7 @@ async def start_chat(handles: ServerHandles, request: ChatRequest) -> StartedGen
         prepared.sink,
         snapshot_at=prepared.snapshot_at,
         retain=prepared.retain,
+        adapters=adapters,
     )
 
 
@@ -212,11 +218,14 @@ def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
     return PreparedChat(rendered.tokens, generation, sink, snapshot_at, _retained_positions(handles, request, rendered))
 
 
-async def start_text(handles: ServerHandles, request: TextRequest) -> StartedGeneration:
+async def start_text(
+    handles: ServerHandles, request: TextRequest, *, adapters: tuple[str, ...] = ()
+) -> StartedGeneration:
     """Admit a raw-prompt completion. Raises `ApiError` (400 / 503)."""
+    note_templating()
     prepared = await offload.run(prepare_text, handles, request)
     await _check_constraint(handles, request.constraint, prepared.generation)
-    return await _admitted(handles, prepared.tokens, prepared.generation, prepared.sink)
+    return await _admitted(handles, prepared.tokens, prepared.generation, prepared.sink, adapters=adapters)
 
 
 def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
@@ -318,6 +327,7 @@ async def _admitted(
     *,
     snapshot_at: int | None = None,
     retain: tuple[tuple[int, float], ...] = (),
+    adapters: tuple[str, ...] = (),
 ) -> StartedGeneration:
     """Admit every choice: each its own actor (text pipeline, row, abort), siblings in the
     scheduler, which prefills the prompt once for all of them. All or none: a rejection closes
@@ -339,6 +349,7 @@ async def _admitted(
                 snapshot_at=snapshot_at,
                 retain=retain,
                 siblings=None if family is None else Siblings(family, index, n),
+                adapters=adapters,
             )
             choice_sink = sink if index == 0 else sink.fresh(handles.tokenizer.detokenizer())
             actors.append(RequestActor(handles.ports, request, choice_sink))

@@ -8,6 +8,8 @@
   mlx_lm.server's `default_model`.
 * A request without `model`, or with "", gets the one model: there is no other to mean, and
   clients that omit it (as mlx_lm.server allows) keep working.
+* `<name>:<adapter>` (`<name>` one of the above) is the model with that mounted LoRA adapter
+  (`a+b` stacks two): what /v1/models lists per adapter (api/adapter_select.py).
 * Any other name is a 404 `model_not_found` in the route's own envelope (the app's error
   handler picks it from the path); a `model` that is not a string is a 400.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.handles import ServerHandles
+from api.adapter_select import parse_adapters, select_adapters
 from api.errors import ApiError, bad_request
 from model.resolve import resolve_model_dir
 
@@ -47,15 +50,28 @@ def accepted_names(handles: ServerHandles) -> frozenset[str]:
     return frozenset(name.rstrip("/") or name for name in names)
 
 
-def check_requested_model(handles: ServerHandles, body: Mapping[str, Any]) -> None:
-    """Raise unless `body["model"]` is absent, empty or one of the accepted names."""
+def check_requested_model(handles: ServerHandles, body: Mapping[str, Any]) -> tuple[str, ...]:
+    """Raise unless `body["model"]` is absent, empty, one of the accepted names, or one with an
+    adapter part; return the LoRA adapters the request stacks (the model name's or its
+    `adapter` field's: api/adapter_select.py)."""
     requested = body.get("model")
-    if requested is None or requested == "":
-        return
-    if not isinstance(requested, str):
-        raise bad_request("model must be a string", param="model")
-    if (requested.rstrip("/") or requested) not in accepted_names(handles):
-        raise model_not_found(requested)
+    from_model: tuple[str, ...] | None = None
+    if requested is not None and requested != "":
+        if not isinstance(requested, str):
+            raise bad_request("model must be a string", param="model")
+        accepted = accepted_names(handles)
+        if (requested.rstrip("/") or requested) not in accepted:
+            base, sep, adapters = requested.rpartition(":")  # adapter ids never hold ":"
+            if not sep or (base.rstrip("/") or base) not in accepted or not adapters:
+                raise model_not_found(requested)
+            from_model = parse_adapters(handles.adapters, adapters, param="model")
+    return select_adapters(handles.adapters, body, from_model)
+
+
+def adapter_model_names(handles: ServerHandles) -> list[tuple[str, str]]:
+    """(`<served-name>:<adapter-id>`, served name) for each mounted adapter, as /v1/models lists them."""
+    name = model_name(handles)
+    return [(f"{name}:{report.id}", name) for report in handles.adapters.infos()]
 
 
 def model_not_found(name: str) -> ApiError:

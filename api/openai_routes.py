@@ -14,7 +14,7 @@ from quart import Blueprint, Response, current_app
 from actors.handles import ServerHandles
 from api import offload, openai_encode
 from api.chat import start_chat, start_text, vocab_size
-from api.model_names import check_requested_model, model_name, model_not_found, served_names
+from api.model_names import adapter_model_names, check_requested_model, model_name, model_not_found, served_names
 from api.openai_translate import chat_request, text_request
 from api.wire import json_body, json_response, sse_response
 from model import grammar
@@ -39,10 +39,15 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.get("/v1/models")
     async def models() -> Response:
-        return answer({"object": "list", "data": [_model_card(handles, name) for name in served_names(handles)]})
+        cards = [_model_card(handles, name) for name in served_names(handles)]
+        cards += [adapter_card(handles, name, parent) for name, parent in adapter_model_names(handles)]
+        return answer({"object": "list", "data": cards})
 
     @bp.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
+        adapters = dict(adapter_model_names(handles))
+        if model_id in adapters:
+            return answer(adapter_card(handles, model_id, adapters[model_id]))
         if model_id not in served_names(handles):
             raise model_not_found(model_id)
         return answer(_model_card(handles, model_id))
@@ -50,9 +55,9 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     @bp.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         with handles.arrivals.arriving():
-            check_requested_model(handles, await json_body())
+            adapters = check_requested_model(handles, await json_body())
             request = await offload.run(chat_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
-            started = await start_chat(handles, request)
+            started = await start_chat(handles, request, adapters=adapters)
         meta = openai_encode.ResponseMeta("chatcmpl", model_name(handles))
         if started.generation.stream:
             stream = openai_encode.chat_stream(started.choices, meta, include_usage=request.generation.include_usage)
@@ -62,9 +67,9 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     @bp.post("/v1/completions")
     async def completions() -> Response:
         with handles.arrivals.arriving():
-            check_requested_model(handles, await json_body())
+            adapters = check_requested_model(handles, await json_body())
             request = await offload.run(text_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
-            started = await start_text(handles, request)
+            started = await start_text(handles, request, adapters=adapters)
         meta = openai_encode.ResponseMeta("cmpl", model_name(handles))
         if started.generation.stream:
             stream = openai_encode.text_stream(started.choices, meta, include_usage=request.generation.include_usage)
@@ -82,24 +87,36 @@ def _stats(handles: ServerHandles) -> dict[str, Any]:
     return stats
 
 
+def adapter_card(handles: ServerHandles, model_id: str, parent: str) -> dict[str, Any]:
+    """A mounted LoRA adapter as /v1/models lists it (vLLM's shape: `parent` is the base)."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(handles.started_at),
+        "owned_by": OWNER,
+        "parent": parent,
+    }
+
+
 def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
     routes = {rule.rule for rule in current_app.url_map.iter_rules()}
     reasoning = bool(getattr(handles.tokenizer, "has_thinking", False))
     structured_output = grammar.available()
     defaults = handles.sampling_defaults
+    embeddings = handles.info.embedding is not None  # an embedding model serves /v1/embeddings only
     capabilities = {
-        "chat_completions": True,
-        "text_completions": True,
+        "chat_completions": not embeddings,
+        "text_completions": not embeddings,
         "anthropic_messages": "/v1/messages" in routes,
         "responses": "/v1/responses" in routes,
         "streaming": True,
         "tools": True,
         "structured_output": structured_output,
         "logprobs": True,
-        "embeddings": False,
+        "embeddings": embeddings,
         "vision": False,
         "audio": False,
-        "adapters": False,
+        "adapters": True,
         "training": False,
     }
     return {
@@ -116,8 +133,8 @@ def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
         "kv_scheme": handles.info.kv_scheme,  # how the KV cache is stored: bf16, kv8, kv4, ...
         "tools": True,
         "structured_output": structured_output,
-        "embeddings": False,
-        "adapters": False,
+        "embeddings": embeddings,
+        "adapters": True,
         "training": False,
         "capabilities": capabilities,
         "gen_defaults": {"temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k},

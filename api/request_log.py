@@ -18,6 +18,10 @@ prefill, so its prompt and cached tokens are counted once (the log line adds `ch
 
 A request handled outside HTTP has no record: its actors tell `NULL_OBSERVER`.
 
+With tracing on (api/tracing.py), the monitor's tracer opens the request's span when the record
+opens (its `traceparent` goes out on the response) and builds the phase spans from the finished
+record; the record then also keeps each prefill forward and the template start (`note_templating`).
+
 The log line never carries prompt text unless `--log-prompts` is set; then the prompt is the
 templated text the model saw (the tokenizer's decode of the prompt ids).
 """
@@ -29,7 +33,7 @@ import logging
 import re
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import attrs
 import trio
@@ -55,6 +59,19 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _EXTENSION_KEY = "mlx_trio.request_monitor"
 
 AsgiApp = Callable[["Scope", ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
+
+
+class RequestTrace(Protocol):
+    """A traced request's open span (api/tracing.py): the headers naming it on the response."""
+
+    headers: list[tuple[bytes, bytes]]
+
+
+class RequestTracer(Protocol):
+    """Opens a record's trace as the request arrives (`Scope` for its `traceparent`); it also
+    listens for the finished record, to end it."""
+
+    def open(self, record: RequestRecord, scope: Scope) -> RequestTrace | None: ...
 
 
 @attrs.define(eq=False)
@@ -92,6 +109,12 @@ class RequestRecord:
     abort_phase: str | None = None  # queued | prefill | decode
     abort_cause: str | None = None  # client | cutoff (the shutdown deadline ended the stream)
     error: str | None = None
+    # the trace's extra times (trio seconds); `prefills` is kept only when the request is traced
+    trace: RequestTrace | None = None
+    template_at: float | None = None  # the chat template / tokenizing began: parsing is over
+    rejected_at: float | None = None
+    aborted_at: float | None = None
+    prefills: list[tuple[float, float, int, int, int]] | None = None  # start, end, done, left, rows
 
     # -- derived
 
@@ -153,9 +176,17 @@ class RequestRecord:
                 self.admitted_at = trio.current_time()
         else:
             self.rejected = decision.code or str(decision.status)
+            self.rejected_at = trio.current_time()
 
     def left_before_answer(self) -> None:
         self.abort_phase, self.abort_cause = "queued", "client"
+        self.aborted_at = trio.current_time()
+
+    def prefilled(self, started: float, done: int, remaining: int, rows: int) -> None:
+        if self.trace is not None:
+            if self.prefills is None:
+                self.prefills = []
+            self.prefills.append((started, trio.current_time(), done, remaining, rows))
 
     def row_event(self, event: RowEvent) -> None:
         now = trio.current_time()
@@ -185,6 +216,7 @@ class RequestRecord:
         self.rows_open -= 1
         if self.abort_phase is not None:
             return
+        self.aborted_at = trio.current_time()
         if self.opened_at is None:
             self.abort_phase = "queued"
         elif self.first_token_at is None:
@@ -259,6 +291,7 @@ class RequestMonitor:
     def __init__(self, app: AsgiApp) -> None:
         self.listeners: list[Callable[[RequestRecord], None]] = []
         self.interval_listeners: list[Callable[[float], None]] = []
+        self.tracer: RequestTracer | None = None  # api/tracing.py, when tracing is on
         self._app = app
 
     def token_interval(self, seconds: float) -> None:
@@ -277,6 +310,8 @@ class RequestMonitor:
             started=trio.current_time(),
             monitor=self,
         )
+        if self.tracer is not None:
+            record.trace = self.tracer.open(record, scope)
 
         async def observed_receive() -> ASGIReceiveEvent:
             message = await receive()
@@ -290,6 +325,8 @@ class RequestMonitor:
                 headers = list(message.get("headers", ()))
                 if not any(name.lower() == b"x-request-id" for name, _ in headers):
                     headers.append((b"x-request-id", record.id.encode()))
+                if record.trace is not None:
+                    headers.extend(record.trace.headers)
                 message = {**message, "headers": headers}
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 # Before the await: hypercorn delivers its end-of-cycle http.disconnect while the
@@ -318,6 +355,13 @@ def _request_id(scope: Scope) -> str:
                 return text
             break
     return f"req-{secrets.token_hex(8)}"
+
+
+def note_templating() -> None:
+    """The request's chat template and tokenizing begin (where a trace's parse span ends)."""
+    record = observing.get()
+    if isinstance(record, RequestRecord) and record.template_at is None:
+        record.template_at = trio.current_time()
 
 
 def request_monitor(app: QuartTrio) -> RequestMonitor:

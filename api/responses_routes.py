@@ -38,7 +38,7 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
     async def create() -> Response:
         with handles.arrivals.arriving():
             body = await json_body()
-            check_requested_model(handles, body)
+            adapters = check_requested_model(handles, body)
             previous_id = body.get("previous_response_id")
             items = await offload.run(input_items, body.get("input"))
             instructions = body.get("instructions")
@@ -62,7 +62,7 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
             request = await offload.run(
                 responses_request, body, items, instructions, vocab_size=vocab_size(handles.tokenizer)
             )
-            started = await start_chat(handles, request)
+            started = await start_chat(handles, request, adapters=adapters)
         meta = ResponseMeta(
             body, model=model_name(handles), instructions=instructions, previous_response_id=previous_id, store=keep
         )

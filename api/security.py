@@ -6,8 +6,8 @@ does not reveal which routes exist):
 | path                     | rule                                                                |
 |--------------------------|---------------------------------------------------------------------|
 | `/v1`, `/v1/*`           | `--api-key` when set: `Authorization: Bearer <key>` or `x-api-key`  |
-| `/admin/*`               | loopback clients (or a unix socket), else `--admin-token` (Bearer   |
-|                          | or `x-admin-token`); 403 when no token is configured               |
+| `/admin/*`,              | loopback clients (or a unix socket), else `--admin-token` (Bearer   |
+| `/v1/adapters*`          | or `x-admin-token`); 403 when no token is configured               |
 | `/health`, `/metrics`,   | open, like vLLM's (`--api-key` there guards only /v1): keep them    |
 | `/stats`, everything else| off the public network with a firewall if that matters              |
 
@@ -101,7 +101,10 @@ def parse_origins(values: Iterable[str] | str) -> tuple[str, ...]:
 
 
 def route_class(path: str) -> str:
-    """`api` (/v1*), `admin` (/admin/*), `health`, or `open` for everything else."""
+    """`api` (/v1*), `admin` (/admin/*, and /v1/adapters*: mounting is an operator's act),
+    `health`, or `open` for everything else."""
+    if path == "/v1/adapters" or path.startswith("/v1/adapters/"):
+        return "admin"
     if path == "/v1" or path.startswith("/v1/"):
         return "api"
     if path == "/admin" or path.startswith("/admin/"):

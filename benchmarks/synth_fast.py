@@ -62,13 +62,23 @@ def _fast_tensors(plan: Any, rng: Any) -> dict[str, mx.array]:
             gain = synth._RESIDUAL_GAIN if module.endswith(("o_proj", "down_proj")) else 1.0
             if module.endswith(("q_proj", "k_proj")) and not plan.family.qk_norm:
                 gain = synth._QK_GAIN
-            tensors[f"{module}.weight"] = normal((out_f, in_f), gain / math.sqrt(in_f))
+            tensors[f"{module}.weight"] = normal(synth._weight_shape(plan, module, out_f, in_f), gain / math.sqrt(in_f))
+            params = plan.quantization.params_for(module) if plan.quantization is not None else None
+            if params is not None and ".switch_mlp." in module:  # quantized as drawn: the float experts never all live
+                w = tensors[f"{module}.weight"]
+                tensors[f"{module}.weight"], tensors[f"{module}.scales"], tensors[f"{module}.biases"] = mx.quantize(
+                    w, group_size=params[0], bits=params[1]
+                )
+                mx.eval(tensors[f"{module}.weight"], tensors[f"{module}.scales"], tensors[f"{module}.biases"])
+                del w
             if plan.family.qkv_bias and module.endswith(("q_proj", "k_proj", "v_proj")):
                 tensors[f"{module}.bias"] = normal((out_f,), 0.2)
             if module.endswith("o_proj") and plan.family.qk_norm:
                 tensors[f"{p}.self_attn.q_norm.weight"] = norm_weight(plan.head_dim) * synth._QK_GAIN
                 tensors[f"{p}.self_attn.k_norm.weight"] = norm_weight(plan.head_dim) * synth._QK_GAIN
         tensors[f"{p}.post_attention_layernorm.weight"] = norm_weight(h)
+    for module, experts, _ in synth._router_modules(plan):
+        tensors[f"{module}.weight"] = normal((experts, h), 1.0 / math.sqrt(h))
     signs = mx.where(mx.random.uniform(shape=(h,), key=mx.random.key(1)) < 0.5, -1.0, 1.0).astype(dtype)
     tensors["model.norm.weight"] = norm_weight(h) * signs
     if not plan.tie_word_embeddings:
@@ -112,6 +122,27 @@ SHAPES = {
         tie_word_embeddings=False,
         rope_scaling="llama3",
         max_position_embeddings=131072,
+    ),
+    # Qwen3-30B-A3B's config.json: 128 experts, 8 per token, all layers sparse.
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        intermediate_size=6144,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        extra_config=dict(
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        ),
     ),
     "cpu-small": dict(
         family="qwen3",

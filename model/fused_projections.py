@@ -37,6 +37,8 @@ def fuse_projections(model: DecoderModel) -> bool:
     fused_any = False
     for layer in model.layers:
         for owner, key, names in _groups(layer):
+            if not all(n in owner for n in names):  # a routed-experts MLP (model/moe.py): not fused
+                continue
             mods = [owner[n] for n in names]
             if owner.get(key) is not None or not all(
                 type(m) is nn.Linear and "bias" not in m and m.weight.dtype in (mx.bfloat16, mx.float16) for m in mods

@@ -11,6 +11,8 @@ import attrs
 import mlx.core as mx
 
 from model.config import ModelConfig, load_config
+from model.embedding import checkpoint_weights, headless_config
+from model.embedding_config import Pooling, read_pooling
 from model.families import build_model, family_for
 from model.language_model import LanguageModel
 from model.resolve import model_name, resolve_model_dir
@@ -25,6 +27,7 @@ class LoadedModel:
     model: LanguageModel
     weights_bytes: int
     kv_dtype: mx.Dtype
+    pooling: Pooling | None = None  # an embedding model's (sentence-transformers files); None: generative
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -35,8 +38,13 @@ def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
     model_dir = resolve_model_dir(str(spec))
     config = load_config(model_dir)
     family_for(config.model_type)  # before touching gigabytes of weights
+    pooling = read_pooling(model_dir, int(config.raw.get("hidden_size") or 0))
     weights = read_weights(model_dir)
-    model = build_model(config.model_type, config.raw, has_lm_head="lm_head.weight" in weights)
+    raw = config.raw
+    if pooling is not None:  # official embedding checkpoints: flat backbone keys, maybe no head
+        weights = checkpoint_weights(weights)
+        raw = headless_config(raw, weights)
+    model = build_model(config.model_type, raw, has_lm_head="lm_head.weight" in weights)
     weights = model.sanitize(weights)
     if config.quantization is not None:
         apply_quantization(model, config.quantization, weights)
@@ -49,4 +57,5 @@ def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
         model=model,
         weights_bytes=parameter_bytes(model),
         kv_dtype=model.activation_dtype(),
+        pooling=pooling,
     )

@@ -20,7 +20,8 @@ import trio
 from actors.arrivals import Arrivals
 from actors.messages import NULL_OBSERVER, Enqueue, Lane, RequestObserver
 from actors.scheduler import Scheduler
-from actors.worker_api import ModelInfo
+from actors.worker_api import AdapterNotMounted, AdapterReport, ModelInfo, NotAnEmbeddingModel
+from model.embedding_config import plan_jobs
 from model.params import SamplingParams
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
@@ -85,6 +86,12 @@ class FakeWorker:
         self._prefilling: tuple[tuple[int, ...], trio.Event] | None = None
         self._busy = False
         self._steps = 0
+        # LoRA adapters: what is mounted (a path containing "bad" cannot mount), and the ids still
+        # used by open rows after their unmount (they leave with the last such row).
+        self.adapter_cost = 0.0
+        self.adapters: dict[str, AdapterReport] = {}
+        self.leaving_adapters: set[str] = set()
+        self.embed_cost = 0.0  # virtual seconds per embedding job
 
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self.info)
@@ -94,6 +101,7 @@ class FakeWorker:
 
     async def open_row(self, spec: RowSpec) -> RowOpened:
         async with self._call("open_row", spec.row_id, self.open_cost):
+            self._check_adapters(spec)
             if spec.row_id in self.rows:
                 self.violations.append(f"open_row({spec.row_id}) twice")
             self.rows[spec.row_id] = _FakeRow(spec)
@@ -136,6 +144,8 @@ class FakeWorker:
             if source.joined or source.done != len(source.spec.prompt) - 1:
                 self.violations.append(f"fork_rows({source_id}) outside the end of its prefill")
             for spec in specs:
+                self._check_adapters(spec)
+            for spec in specs:
                 if spec.row_id in self.rows or spec.prompt != source.spec.prompt:
                     self.violations.append(f"fork_rows({source_id}) into row {spec.row_id}")
                 self.rows[spec.row_id] = _FakeRow(spec, done=source.done)
@@ -177,6 +187,46 @@ class FakeWorker:
                 out.append(self._next_token(row))
             return out
 
+    async def mount_adapter(self, adapter_id: str, path: str) -> AdapterReport:
+        async with self._call("mount_adapter", adapter_id, self.adapter_cost):
+            if adapter_id in self.adapters:
+                raise ValueError(f"adapter {adapter_id!r} is already mounted")
+            if "bad" in path:
+                raise ValueError(f"adapter {adapter_id!r}: shapes do not fit the model")
+            report = AdapterReport(adapter_id, path, "lora", 8, 1000 * (len(self.adapters) + 1), f"fp-{adapter_id}")
+            self.adapters[adapter_id] = report
+            return report
+
+    async def unmount_adapter(self, adapter_id: str) -> bool:
+        async with self._call("unmount_adapter", adapter_id, self.adapter_cost):
+            if adapter_id not in self.adapters:
+                raise ValueError(f"adapter {adapter_id!r} is not mounted")
+            del self.adapters[adapter_id]
+            if any(adapter_id in row.spec.adapters for row in self.rows.values()):
+                self.leaving_adapters.add(adapter_id)
+                return False
+            return True
+
+    async def embed(self, inputs: list[list[int]], *, dimensions: int | None = None) -> list[list[float]]:
+        """`fake_embedding` of each input, one `embed` call per `plan_jobs` group, each taking
+        `embed_cost` and queued behind a running call (as the real worker's job queue does)."""
+        pooling = self.info.embedding
+        if pooling is None:
+            raise NotAnEmbeddingModel("this model is not an embedding model")
+        vectors: list[list[float]] = [[] for _ in inputs]
+        for group in plan_jobs([len(t) for t in inputs]):
+            while self._busy:
+                await trio.sleep(self.embed_cost or 0.001)
+            async with self._call("embed", tuple(len(inputs[i]) for i in group), self.embed_cost):
+                for i in group:
+                    vectors[i] = fake_embedding(inputs[i], pooling.dimensions, dimensions, pooling.normalize)
+        return vectors
+
+    def _check_adapters(self, spec: RowSpec) -> None:
+        missing = [a for a in spec.adapters if a not in self.adapters]
+        if missing:
+            raise AdapterNotMounted(f"adapter {missing[0]!r} is not mounted")
+
     def abort(self, row_id: int) -> None:
         """Not a call (it may come while one runs): a running prefill whose rows are now all
         aborted ends at once, keeping nothing; the row may then only close."""
@@ -188,6 +238,8 @@ class FakeWorker:
         async with self._call("close_row", row_id, self.close_cost):
             if self.rows.pop(row_id, None) is None:
                 self.violations.append(f"close_row({row_id}) of an unknown row")
+            used = {a for row in self.rows.values() for a in row.spec.adapters}
+            self.leaving_adapters &= used
             self.closed[row_id] = (trio.current_time(), reusable)
 
     # -- helpers
@@ -249,6 +301,16 @@ class FakeWorker:
         finally:
             self._busy = False
             self._prefilling = None
+
+
+def fake_embedding(tokens: list[int], size: int, dimensions: int | None, normalize: bool) -> list[float]:
+    """A vector that depends on the input's tokens only (never on its batch)."""
+    key = sum((i + 1) * t for i, t in enumerate(tokens))
+    vector = [float((key * (k + 3) + 7 * k) % 97 - 48) for k in range(size)][: dimensions or size]
+    if normalize:
+        norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+        vector = [x / norm for x in vector]
+    return vector
 
 
 # --- a tokenizer double whose text is easy to read in assertions -----------------------------

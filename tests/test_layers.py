@@ -19,8 +19,9 @@ LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
 COMPOSITION_ROOT = {"actors.serve", "actors.root"}
 MAX_MODULE_LINES = 500
 MAX_FAMILY_LINES = 250
-# The only environment variables shipped code reads: secrets and deployment paths (docs/operations.md).
-DEPLOYMENT_VARIABLES = {"MLX_TRIO_API_KEY", "MLX_TRIO_ADMIN_TOKEN", "MLX_TRIO_CACHE"}
+# The only environment variables shipped code reads: secrets and deployment paths (docs/operations.md),
+# and OpenTelemetry's standard collector setting, a deployment's (api/tracing.py).
+DEPLOYMENT_VARIABLES = {"MLX_TRIO_API_KEY", "MLX_TRIO_ADMIN_TOKEN", "MLX_TRIO_CACHE", "OTEL_EXPORTER_OTLP_ENDPOINT"}
 
 
 def _modules() -> dict[str, Path]:
@@ -135,5 +136,5 @@ def test_modules_stay_small(module: str) -> None:
 def test_shipped_code_reads_only_deployment_variables() -> None:
     names = set()
     for path in MODULES.values():
-        names |= set(re.findall(r"MLX_[A-Z0-9_]+", path.read_text(encoding="utf-8")))
+        names |= set(re.findall(r"(?:MLX|OTEL)_[A-Z0-9_]+", path.read_text(encoding="utf-8")))
     assert names <= DEPLOYMENT_VARIABLES, sorted(names - DEPLOYMENT_VARIABLES)

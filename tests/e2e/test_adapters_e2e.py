@@ -1,0 +1,99 @@
+"""LoRA adapters through a real `python -m actors.serve` subprocess and a tiny model: an adapter
+given with `--adapter` changes greedy output when a request names it; another mounts and
+unmounts over /v1/adapters; /v1/models lists what is mounted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.server_process import wait_until_serving
+from tests.fixtures.lora import write_adapter
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_LIMIT_S = 120.0
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+
+def launch(args: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "w") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "actors.serve", "--port", "0", "--warm-up", "off", *args],
+            cwd=ROOT,
+            stderr=log_file,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+
+def end(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def test_adapters_on_a_real_server(tiny_model_factory, tmp_path):
+    model_dir = tiny_model_factory("qwen3")
+    first = write_adapter(tmp_path / "adapters" / "a", model_dir, seed=1)
+    second = write_adapter(tmp_path / "adapters" / "b", model_dir, seed=2, rank=2)
+    log_path = tmp_path / "server.log"
+    proc = launch(["--model", str(model_dir), "--adapter", f"a={first}", "--adapters-dir", str(first.parent)], log_path)
+    try:
+        base = wait_until_serving(proc, log_path, STARTUP_LIMIT_S)
+        with httpx.Client(base_url=base, timeout=60) as client:
+            served = client.get("/v1/models").json()["data"][0]["id"]
+
+            def complete(**extra: object) -> list[int]:
+                body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 8, "temperature": 0.0, "logprobs": True, **extra}
+                response = client.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                return [entry["id"] for entry in response.json()["choices"][0]["logprobs"]["content"]]
+
+            plain = complete()
+            adapted = complete(adapter="a")
+            assert adapted != plain
+            assert complete(model=f"{served}:a") == adapted
+            assert complete() == plain  # the base model is untouched (and its cache entries too)
+
+            mounted = client.post("/v1/adapters", json={"id": "b", "path": str(second)})
+            assert mounted.status_code == 200, mounted.text
+            assert (mounted.json()["rank"], mounted.json()["bytes"] > 0) == (2, True)
+            assert complete(adapter="b") != plain
+            assert complete(adapter="a+b") not in (plain, adapted)
+            ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            assert ids == [served, f"{served}:a", f"{served}:b"]
+            available = client.get("/v1/adapters/available").json()["data"]
+            assert [(e["id"], e["compatible"], e["mounted"]) for e in available] == [
+                ("a", True, True),
+                ("b", True, True),
+            ]
+
+            gone = client.delete("/v1/adapters/b")
+            assert gone.json() == {"id": "b", "unmounted": True}
+            assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [served, f"{served}:a"]
+            refused = client.post("/v1/completions", json={"prompt": "hi", "adapter": "b"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "adapter"
+            assert complete(adapter="a") == adapted
+    finally:
+        code = end(proc)
+    assert code == 0, log_path.read_text()
+
+
+def test_a_bad_adapter_flag_fails_start_up_in_one_line(tiny_model_factory, tmp_path):
+    model_dir = tiny_model_factory("qwen3")
+    log_path = tmp_path / "server.log"
+    proc = launch(["--model", str(model_dir), "--adapter", f"a={tmp_path / 'missing'}"], log_path)
+    code = proc.wait(timeout=STARTUP_LIMIT_S)
+    errors = [line for line in log_path.read_text().splitlines() if "cannot serve" in line]
+    assert code == 2 and len(errors) == 1 and "--adapter a=" in errors[0], log_path.read_text()
