@@ -354,7 +354,8 @@ class RequestActor(Generic[EventT]):
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": details,
-            "lane": self.lane,
+            # "+spec": some of the row's tokens came from verified drafts.
+            "lane": f"{self.lane}+spec" if self.lane and self.drafted_tokens else self.lane,
         }
         if self._ports.speculation:
             out["speculation"] = {"drafted": self.drafted_tokens, "accepted": self.accepted_tokens}

@@ -66,6 +66,8 @@ def usage(choices: Choices) -> dict[str, Any]:
             "drafted": sum(actor.drafted_tokens for actor in choices),
             "accepted": sum(actor.accepted_tokens for actor in choices),
         }
+        if out["lane"] and not out["lane"].endswith("+spec") and out["speculation"]["drafted"]:
+            out["lane"] += "+spec"
     return out
 
 

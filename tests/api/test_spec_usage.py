@@ -66,6 +66,7 @@ async def test_chat_usage_stats_metrics_and_log_sum_the_verifications(autojump_c
     async with server(spec_worker()) as (client, metrics):
         result = await (await client.post(CHAT, json=chat())).get_json()
         assert result["usage"]["speculation"] == FIVE and result["usage"]["completion_tokens"] == 5
+        assert result["usage"]["lane"] == "batched+spec"
         await client.post(CHAT, json=chat(max_tokens=3))  # positions 0..2: drafted 6, accepted 2
         stats = await (await client.get("/stats")).get_json()
         assert stats["speculation"] == {"mode": NGRAM, "drafted": 15, "accepted": 5, "acceptance": round(5 / 15, 6)}
