@@ -35,6 +35,15 @@ def quantize(x: mx.array, quant: LayerQuant) -> QTriple:
     return packed, scales, biases
 
 
+# Query rows up to which MLX's CUDA quantized_matmul runs (measured on an H100: 1 and 7 rows ran,
+# 64 did not finish; a 2047-row prefill chunk raised "no implementation for problem shape").
+CUDA_QMM_MAX_ROWS = 7
+
+
+def _cuda() -> bool:
+    return mx.default_device().type == mx.gpu and not mx.metal.is_available()
+
+
 def quantized_attention(
     queries: mx.array, keys: QTriple, values: QTriple, scale: float, mask: Any, quant: LayerQuant
 ) -> mx.array:
@@ -49,7 +58,15 @@ def quantized_attention(
         keys = (mx.expand_dims(keys[0], -3), mx.expand_dims(keys[1], -3), mx.expand_dims(keys[2], -3))
         values = (mx.expand_dims(values[0], -3), mx.expand_dims(values[1], -3), mx.expand_dims(values[2], -3))
     g, b = quant.group_size, quant.bits
-    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=g, bits=b)
+    if L > CUDA_QMM_MAX_ROWS and _cuda():
+        # MLX's CUDA quantized_matmul has no kernel for a prefill's many query rows (it fails or
+        # stalls; decode's few rows work): multiply by the dequantized keys and values instead,
+        # the same products up to summation order.
+        keys = (mx.dequantize(*keys, group_size=g, bits=b),)  # type: ignore[assignment]
+        values = (mx.dequantize(*values, group_size=g, bits=b),)  # type: ignore[assignment]
+        scores = queries @ mx.swapaxes(keys[0], -1, -2)
+    else:
+        scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=g, bits=b)
     if mask is not None:
         if isinstance(mask, str):
             qL, kL = scores.shape[-2:]
@@ -61,7 +78,10 @@ def quantized_attention(
         else:
             scores = scores + mask
     scores = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(scores, *values, transpose=False, group_size=g, bits=b)
+    if len(values) == 1:  # (dequantized above)
+        out = scores @ values[0]
+    else:
+        out = mx.quantized_matmul(scores, *values, transpose=False, group_size=g, bits=b)
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, D))
     return out

@@ -112,7 +112,10 @@ class AdaptedLinear(nn.Module):
             raise ValueError(f"LoRA selection has {len(plan.rows)} rows, the forward {x.shape[0]}")
         y = self.base(x)
         if plan.slots is not None:
-            a, b, scales = self._stacked(plan.order)
+            stacked = self._stacked(plan.order)
+            if stacked is None:  # no selected adapter touches this module
+                return y
+            a, b, scales = stacked
             if x.dtype == mx.float32:  # (MLX's GatherMM takes float32 only, for now)
                 z = mx.gather_mm(mx.gather_mm(x, a, rhs_indices=plan.slots), b, rhs_indices=plan.slots)
             else:  # each row's A and B gathered (small: rank columns), then batched products
@@ -129,13 +132,17 @@ class AdaptedLinear(nn.Module):
                 y[rows] = self._add_deltas(y[rows], xs, deltas)
         return y
 
-    def _stacked(self, order: tuple[int, ...]) -> tuple[mx.array, mx.array, mx.array]:
+    def _stacked(self, order: tuple[int, ...]) -> tuple[mx.array, mx.array, mx.array] | None:
         """These adapters' A and B stacked by slot (slot 0 and adapters that leave this module
         alone: zeros; ranks padded with zero columns), and their scales: kept per `order`."""
         cache = self.__dict__.setdefault("_stacks", {})
         if order not in cache:
             deltas = [self._state.adapters[i].modules.get(self.key) for i in order]
             found = [d for d in deltas if d is not None]
+            if not found:
+                cache.clear()
+                cache[order] = None
+                return None
             rank = max(d.lora_a.shape[1] for d in found)
             n_in, n_out = found[0].lora_a.shape[0], found[0].lora_b.shape[1]
             dtype = found[0].lora_a.dtype

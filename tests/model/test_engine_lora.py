@@ -136,3 +136,13 @@ def test_bfloat16_rows_mixing_single_adapters_equal_solo(tiny_model_factory, tmp
     alone = {s.row_id: generate_tokens(engine, [s])[s.row_id] for s in specs}
     assert alone[0] != alone[1] != alone[2]
     assert generate_tokens(engine, specs) == alone
+
+
+def test_mixed_rows_on_an_untied_head_no_adapter_touches(tiny_model_factory, tmp_path):
+    """The LM head is wrapped but no adapter adapts it: a mixed batch leaves it the base op."""
+    model_dir = tiny_model_factory("llama", tie_word_embeddings=False)
+    paths = {aid: str(write_adapter(tmp_path / aid, model_dir, seed=i + 7)) for i, aid in enumerate("ab")}
+    engine = engine_with(model_dir, paths)
+    specs = [spec(i, PROMPTS[i % len(PROMPTS)], c) for i, c in enumerate([(), ("a",), ("b",), ("a",)])]
+    alone = {s.row_id: generate_tokens(engine, [s])[s.row_id] for s in specs}
+    assert generate_tokens(engine, specs) == alone
