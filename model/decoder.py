@@ -20,7 +20,7 @@ import mlx.nn as nn
 from model.kernels import cpu_attention, cpu_swiglu, unfused_attention
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv_cache import LayerCache
-from model.kv_quant import ATTENDING_CACHES
+from model.kv_mixed import ATTENDING_CACHES
 from model.language_model import AfterLayer, LanguageModel
 
 # A decode step of at most this many rows multiplies by a layer's fused q/k/v (and gate/up)

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from model.kv_cache import BatchKVCache, KVCache
-from model.kv_quant import MixedBatchKVCache, QuantizedKVCache
+from model.kv_mixed import MixedBatchKVCache
+from model.kv_quant import QuantizedKVCache
+from model.kv_rotating import BatchRotatingKVCache, RotatingKVCache
 from model.kv_scheme import KVScheme
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ def restorable(scheme: KVScheme, caches: Sequence[Any], cached: int, at: int | N
     turned = set()
     for i, c in enumerate(caches):
         quant = scheme.layer(i)
+        if isinstance(c, RotatingKVCache):
+            continue  # sliding layers stay full precision: their KV depends on the tokens only
         if isinstance(c, QuantizedKVCache):
             if quant is None or c.quant != quant or c.converted_at != at or at is None or cached < at:
                 return False
@@ -59,17 +63,23 @@ def quantize_due(scheme: KVScheme, caches: list[Any], length: int, at: int | Non
         return False
     for i, c in enumerate(caches):
         quant = scheme.layer(i)
-        if quant is not None and isinstance(c, KVCache):
+        if quant is not None and isinstance(c, KVCache) and not isinstance(c, RotatingKVCache):
             caches[i] = QuantizedKVCache.from_full(c, quant)
     return True
 
 
 def merge_batch(scheme: KVScheme, per_row: Sequence[Sequence[Solo]]) -> list[Any]:
     """The batch caches (one per layer) of rows given as their solo caches."""
-    layers = len(per_row[0])
-    if not scheme.quantized:
-        return [BatchKVCache.merge([row[layer] for row in per_row]) for layer in range(layers)]  # type: ignore[misc]
-    return [MixedBatchKVCache.merge(scheme.layer(layer), [row[layer] for row in per_row]) for layer in range(layers)]
+    merged: list[Any] = []
+    for layer in range(len(per_row[0])):
+        caches = [row[layer] for row in per_row]
+        if isinstance(caches[0], RotatingKVCache):  # a sliding layer (never quantized)
+            merged.append(BatchRotatingKVCache.merge(caches))  # type: ignore[arg-type]
+        elif not scheme.quantized:
+            merged.append(BatchKVCache.merge(caches))  # type: ignore[arg-type]
+        else:
+            merged.append(MixedBatchKVCache.merge(scheme.layer(layer), caches))
+    return merged
 
 
 def quantize_due_rows(scheme: KVScheme, rows: Sequence[Row], caches: list[Any]) -> None:
