@@ -10,6 +10,7 @@ from actors.flag_types import at_least_one, auto_on_off, non_negative_int
 from actors.kv_flags import add_kv_flags
 from actors.retention_flags import add_retention_flags
 from actors.spec_flags import add_spec_flags
+from actors.tp_flags import add_tensor_parallel_flags
 from actors.trace_flags import add_trace_flags
 from actors.ui_flags import add_ui_flags
 
@@ -22,6 +23,7 @@ def add_feature_flags(p: argparse.ArgumentParser) -> None:
     add_adapter_flags(p)
     add_ui_flags(p)
     add_trace_flags(p)
+    add_tensor_parallel_flags(p)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

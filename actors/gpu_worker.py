@@ -38,6 +38,7 @@ import trio
 from actors.adapter_registry import mounted_for
 from actors.policy import device_memory, system_memory_bytes
 from actors.speculation_setup import SpecChoice, build_speculation
+from actors.tp_leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields
 from model.abort_flags import AbortFlags
 from model.embedding_config import Pooling, plan_jobs
@@ -118,11 +119,13 @@ class GpuWorker:
         kv_group_size: int = DEFAULT_GROUP_SIZE,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
         speculation: SpecChoice | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         self.model_dir = Path(model_dir)
         # --kv-quant and its knobs: resolved into a KVScheme once the model is loaded.
         self.kv_quant = (kv_quant, kv_group_size, quantized_kv_start)
         self.speculation = speculation  # built into the engine's Speculation once the target loads
+        self.tp = TensorParallel(tensor_parallel)  # --tensor-parallel: actors/tp_leader.py
         # Decode batch sizes 1..warm_up_batch are met once before serving ("auto": on a GPU only,
         # where a new shape's first step stalls live streams; "on" / "off" force it). A callable
         # is asked once the model is loaded (`--batch auto` is sized from the model and device).
@@ -166,6 +169,7 @@ class GpuWorker:
 
         def body() -> None:
             ended.append(outcome.capture(self._thread_main, task_status))
+            self.tp.close()  # the followers stop with this rank's MLX thread
             # MLX keeps per-thread streams; a thread that used MLX must drop them before it ends,
             # or interpreter exit aborts ("terminate called without an active exception",
             # ml-explore/mlx#3126).
@@ -222,6 +226,7 @@ class GpuWorker:
         kv_scheme = self._kv_scheme(loaded)
         speculation, spec_label = build_speculation(self.speculation, loaded.path, kv_quantized=kv_scheme.quantized)
         eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
+        self.tp.start(self, loaded, eos, self._trio_token)  # (size 1: nothing)
         self.pooling = loaded.pooling
         if self.prompt_cache_bytes > 0:
             self._tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
@@ -240,10 +245,11 @@ class GpuWorker:
             prompt_cache=self.prompt_cache,
             grammar_compiler=grammars,
             options=self.engine_options,
-            aborts=self._aborts,
+            aborts=self._aborts if self.tp.size == 1 else None,  # (a mid-forward stop cannot be mirrored)
             kv_scheme=kv_scheme,
             speculation=speculation,
         )
+        engine = self.tp.wrap(engine)  # --tensor-parallel: its row calls mirrored to the followers
         device = mx.default_device()
         self.info = ModelInfo(
             name=loaded.name,

@@ -82,6 +82,8 @@ class ServeConfig:
     adapters_dir: str | None = None
     # OpenTelemetry traces (actors/trace_flags.py, api/tracing.py): the OTLP/HTTP collector's URL.
     otlp_endpoint: str | None = None
+    # Tensor parallelism (actors/tp_flags.py, actors/tp_leader.py): ranks the model is split across; 1 = off.
+    tensor_parallel: int = 1
 
     def engine_options(self) -> EngineOptions:
         """The engine's fields, which this object names alike."""

@@ -404,7 +404,8 @@ class Scheduler:
             failed = RowFailed(0, str(exc), status=400)
         else:
             log.error("worker.%s failed for rows %s", call, [r.row_id for r in rows], exc_info=exc)
-            failed = RowFailed(0, f"generation failed: {exc}")
+            # A worker that cannot go on at all (a tensor-parallel rank lost) says 503 itself.
+            failed = RowFailed(0, f"generation failed: {exc}", status=getattr(exc, "status", 500))
         for row in rows:
             self._deliver(row, attrs.evolve(failed, row_id=row.row_id))
             if row.leaving is None:

@@ -268,6 +268,7 @@ async def _main(config: ServeConfig) -> int:
     from actors.root import run_server
     from actors.shutdown import Shutdown, ShutdownPlan
     from actors.startup import startup_failure
+    from actors.tp_leader import on_rank_failure, rank_failed
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         shutdown = Shutdown()
@@ -300,6 +301,7 @@ async def _main(config: ServeConfig) -> int:
                 log.error("cannot serve: %s", exc)
                 nursery.cancel_scope.cancel()
                 return 2
+            on_rank_failure(worker, shutdown.request)  # a tensor-parallel rank failed: shut down, exit 1
             try:
                 flushed = await run_server(
                     worker,
@@ -323,7 +325,7 @@ async def _main(config: ServeConfig) -> int:
     if shutdown.now.is_set():  # a second signal cut the drain (and the flush) short
         return SECOND_SIGNAL_EXIT
     # With the SSD tier, exit 0 only when the shutdown flush made everything durable.
-    return 0 if flushed is None or flushed.durable else 1
+    return 0 if (flushed is None or flushed.durable) and not rank_failed(worker) else 1
 
 
 def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[ModelInfo], Tokenizer]]:
@@ -362,6 +364,7 @@ def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[Mod
         kv_group_size=config.kv_group_size,
         quantized_kv_start=config.quantized_kv_start,
         speculation=spec_choice(config),
+        tensor_parallel=config.tensor_parallel,
     )
     return model_dir, worker, make_tokenizer
 

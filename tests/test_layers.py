@@ -22,6 +22,9 @@ MAX_FAMILY_LINES = 250
 # The only environment variables shipped code reads: secrets and deployment paths (docs/operations.md),
 # and OpenTelemetry's standard collector setting, a deployment's (api/tracing.py).
 DEPLOYMENT_VARIABLES = {"MLX_TRIO_API_KEY", "MLX_TRIO_ADMIN_TOKEN", "MLX_TRIO_CACHE", "OTEL_EXPORTER_OTLP_ENDPOINT"}
+# MLX's ring backend reads these itself: --tensor-parallel sets them for its follower processes and
+# its own rank (actors/tp_leader.py); no code of ours reads them.
+DEPLOYMENT_VARIABLES |= {"MLX_RANK", "MLX_HOSTFILE"}
 
 
 def _modules() -> dict[str, Path]:
