@@ -43,7 +43,7 @@ from model.adapters import AdapterInfo, AdapterSet
 from model.compiled_decode import CompiledDecode
 from model.decoder import DecoderModel
 from model.decoding import Inflight, Row, read, record, sample_batch, sample_row
-from model.kv_cache import BatchKVCache, KVCache, LayerCache, PrefixCache, make_caches
+from model.kv_cache import BatchKVCache, KVCache, LayerCache, PrefixCache
 from model.kv_rows import convert_at, is_merged, merge_batch, quantize_due, quantize_due_rows
 from model.kv_scheme import KVScheme
 from model.language_model import LanguageModel
@@ -147,7 +147,7 @@ class Engine:
             raise ValueError(f"row {spec.row_id} already open")
         row = self._new_row(spec)
         row.caches, row.processed = row_cache.take(
-            self.prompt_cache, self.kv_scheme, row, self.num_layers, spec.min_cached_tokens
+            self.prompt_cache, self.kv_scheme, row, self.model.make_caches(), spec.min_cached_tokens
         )
         row.quantized = quantize_due(self.kv_scheme, row.caches, row.processed, row.convert_at)
         row.restored = row.processed
@@ -253,7 +253,7 @@ class Engine:
             padded_count = 1 << (count - 1).bit_length()
             if padded_count * width <= GROUP_PAD_TOKENS:
                 tokens += tokens[:1] * (padded_count - count)  # duplicates, dropped below
-        caches = make_caches(self.num_layers)
+        caches = self.model.make_caches()
         self.adapters.select([r.lora for r in rows] + [rows[0].lora] * (len(tokens) - count))
         if not forward_unless_aborted(self.model, mx.array(tokens), caches, rows, self.aborts, self._gpu):
             return

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.kv_cache import LayerCache
+from model.kv_cache import KVCache, LayerCache
 
 # `after_layer(index, hidden)`: called by a forward after each of its blocks.
 AfterLayer = Callable[[int, mx.array], None]
@@ -52,6 +52,10 @@ class LanguageModel(nn.Module):
     def attention_heads(self) -> int:
         """Query heads per layer: sizes a prefill's attention scores."""
         raise NotImplementedError
+
+    def make_caches(self) -> list[LayerCache]:
+        """Fresh caches for one row, one per layer (a family with sliding layers overrides it)."""
+        return [KVCache() for _ in self.layers]
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         raise NotImplementedError

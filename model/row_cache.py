@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from model.kv_cache import KVCache, PrefixCache, make_caches
+from model.kv_cache import KVCache, PrefixCache
 from model.kv_rows import restorable
 from model.kv_scheme import KVScheme
 
@@ -24,19 +24,20 @@ def namespaced(scheme: KVScheme, namespace: str) -> str:
 
 
 def take(
-    cache: PrefixCache | None, scheme: KVScheme, row: Row, num_layers: int, min_tokens: int = 1
+    cache: PrefixCache | None, scheme: KVScheme, row: Row, fresh: list[KVCache], min_tokens: int = 1
 ) -> tuple[list[KVCache], int]:
-    """The longest usable cached prefix of the row's prompt as its caches, or fresh ones."""
+    """The longest usable cached prefix of the row's prompt as its caches, or `fresh` (the
+    model's own per-layer kinds: `LanguageModel.make_caches`)."""
     if cache is not None:
         caches, cached = cache.take(row.prompt, namespaced(scheme, row.namespace), min_tokens)
         if (
             caches is not None
-            and len(caches) == num_layers
+            and len(caches) == len(fresh)
             and all(c.offset == cached for c in caches)
             and restorable(scheme, caches, cached, row.convert_at)
         ):
             return caches, cached
-    return make_caches(num_layers), 0
+    return fresh, 0
 
 
 def put(
