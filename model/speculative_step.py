@@ -26,7 +26,7 @@ import numpy as np
 
 from model import lora
 from model.decoding import Row, read, record
-from model.kv_cache import KVCache, make_caches
+from model.kv_cache import KVCache
 from model.language_model import LanguageModel
 from model.rows import TokenOut
 from model.sampling import logprobs_of
@@ -132,7 +132,7 @@ def _draft_state(row: Row) -> DraftState | None:
 def _draft(speculator: Speculator, model: LanguageModel, row: Row, known: list[int], k: int) -> list[int]:
     state = _draft_state(row)
     if state is None:
-        state = row.draft = DraftState(make_caches(len(model.layers)))
+        state = row.draft = DraftState(list(model.make_caches()))
     todo = known[state.covered :]
     if lora.installed(model) is not None:  # (the target drafting for itself)
         lora.select(model, [row.lora])
