@@ -21,10 +21,8 @@ clones trimmed back to exactly that prefix; `close_row(reusable=True)` puts the 
 exactly the tokens it covers (prompt + every generated token fed into a forward). The coverage
 is read from the cache offset, never assumed: when it cannot be matched to known tokens, nothing is put.
 
-Prefill shapes (CUDA): a group prefill rounds its width and row count up to recurring buckets, a
-prefill after a prompt-cache hit runs its attention unfused, a cold solo prompt keeps its exact
-width (and mlx-lm's greedy tokens): model/options.py says why.
-
+Prefill shapes (CUDA): group prefills round to recurring buckets, a prefill after a hit runs its
+attention unfused, a cold solo prompt keeps mlx-lm's exact width (model/options.py says why).
 KV quantization (model/kv_scheme.py, model/kv_rows.py): a row's caches turn quantized after the
 forward that reaches its conversion point; a prefill chunk ends there.
 """
@@ -109,7 +107,9 @@ class Engine:
         self.options = options.resolve(gpu=gpu, cuda=cuda)  # what each one does: model/options.py
         self.aborts = aborts if aborts is not None else AbortFlags()
         self.kv_scheme = kv_scheme
-        self.speculator = Speculator(speculation) if speculation and not kv_scheme.quantized else None
+        # (Quantized rows turn at exact positions; recurrent states cannot take drafts back.)
+        can = not kv_scheme.quantized and all(c.is_trimmable() for c in model.make_caches())
+        self.speculator = Speculator(speculation) if speculation and can else None
         self.adapters = AdapterSet(model)  # LoRA adapters mounted at runtime (model/adapters.py)
         self._gpu = gpu
         self._heads = model.attention_heads

@@ -19,6 +19,7 @@ from model.kv_mixed import MixedBatchKVCache
 from model.kv_quant import QuantizedKVCache
 from model.kv_rotating import BatchRotatingKVCache, RotatingKVCache
 from model.kv_scheme import KVScheme
+from model.kv_state import BatchStateCache, StateCache
 
 if TYPE_CHECKING:
     from model.decoding import Row
@@ -36,8 +37,8 @@ def restorable(scheme: KVScheme, caches: Sequence[Any], cached: int, at: int | N
     turned = set()
     for i, c in enumerate(caches):
         quant = scheme.layer(i)
-        if isinstance(c, RotatingKVCache):
-            continue  # sliding layers stay full precision: their KV depends on the tokens only
+        if isinstance(c, RotatingKVCache | StateCache):
+            continue  # sliding layers and recurrent states stay full precision: they depend on the tokens only
         if isinstance(c, QuantizedKVCache):
             if quant is None or c.quant != quant or c.converted_at != at or at is None or cached < at:
                 return False
@@ -73,7 +74,9 @@ def merge_batch(scheme: KVScheme, per_row: Sequence[Sequence[Solo]]) -> list[Any
     merged: list[Any] = []
     for layer in range(len(per_row[0])):
         caches = [row[layer] for row in per_row]
-        if isinstance(caches[0], RotatingKVCache):  # a sliding layer (never quantized)
+        if isinstance(caches[0], StateCache):  # a linear-attention layer's state (never quantized)
+            merged.append(BatchStateCache.merge(caches))
+        elif isinstance(caches[0], RotatingKVCache):  # a sliding layer (never quantized)
             merged.append(BatchRotatingKVCache.merge(caches))  # type: ignore[arg-type]
         elif not scheme.quantized:
             merged.append(BatchKVCache.merge(caches))  # type: ignore[arg-type]
@@ -101,4 +104,4 @@ def quantize_due_rows(scheme: KVScheme, rows: Sequence[Row], caches: list[Any]) 
 
 
 def is_merged(caches: Sequence[Any]) -> bool:
-    return bool(caches) and isinstance(caches[0], BatchKVCache | MixedBatchKVCache)
+    return bool(caches) and isinstance(caches[0], BatchKVCache | MixedBatchKVCache | BatchStateCache)
