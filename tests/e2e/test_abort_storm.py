@@ -510,8 +510,8 @@ def check_storm(
 
 
 @pytest.mark.slow
-async def test_abort_storm_200_requests_prompt_cache_off(model_dir):
-    n = 200
+async def test_abort_storm_120_requests_prompt_cache_off(model_dir):
+    n = 120
     out = await storm(model_dir, n=n, seed=9, prompt_cache_bytes=0, shared=False)
     summary = check_storm(out, n)
     assert out["stats"]["prompt_cache"]["enabled"] is False

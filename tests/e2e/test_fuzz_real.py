@@ -37,7 +37,7 @@ from tests.realserver import CHAT, COMPLETIONS, real_server
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 30  # x 20 bodies x 5 routes = 3,000 bodies
+EXAMPLES = 20  # x 20 bodies x 5 routes = 2,000 bodies
 MAX_TOKENS = 3
 LIMIT_S = 60.0
 LENGTH_FIELDS = ("max_tokens", "max_output_tokens", "max_completion_tokens")

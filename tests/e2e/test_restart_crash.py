@@ -22,7 +22,7 @@ from cache.ssd_format import TMP_SUFFIX
 from cache.ssd_store import QUARANTINE
 from tests.e2e.test_restart_ssd import Server
 
-ITERATIONS = 12
+ITERATIONS = 8
 WORDS = "agent tool call result plan step memory file patch test build deploy review".split()
 
 
