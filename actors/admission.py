@@ -95,6 +95,7 @@ class Admission:
                 snapshot_at=request.snapshot_at,
                 retain=request.retain,
                 adapters=request.adapters,
+                images=request.images,
             )
             self._scheduler.send_nowait(
                 Enqueue(

@@ -39,7 +39,7 @@ from actors.adapter_registry import mounted_for
 from actors.policy import device_memory, system_memory_bytes
 from actors.speculation_setup import SpecChoice, build_speculation
 from actors.tp_leader import TensorParallel
-from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields
+from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
 from model.abort_flags import AbortFlags
 from model.embedding_config import Pooling, plan_jobs
 from model.errors import ModelLoadError
@@ -261,7 +261,7 @@ class GpuWorker:
             memory_bytes=_device_memory_bytes(mx),
             model_type=loaded.config.model_type,
             speculation=spec_label,
-            embedding=loaded.pooling,
+            **loaded_fields(loaded),
             generation_defaults=tuple(
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None
             ),

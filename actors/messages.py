@@ -22,7 +22,7 @@ import trio
 
 from cache.spill_item import SpillItem
 from model.params import SamplingParams
-from model.rows import RowOpened, RowSpec, TokenOut
+from model.rows import ImageInput, RowOpened, RowSpec, TokenOut
 
 Lane = Literal["serial", "batched"]
 
@@ -51,6 +51,7 @@ class GenerationRequest:
     retain: tuple[tuple[int, float], ...] = ()  # a client's retention hints: (prompt position, seconds)
     siblings: Siblings | None = None  # one of several choices sharing one prefill
     adapters: tuple[str, ...] = ()  # LoRA adapter ids stacked for the row (checked mounted by the route)
+    images: tuple[ImageInput, ...] = ()  # preprocessed images for the prompt's image-pad runs (api/images.py)
 
 
 class RequestObserver(Protocol):

@@ -18,13 +18,17 @@ mistake (a 400), never the worker's.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from model.embedding_config import Pooling
 from model.kv_scheme import KVScheme
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
+from model.vision.preprocess import ImageProcessorConfig
+
+if TYPE_CHECKING:
+    from model.loader import LoadedModel
 
 
 @attrs.frozen
@@ -57,6 +61,22 @@ class ModelInfo:
     speculation: str = ""
     # An embedding model's pooling (sentence-transformers files): it serves /v1/embeddings only.
     embedding: Pooling | None = None
+    # A vision-language model: it takes images (api/images.py), preprocessed with this config,
+    # each one's features at a run of `image_token_id` tokens in the prompt.
+    vision: bool = False
+    image_token_id: int = -1
+    image_processor: ImageProcessorConfig | None = None
+
+
+def loaded_fields(loaded: LoadedModel) -> dict[str, Any]:
+    """ModelInfo's fields read off the loaded model: an embedding model's pooling, and the vision
+    fields of one with a vision tower (it encodes images)."""
+    model = loaded.model
+    if not hasattr(model, "encode_images"):
+        return {"embedding": loaded.pooling}
+    config = ImageProcessorConfig.read(loaded.path)
+    vision = {"vision": True, "image_token_id": int(model.image_token_id), "image_processor": config}
+    return {"embedding": loaded.pooling, **vision}
 
 
 def kv_fields(scheme: KVScheme, *, num_layers: int, dtype_bytes: int, prefill_chunk: int) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     async def messages() -> Response:
         with handles.arrivals.arriving():
             adapters = check_requested_model(handles, await json_body())
-            request = await offload.run(messages_request, await json_body())
+            request = await offload.run(messages_request, await json_body(), vision=handles.info.vision)
             started = await start_chat(handles, request, adapters=adapters)
         message_id = new_id("msg")
         model = model_name(handles)
@@ -64,9 +64,10 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         check_requested_model(handles, await json_body())
-        prompt = await offload.run(count_request, await json_body())
+        prompt = await offload.run(count_request, await json_body(), vision=handles.info.vision)
         # Tokenizer only, off the event loop: never the GPU worker, never admission.
-        count = await offload.run(prompt_token_count, handles, prompt)
+        run = offload.to_thread if prompt.images else offload.run  # (decoding images: never on the loop)
+        count = await run(prompt_token_count, handles, prompt)
         return json_response({"input_tokens": count})
 
     return bp

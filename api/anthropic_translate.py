@@ -21,6 +21,7 @@ from api import structured
 from api.chat_request import CachePoint, ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
 from api.fields import parse_generation, pick, reasoning_options, stop_strings, stream_flag
+from api.images import PLACEHOLDER, ImagePart, from_base64, from_url
 from api.template_messages import media_error, tool_call_id_error
 
 # Tuples, not sets: a block's "type" may be any JSON value, and `[] in frozenset(...)` raises
@@ -51,9 +52,9 @@ CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl → seconds ("5m" 
 MAX_CACHE_POINTS = 4  # Anthropic's limit on blocks with cache_control
 
 
-def messages_request(body: Mapping[str, Any]) -> ChatRequest:
-    """POST /v1/messages."""
-    parsed = _parse(body)
+def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRequest:
+    """POST /v1/messages (`vision`: the model takes images, else an image block is a 400)."""
+    parsed = _parse(body, vision)
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
         raise bad_request("stop_sequences: must be an array of strings", param="stop_sequences")
@@ -75,9 +76,9 @@ def messages_request(body: Mapping[str, Any]) -> ChatRequest:
     )
 
 
-def count_request(body: Mapping[str, Any]) -> ChatPrompt:
+def count_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatPrompt:
     """POST /v1/messages/count_tokens: the prompt only (no generation field is read)."""
-    parsed = _parse(body)
+    parsed = _parse(body, vision)
     if parsed.unsupported is not None:
         raise parsed.unsupported
     return parsed.prompt()
@@ -94,6 +95,8 @@ class _Parsed:
     tool_choice: Any = None
     template_kwargs: dict[str, Any] = attrs.Factory(dict)
     cache_points: list[CachePoint] = attrs.Factory(list)
+    images: list[ImagePart] = attrs.Factory(list)  # in prompt order (api/images.py)
+    vision: bool = False  # the model takes images (else an image block is this turn's 400)
 
     def mark(self, ttl_s: float | None, messages: list[dict[str, Any]]) -> None:
         """A breakpoint (when `ttl_s` is set) after `messages`, the conversation cut there."""
@@ -111,14 +114,14 @@ class _Parsed:
     def prompt(self) -> ChatPrompt:
         reasoning = reasoning_options(self.template_kwargs, None)
         tools = None if self.tool_choice == "none" else self.tools
-        return ChatPrompt(messages=tuple(self.messages), tools=tools, reasoning=reasoning)
+        return ChatPrompt(messages=tuple(self.messages), tools=tools, reasoning=reasoning, images=tuple(self.images))
 
 
-def _parse(body: Mapping[str, Any]) -> _Parsed:
+def _parse(body: Mapping[str, Any], vision: bool) -> _Parsed:
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise bad_request("messages: at least one message is required", param="messages")
-    parsed = _Parsed()
+    parsed = _Parsed(vision=vision)
     system, system_marks = _system_text(body.get("system"))
     for ttl_s, upto in system_marks:
         parsed.mark(ttl_s, [{"role": "system", "content": upto}])
@@ -213,7 +216,8 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
         elif kind in DROPPED_BLOCKS:
             continue
         elif kind == "image":
-            _check_image(block, block_where)
+            parsed.images.append(_image(block, block_where))
+            texts.append(PLACEHOLDER)
             has_image = True
         elif kind == "tool_use":
             calls.append(_tool_call(block, block_where))
@@ -238,8 +242,9 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
         parsed.add(result, tool_call_id_error(f"messages[{len(parsed.messages)}]") if bad_id else None)
     for ttl_s, count in result_marks:
         parsed.mark(ttl_s, parsed.messages[: before_results + count])
-    # Text blocks join with a newline (as `system` does); an image makes the turn a 400.
-    unsupported = media_error("image_url") if has_image else None
+    # Text blocks join with a newline (as `system` does); an image is its placeholder's line
+    # (api/images.py); without vision, the turn is a 400.
+    unsupported = media_error("image_url") if has_image and not parsed.vision else None
     before = list(parsed.messages)
     if role == "assistant":
         if texts or has_image or calls:
@@ -255,13 +260,13 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
         parsed.mark(ttl_s, parsed.messages)
 
 
-def _check_image(block: Mapping[str, Any], where: str) -> None:
+def _image(block: Mapping[str, Any], where: str) -> ImagePart:
     source = block.get("source")
     if isinstance(source, Mapping):
         if source.get("type") == "base64" and isinstance(source.get("data"), str):
-            return
+            return from_base64(source["data"], source.get("media_type"), "image_url", f"{where}.source", "messages")
         if source.get("type") == "url" and isinstance(source.get("url"), str):
-            return
+            return from_url(source["url"], "image_url", f"{where}.source", "messages")
     raise bad_request(f"{where}.source: an image needs a base64 or url source", param="messages")
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from actors.handles import ServerHandles
 from actors.messages import GenerationRequest, Siblings
 from actors.request import RequestActor, RequestRejected
-from api import offload, prompt_bounds
+from api import images, offload, prompt_bounds
 from api.chat_request import ChatPrompt, ChatRequest, GenerationFields, TextRequest
 from api.errors import bad_request, from_rejection
 from api.fields import MAX_CHOICES
@@ -41,6 +41,7 @@ from api.structured import ConstraintRequest, check_compiles, compiles_for
 from cache.boundary import stable_prefix_length
 from cache.prefix_match import common_prefix_length
 from model.params import SamplingParams
+from model.rows import ImageInput
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,10 @@ def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
     """The length of the prompt `start_chat` renders for `prompt` (tokenizer only; blocking).
     Raises `ApiError` (400) for a prompt that cannot fit the context window."""
     check_prompt_size(handles, prompt)
-    return len(render_prompt(handles.tokenizer, prompt).tokens)
+    tokens = render_prompt(handles.tokenizer, prompt).tokens
+    if prompt.images:  # each image counts its grid's tokens
+        tokens = images.expand(tokens, images.prepare_images(prompt.images, handles.info), handles.info, "messages")[0]
+    return len(tokens)
 
 
 def check_prompt_size(handles: ServerHandles, prompt: ChatPrompt) -> None:
@@ -168,7 +172,12 @@ async def start_chat(
     """Template and admit a chat request (`adapters`: the LoRA adapters its rows stack, checked
     mounted by the route). Raises `ApiError` (400 / 503)."""
     note_templating()
+    parts = request.prompt.images
+    # Decoding and resizing images is CPU work: always a worker thread (a 400 first on a text model).
+    inputs = await offload.to_thread(images.prepare_images, parts, handles.info) if parts else ()
     prepared = await offload.run(prepare_chat, handles, request)
+    if inputs:
+        prepared = _with_images(handles, prepared, inputs, parts[0].param)
     await _check_constraint(handles, request.constraint, prepared.generation)
     return await _admitted(
         handles,
@@ -178,7 +187,19 @@ async def start_chat(
         snapshot_at=prepared.snapshot_at,
         retain=prepared.retain,
         adapters=adapters,
+        images=inputs,
     )
+
+
+def _with_images(
+    handles: ServerHandles, prepared: PreparedChat, inputs: tuple[ImageInput, ...], param: str
+) -> PreparedChat:
+    """The prompt with each image's pad token grown to its grid; cache positions moved along."""
+    tokens, moved = images.expand(prepared.tokens, inputs, handles.info, param)
+    prompt_bounds.check_tokens(len(tokens), context_length=handles.info.context_length, param=param)
+    snapshot_at = None if prepared.snapshot_at is None else moved(prepared.snapshot_at)
+    retain = tuple((moved(at), ttl_s) for at, ttl_s in prepared.retain)
+    return attrs.evolve(prepared, tokens=tokens, snapshot_at=snapshot_at, retain=retain)
 
 
 def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
@@ -328,6 +349,7 @@ async def _admitted(
     snapshot_at: int | None = None,
     retain: tuple[tuple[int, float], ...] = (),
     adapters: tuple[str, ...] = (),
+    images: tuple[ImageInput, ...] = (),
 ) -> StartedGeneration:
     """Admit every choice: each its own actor (text pipeline, row, abort), siblings in the
     scheduler, which prefills the prompt once for all of them. All or none: a rejection closes
@@ -350,6 +372,7 @@ async def _admitted(
                 retain=retain,
                 siblings=None if family is None else Siblings(family, index, n),
                 adapters=adapters,
+                images=images,
             )
             choice_sink = sink if index == 0 else sink.fresh(handles.tokenizer.detokenizer())
             actors.append(RequestActor(handles.ports, request, choice_sink))

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from api.images import ImagePart
 from api.structured import ConstraintRequest
 from model.params import SamplingParams
 
@@ -80,6 +81,7 @@ class ChatPrompt:
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] | None = None  # None: no tools (absent, empty or disabled)
     reasoning: ReasoningOptions = ReasoningOptions()
+    images: tuple[ImagePart, ...] = ()  # in prompt order, each at a placeholder in the text (api/images.py)
 
 
 @attrs.frozen

@@ -56,7 +56,8 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     async def chat_completions() -> Response:
         with handles.arrivals.arriving():
             adapters = check_requested_model(handles, await json_body())
-            request = await offload.run(chat_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
+            vocab = vocab_size(handles.tokenizer)
+            request = await offload.run(chat_request, await json_body(), vocab_size=vocab, vision=handles.info.vision)
             started = await start_chat(handles, request, adapters=adapters)
         meta = openai_encode.ResponseMeta("chatcmpl", model_name(handles))
         if started.generation.stream:
@@ -114,7 +115,7 @@ def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
         "structured_output": structured_output,
         "logprobs": True,
         "embeddings": embeddings,
-        "vision": False,
+        "vision": handles.info.vision,
         "audio": False,
         "adapters": True,
         "training": False,
@@ -127,7 +128,7 @@ def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
         "context_window": handles.info.context_length,
         "max_safe_context": handles.ceiling.max_safe_context,
         "reasoning": reasoning,
-        "vision": False,
+        "vision": handles.info.vision,
         "audio": False,
         "batch_mode": handles.mode,
         "kv_scheme": handles.info.kv_scheme,  # how the KV cache is stored: bf16, kv8, kv4, ...

@@ -16,6 +16,7 @@ from api import structured
 from api.chat_request import ChatPrompt, ChatRequest, TextRequest
 from api.errors import bad_request
 from api.fields import parse_generation, reasoning_options, stop_strings
+from api.images import PLACEHOLDER, ImagePart, from_url
 from api.template_messages import MEDIA_PARTS, media_error, template_arguments, tool_call_id_error
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -24,9 +25,11 @@ TOOL_CHOICE_MESSAGE = "tool_choice must be 'none', 'auto', 'required' or an obje
 _PROMPT_REQUIRED = "prompt (a non-empty string) or a non-empty array of token ids is required (one prompt per request)"
 
 
-def chat_request(body: Mapping[str, Any], *, vocab_size: int | None) -> ChatRequest:
-    """/v1/chat/completions. `vocab_size`, when known, bounds `logit_bias` token ids."""
-    messages = chat_messages(body.get("messages"))
+def chat_request(body: Mapping[str, Any], *, vocab_size: int | None, vision: bool = False) -> ChatRequest:
+    """/v1/chat/completions. `vocab_size`, when known, bounds `logit_bias` token ids; `vision`:
+    the model takes images (else an image part is a 400)."""
+    images: list[ImagePart] = []
+    messages = chat_messages(body.get("messages"), images if vision else None)
     generation = attrs.evolve(parse_generation(body, vocab_size=vocab_size), include_usage=include_usage(body))
     constraint = structured.body_constraint(body)
     stop = stop_strings(body.get("stop"))
@@ -37,7 +40,8 @@ def chat_request(body: Mapping[str, Any], *, vocab_size: int | None) -> ChatRequ
     # "auto", "required" and named functions only steer (a forced call is a grammar, where one runs).
     disabled = choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none")
     reasoning = reasoning_options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
-    prompt = ChatPrompt(messages=messages, tools=None if disabled or not tools else tuple(tools), reasoning=reasoning)
+    tools_on = None if disabled or not tools else tuple(tools)
+    prompt = ChatPrompt(messages=messages, tools=tools_on, reasoning=reasoning, images=tuple(images))
     return ChatRequest(prompt=prompt, generation=generation, stop=stop, constraint=constraint)
 
 
@@ -82,19 +86,21 @@ def _tools(tools: Any) -> list[Any] | None:
 # --- messages ----------------------------------------------------------------------------------
 
 
-def chat_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+def chat_messages(messages: Any, images: list[ImagePart] | None = None) -> tuple[dict[str, Any], ...]:
     """OpenAI messages → what chat templates read. The body is never mutated.
 
     `developer` becomes `system`; text part arrays flatten to one string; assistant
     `tool_calls[].function.arguments` JSON strings are parsed to objects (templates iterate or
-    `tojson` them); media parts are a clear 400 (the server has no multimodal input).
+    `tojson` them); an `image_url` part becomes the image placeholder in the text and an entry of
+    `images` (api/images.py: a model without vision answers 400 there); other media parts, and
+    images when `images` is None, are a clear 400.
     """
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages required", param="messages")
-    return tuple(_chat_message(message, f"messages[{i}]") for i, message in enumerate(messages))
+    return tuple(_chat_message(message, f"messages[{i}]", images) for i, message in enumerate(messages))
 
 
-def _chat_message(message: Any, where: str) -> dict[str, Any]:
+def _chat_message(message: Any, where: str, images: list[ImagePart] | None) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise bad_request(f"{where} must be an object", param="messages")
     role = message.get("role")
@@ -109,7 +115,7 @@ def _chat_message(message: Any, where: str) -> dict[str, Any]:
         if role != "assistant":
             raise bad_request(f"{where}.tool_calls is only allowed on assistant messages", param="messages")
         out["tool_calls"] = _history_tool_calls(tool_calls, f"{where}.tool_calls")
-    content = _flat_content(message.get("content"), f"{where}.content")
+    content = _flat_content(message.get("content"), f"{where}.content", images)
     # null content (an assistant turn that only called tools) stays absent for the template;
     # anywhere else it is an empty string, as in mlx_lm.server.
     out["content"] = None if content is None and out.get("tool_calls") else (content or "")
@@ -118,7 +124,7 @@ def _chat_message(message: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _flat_content(content: Any, where: str) -> str | None:
+def _flat_content(content: Any, where: str, images: list[ImagePart] | None = None) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -133,6 +139,11 @@ def _flat_content(content: Any, where: str) -> str | None:
         kind = part.get("type")
         if not isinstance(kind, (str, type(None))):
             raise bad_request(f"{where} part type must be a string", param="messages")
+        if kind == "image_url" and images is not None:
+            url = part.get("image_url")
+            images.append(from_url(url.get("url") if isinstance(url, dict) else url, kind, where, "messages"))
+            texts.append(PLACEHOLDER)
+            continue
         if kind in MEDIA_PARTS:
             raise media_error(kind)
         if not isinstance(part.get("text"), str):  # {type:"text"}, {type:"input_text"}, any part with text

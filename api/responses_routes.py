@@ -60,7 +60,12 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
                     instructions = previous.instructions
             keep = body.get("store", True) is not False
             request = await offload.run(
-                responses_request, body, items, instructions, vocab_size=vocab_size(handles.tokenizer)
+                responses_request,
+                body,
+                items,
+                instructions,
+                vocab_size=vocab_size(handles.tokenizer),
+                vision=handles.info.vision,
             )
             started = await start_chat(handles, request, adapters=adapters)
         meta = ResponseMeta(

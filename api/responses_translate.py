@@ -20,6 +20,7 @@ from api import structured
 from api.chat_request import ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
 from api.fields import parse_generation, pick, reasoning_options, stream_flag
+from api.images import PLACEHOLDER, ImagePart, from_url
 from api.template_messages import media_error, template_arguments, tool_call_id_error
 
 GENERATION_FIELDS = (
@@ -83,11 +84,17 @@ def output_to_input(output: list[Any]) -> list[dict[str, Any]]:
 
 
 def responses_request(
-    body: Mapping[str, Any], items: list[dict[str, Any]], instructions: str | None, *, vocab_size: int | None
+    body: Mapping[str, Any],
+    items: list[dict[str, Any]],
+    instructions: str | None,
+    *,
+    vocab_size: int | None,
+    vision: bool = False,
 ) -> ChatRequest:
     """The chat request for the (already resolved, continuation-included) input items.
-    `vocab_size`, when known, bounds `logit_bias` token ids."""
-    turns = _Turns([instructions] if instructions else [])
+    `vocab_size`, when known, bounds `logit_bias` token ids; `vision`: the model takes images
+    (else an image part is a 400)."""
+    turns = _Turns([instructions] if instructions else [], vision=vision)
     for index, item in enumerate(items):
         turns.add_item(item, index)
     messages = turns.messages()
@@ -119,6 +126,7 @@ def responses_request(
         messages=messages,
         tools=None if choice == "none" or not tools else tuple(tools),
         reasoning=reasoning_options(body.get("chat_template_kwargs"), effort),
+        images=tuple(turns.images),
     )
     return ChatRequest(prompt=prompt, generation=generation, constraint=constraint)
 
@@ -132,6 +140,8 @@ class _Turns:
     # The first turn the server cannot take: (its index, its media part type, or None for a
     # call id that is not a string).
     problem: tuple[int, str | None] | None = None
+    images: list[ImagePart] = attrs.Factory(list)  # in prompt order (api/images.py)
+    vision: bool = False  # the model takes images (else an image part is a 400)
 
     def messages(self) -> tuple[dict[str, Any], ...]:
         # One leading system message: strict templates reject a second one.
@@ -172,7 +182,8 @@ class _Turns:
 
     def _add_message(self, item: Mapping[str, Any], where: str) -> None:
         role = item.get("role")
-        text, media = _content(item.get("content"), where)
+        images = self.images if self.vision and role not in SYSTEM_ROLES else None
+        text, media = _content(item.get("content"), where, images)
         if role in SYSTEM_ROLES:
             self.system.append(_only_text((text, media), where))
             return
@@ -206,8 +217,10 @@ class _Turns:
             self._append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
-def _content(content: Any, where: str) -> tuple[str, str | None]:
-    """The content's text (parts joined) and the chat part type of its first media part, if any."""
+def _content(content: Any, where: str, images: list[ImagePart] | None = None) -> tuple[str, str | None]:
+    """The content's text (parts joined) and the chat part type of its first media part, if any.
+    With `images`, an `input_image` part is the image placeholder in the text and an entry there
+    (api/images.py: a model without vision answers 400 there)."""
     if content is None:
         return "", None
     if isinstance(content, str):
@@ -224,6 +237,9 @@ def _content(content: Any, where: str) -> tuple[str, str | None]:
             texts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
+        elif kind == "input_image" and images is not None:
+            images.append(from_url(part.get("image_url"), "image_url", f"{where}.content", "input"))
+            texts.append(PLACEHOLDER)
         elif kind == "input_image":
             media = media or "image_url"
         elif kind in AUDIO_PART_TYPES:

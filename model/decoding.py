@@ -7,7 +7,7 @@ so a dispatched step is an `Inflight` until `read` turns it into `TokenOut`s.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import attrs
 import mlx.core as mx
@@ -15,6 +15,9 @@ import mlx.core as mx
 from model.kv_cache import KVCache
 from model.rows import TokenOut, TopLogprob
 from model.sampling import RowSampler, logprobs_of, observe_batch
+
+if TYPE_CHECKING:
+    from model.image_rows import ImageState
 
 # (ids, logprobs) of a row's top-k alternatives for one token.
 TopK = tuple[mx.array, mx.array]
@@ -47,6 +50,12 @@ class Row:
     draft: object = None  # a draft model's state for this row (model/speculative_step.py)
     adapters: tuple[str, ...] = ()  # LoRA adapter ids (model/adapters.py)
     lora: tuple[int, ...] = ()  # and the indices model/lora.py selects them by
+    image: ImageState | None = None  # a prompt with images: embeddings, positions (model/image_rows.py)
+
+    @property
+    def key(self) -> list[int]:
+        """The prompt as the prompt cache keys it (image runs replaced: model/image_rows.py)."""
+        return self.prompt if self.image is None else self.image.key
 
 
 @attrs.define(eq=False)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 
 import mlx.core as mx
 
-from model import lora, row_cache
+from model import image_rows, lora, row_cache
 from model.abort_flags import AbortFlags
 from model.adapters import AdapterInfo, AdapterSet
 from model.compiled_decode import CompiledDecode
@@ -45,7 +45,7 @@ from model.kv_cache import BatchKVCache, KVCache, LayerCache, PrefixCache
 from model.kv_rows import convert_at, is_merged, merge_batch, quantize_due, quantize_due_rows
 from model.kv_scheme import KVScheme
 from model.language_model import LanguageModel
-from model.options import EngineOptions
+from model.options import EngineOptions, padding
 from model.prefill_abort import forward_unless_aborted
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.sampling import RowSampler
@@ -111,8 +111,7 @@ class Engine:
         can = not kv_scheme.quantized and all(c.is_trimmable() for c in model.make_caches())
         self.speculator = Speculator(speculation) if speculation and can else None
         self.adapters = AdapterSet(model)  # LoRA adapters mounted at runtime (model/adapters.py)
-        self._gpu = gpu
-        self._heads = model.attention_heads
+        self._gpu, self._heads = gpu, model.attention_heads
         self.prompt_cache = prompt_cache
         self.num_layers = len(model.layers)
         self._rows: dict[int, Row] = {}
@@ -170,9 +169,9 @@ class Engine:
             end = row.convert_at  # the chunk ends where the row turns quantized, as mlx-lm's does
         if end > row.processed:
             chunk = row.prompt[row.processed : end]
-            trimmable = options.prefill_bucket and all(c.is_trimmable() for c in row.caches)
-            pad = _padding(len(chunk), options.prefill_bucket) if trimmable else 0
-            width = len(chunk) + pad
+            trimmable = options.prefill_bucket and row.image is None and all(c.is_trimmable() for c in row.caches)
+            pad = padding(len(chunk), options.prefill_bucket) if trimmable else 0
+            width, images = len(chunk) + pad, image_rows.inputs(row, row.processed, end)  # (an image row's)
             unfused = (
                 options.unfused_hit_prefill
                 and row.restored > 0
@@ -180,7 +179,9 @@ class Engine:
             )
             tokens = mx.array(chunk + chunk[-1:] * pad)[None]
             self.adapters.select([row.lora])
-            if not forward_unless_aborted(self.model, tokens, row.caches, [row], self.aborts, self._gpu, unfused):
+            if not forward_unless_aborted(
+                self.model, tokens, row.caches, [row], self.aborts, self._gpu, unfused, images
+            ):
                 return self._progress(row_id)
             for c in row.caches:
                 c.trim(pad)
@@ -204,7 +205,7 @@ class Engine:
             for c in snapshot:
                 c.trim(row.processed - at)
             assert self.prompt_cache is not None  # (snapshots are planned only with one)
-            row_cache.put(self.prompt_cache, self.kv_scheme, row.prompt[:at], snapshot, row.namespace, retain_s)
+            row_cache.put(self.prompt_cache, self.kv_scheme, row.key[:at], snapshot, row.namespace, retain_s)
 
     def _progress(self, row_id: int) -> PrefillProgress:
         row = self._rows[row_id]
@@ -212,11 +213,11 @@ class Engine:
 
     def groupable(self, row_id: int) -> bool:
         """Whether `prefill_group` can take this row: freshly opened (no cached prefix) with a
-        whole prompt[:-1] of one chunk at most. A boundary snapshot inside it is taken after the
-        group's forward, as after a solo chunk that runs past it."""
+        whole prompt[:-1] of one chunk at most, no images. A boundary snapshot inside it is taken
+        after the group's forward, as after a solo chunk that runs past it."""
         row = self._rows[row_id]
         todo = len(row.prompt) - 1 - row.processed
-        return row.processed == 0 and 0 < todo <= self.options.prefill_chunk
+        return row.processed == 0 and 0 < todo <= self.options.prefill_chunk and row.image is None
 
     def prefill_group(self, row_ids: Sequence[int]) -> list[PrefillProgress]:
         """Prefill the groupable ones of these rows in one right-padded forward, then give each
@@ -232,7 +233,7 @@ class Engine:
             if self.groupable(row_id):
                 row = self._rows[row_id]
                 todo = len(row.prompt) - 1
-                clusters.setdefault(todo + _padding(todo, bucket) if bucket else 0, []).append(row)
+                clusters.setdefault(todo + padding(todo, bucket) if bucket else 0, []).append(row)
         for rows in clusters.values():
             if len(rows) == 1:
                 self.prefill(rows[0].row_id)
@@ -246,7 +247,7 @@ class Engine:
         # build a graph that costs over a second per new shape, a causal one ~66 ms).
         bucket = self.options.group_bucket
         lengths = [len(r.prompt) - 1 for r in rows]
-        width = max(lengths) + _padding(max(lengths), bucket)
+        width = max(lengths) + padding(max(lengths), bucket)
         tokens = [r.prompt[:n] + r.prompt[n - 1 : n] * (width - n) for r, n in zip(rows, lengths)]
         count = len(rows)
         if bucket:
@@ -284,14 +285,16 @@ class Engine:
             row = self._rows[spec.row_id] = self._new_row(spec)
             row.caches = [c.clone() for c in source.caches]
             row.processed, row.restored, row.quantized = source.processed, source.restored, source.quantized
+            row.image = source.image  # (the source's embeddings and positions: its prompt)
         return [RowOpened(i, cached_tokens=source.restored, to_prefill=0) for i in ids]
 
     def _new_row(self, spec: RowSpec) -> Row:
         sampler = RowSampler(spec.sampling, protected_ids=self.protected, grammars=self.grammars)
+        image = image_rows.open_state(self.model, spec)  # (ValueError: no vision tower, or bad runs)
         lora_rows = self.adapters.open(spec.adapters)  # (ValueError: one is not mounted)
         namespace = self.adapters.namespace(spec.adapters, spec.namespace)
         row = Row(spec.row_id, list(spec.prompt), sampler, max(1, spec.max_tokens), namespace=namespace)
-        row.adapters, row.lora = spec.adapters, lora_rows
+        row.adapters, row.lora, row.image = spec.adapters, lora_rows, image
         row.convert_at = convert_at(self.kv_scheme, len(row.prompt), self.options.prefill_chunk)
         return row
 
@@ -301,7 +304,7 @@ class Engine:
             raise RuntimeError(f"row {row_id} joined before its prefill finished")
         last = mx.array(row.prompt[-1:])
         self.adapters.select([row.lora])
-        hidden = self.model(last[None], row.caches)
+        hidden = self.model(last[None], row.caches, **image_rows.inputs(row, row.processed, row.processed + 1))
         row.processed += 1
         row.kv_length = row.processed
         row.quantized = quantize_due(self.kv_scheme, row.caches, row.processed, row.convert_at)
@@ -327,7 +330,7 @@ class Engine:
             row = self._rows[row_id]
             if row.processed != len(row.prompt) - 1:
                 raise RuntimeError(f"row {row_id} joined before its prefill finished")
-            if row.sampler.constrained:
+            if row.sampler.constrained or row.image is not None:  # (an image row's last token: its embedding)
                 outs.append(self.join(row_id))
                 continue
             # The dispatch feeds last_token and, for penalty processors, appends it to history.
@@ -350,7 +353,7 @@ class Engine:
         self._settle_departures()
         if not self._batch:
             return []
-        if self.speculator is not None:  # speculate, or not: its policy measures which is faster
+        if self.speculator is not None and not image_rows.decode_inputs(self._batch):  # (drafts: text rows only)
             return self.speculator.step(self, self._plain_step)
         return self._plain_step()
 
@@ -491,10 +494,6 @@ class Engine:
         if self._compiled is not None:
             logits = self._compiled(tokens, self._caches)
         else:
-            logits = self.model.logits(self.model(tokens, self._caches)[:, -1, :])
+            hidden = self.model(tokens, self._caches, **image_rows.decode_inputs(self._batch))
+            logits = self.model.logits(hidden[:, -1, :])
         return sample_batch(list(self._batch), logits, inputs)
-
-
-def _padding(width: int, bucket: int) -> int:
-    """Tokens to add after a forward of `width` to reach the next multiple of `bucket` (0 = exact)."""
-    return -width % bucket if bucket else 0

@@ -73,3 +73,8 @@ class ResolvedOptions:
     warm_decode_capacity: int
     clear_cache: bool
     compile_decode: bool
+
+
+def padding(width: int, bucket: int) -> int:
+    """Tokens to add after a forward of `width` to reach the next multiple of `bucket` (0 = exact)."""
+    return -width % bucket if bucket else 0

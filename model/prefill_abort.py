@@ -20,8 +20,8 @@ measures the cost and the latency).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -81,15 +81,17 @@ def forward_unless_aborted(
     aborts: AbortFlags,
     gpu: bool,
     unfused_attention: bool = False,
+    inputs: Mapping[str, Any] | None = None,
 ) -> bool:
     """`model(tokens, caches)` for these rows' prefill, stopping between layers once every one
     of them is aborted. False then: some layers hold the chunk's KV and others not, so the rows'
     caches are dropped (a partial prefill is never put to the prompt cache) and they can only
-    close. The hidden state is not needed: the caller evaluates the caches."""
+    close. The hidden state is not needed: the caller evaluates the caches. `inputs`: the forward's
+    extra arguments (an image row's embeddings and positions: model/image_rows.py)."""
     ids = [r.row_id for r in rows]
     stops = LayerCheckpoints.for_device(lambda: aborts.all_of(ids), len(caches), gpu=gpu)
     try:
-        model(tokens, caches, unfused_attention=unfused_attention, after_layer=stops)
+        model(tokens, caches, unfused_attention=unfused_attention, after_layer=stops, **(inputs or {}))
     except PrefillAborted:
         for row in rows:
             row.caches, row.processed, row.snapshots, row.aborted = [], 0, [], True

@@ -29,7 +29,7 @@ def take(
     """The longest usable cached prefix of the row's prompt as its caches, or `fresh` (the
     model's own per-layer kinds: `LanguageModel.make_caches`)."""
     if cache is not None:
-        caches, cached = cache.take(row.prompt, namespaced(scheme, row.namespace), min_tokens)
+        caches, cached = cache.take(row.key, namespaced(scheme, row.namespace), min_tokens)
         if (
             caches is not None
             and len(caches) == len(fresh)
@@ -60,7 +60,7 @@ def put_covered(cache: PrefixCache, scheme: KVScheme, row: Row, caches: Sequence
     if not caches:
         return
     covered = caches[0].offset
-    known = row.prompt + row.tokens
+    known = row.key + row.tokens
     # More KV than known tokens means a forward was fed a token we never read (a step computed
     # ahead after the row finished): its key would be a guess, so no put.
     if covered == 0 or covered > len(known):

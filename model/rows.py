@@ -7,8 +7,19 @@ sampling values, never MLX arrays, so they cross the GPU-worker's thread boundar
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from model.params import SamplingParams
+
+
+@attrs.frozen
+class ImageInput:
+    """One preprocessed image of a row's prompt (model/vision/preprocess.py): its patches, its
+    (t, h, w) patch grid and the sha256 of its encoded bytes (the prompt-cache key's part)."""
+
+    pixels: np.ndarray = attrs.field(eq=False)  # [t * h * w, patch values] float32
+    grid_thw: tuple[int, int, int]
+    digest: str
 
 
 @attrs.frozen
@@ -29,6 +40,8 @@ class RowSpec:
     min_cached_tokens: int = 1
     # LoRA adapters (ids, mounted on the engine) whose deltas this row's forwards add, in order.
     adapters: tuple[str, ...] = ()
+    # Images whose features replace the prompt's image-pad runs, in order (a vision model only).
+    images: tuple[ImageInput, ...] = ()
 
 
 @attrs.frozen
