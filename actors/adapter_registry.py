@@ -110,6 +110,7 @@ def ceiling_with_adapters(ceiling: AdmissionCeiling, info: ModelInfo, adapter_by
         kv_quant_ratio=info.kv_quant_ratio,
         kv_quantized_from=info.kv_quantized_from,
         adapter_bytes=adapter_bytes,
+        state_bytes_per_row=info.state_bytes_per_row,
     )
 
 

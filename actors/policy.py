@@ -140,6 +140,7 @@ def admission_ceiling(
     kv_quant_ratio: float = 1.0,
     kv_quantized_from: int = 0,
     adapter_bytes: int = 0,
+    state_bytes_per_row: int = 0,
 ) -> AdmissionCeiling:
     """The longest row one request may grow to: what its KV, billed at the scheme's true bytes
     (`kv_bill`), fits in the budget after weights, the mounted adapters' weights and the prefill
@@ -147,7 +148,7 @@ def admission_ceiling(
     usable = budget_bytes - weights_bytes - adapter_bytes - PREFILL_TRANSIENT_BYTES
     by_memory = (
         max_tokens_billed(
-            usable,
+            usable - state_bytes_per_row,  # (a row's fixed recurrent state comes first)
             kv_bytes_per_token=kv_bytes_per_token,
             kv_quant_ratio=kv_quant_ratio,
             kv_quantized_from=kv_quantized_from,
@@ -225,6 +226,7 @@ def resolve_batch(
     context_length: int,
     kv_quant_ratio: float = 1.0,
     kv_quantized_from: int = 0,
+    state_bytes_per_row: int = 0,
 ) -> int:
     """The rows that decode at once: `requested` as given, or for auto (None) `AUTO_BATCH_ROWS`,
     fewer when that many rows of `AUTO_ROW_CONTEXT` tokens (or the model's whole context, if
@@ -233,11 +235,14 @@ def resolve_batch(
     executor)."""
     if requested is not None:
         return requested
-    row_bytes = kv_bill(
-        min(AUTO_ROW_CONTEXT, context_length),
-        kv_bytes_per_token=kv_bytes_per_token,
-        kv_quant_ratio=kv_quant_ratio,
-        kv_quantized_from=kv_quantized_from,
+    row_bytes = (
+        kv_bill(
+            min(AUTO_ROW_CONTEXT, context_length),
+            kv_bytes_per_token=kv_bytes_per_token,
+            kv_quant_ratio=kv_quant_ratio,
+            kv_quantized_from=kv_quantized_from,
+        )
+        + state_bytes_per_row
     )
     if row_bytes <= 0:
         return AUTO_BATCH_ROWS
@@ -255,4 +260,5 @@ def batch_rows(config: ServeConfig, info: ModelInfo) -> int:
         context_length=info.context_length,
         kv_quant_ratio=info.kv_quant_ratio,
         kv_quantized_from=info.kv_quantized_from,
+        state_bytes_per_row=info.state_bytes_per_row,
     )

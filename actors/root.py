@@ -119,6 +119,7 @@ async def start_actors(
         context_length=info.context_length,
         kv_quant_ratio=info.kv_quant_ratio,
         kv_quantized_from=info.kv_quantized_from,
+        state_bytes_per_row=info.state_bytes_per_row,
     )
     if ceiling.max_safe_context < 1:
         # Serve anyway: requests are refused one by one with a clear 400.

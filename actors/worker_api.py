@@ -57,6 +57,8 @@ class ModelInfo:
     kv_group_size: int | None = None  # None when nothing is quantized
     kv_bits: int | tuple[int | None, ...] | None = None  # KVScheme.bits
     kv_start: int = 0  # --quantized-kv-start
+    # Bytes every row holds whatever its length (a hybrid model's recurrent states).
+    state_bytes_per_row: int = 0
     # Speculative decoding: "" = off, else "draft:<name> k=K" or "ngram k=K n=MIN..MAX".
     speculation: str = ""
     # An embedding model's pooling (sentence-transformers files): it serves /v1/embeddings only.
@@ -72,11 +74,13 @@ def loaded_fields(loaded: LoadedModel) -> dict[str, Any]:
     """ModelInfo's fields read off the loaded model: an embedding model's pooling, and the vision
     fields of one with a vision tower (it encodes images)."""
     model = loaded.model
+    state = getattr(model, "state_bytes_per_row", None)
+    common = {"embedding": loaded.pooling, "state_bytes_per_row": state(loaded.kv_dtype.size) if state else 0}
     if not hasattr(model, "encode_images"):
-        return {"embedding": loaded.pooling}
+        return common
     config = ImageProcessorConfig.read(loaded.path)
     vision = {"vision": True, "image_token_id": int(model.image_token_id), "image_processor": config}
-    return {"embedding": loaded.pooling, **vision}
+    return {**common, **vision}
 
 
 def kv_fields(scheme: KVScheme, *, num_layers: int, dtype_bytes: int, prefill_chunk: int) -> dict[str, Any]:

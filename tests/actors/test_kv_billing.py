@@ -218,3 +218,41 @@ async def test_a_bad_kv_config_fails_start_up_in_one_line_as_a_usage_error(qwen3
                 await nursery.start(worker.run)
     failed = load_failed(str(model_dir), caught.value)
     assert failed.usage and "kv_config.json" in failed.message and "\n" not in failed.message
+
+
+def test_a_rows_fixed_recurrent_state_is_billed_before_its_tokens():
+    from actors.policy import admission_ceiling, resolve_batch
+
+    kv = 1000  # bytes per token
+    plain = admission_ceiling(budget_bytes=10**10, weights_bytes=10**9, kv_bytes_per_token=kv, context_length=10**9)
+    hybrid = admission_ceiling(
+        budget_bytes=10**10,
+        weights_bytes=10**9,
+        kv_bytes_per_token=kv,
+        context_length=10**9,
+        state_bytes_per_row=5 * 10**6,
+    )
+    assert plain.max_safe_context - hybrid.max_safe_context == 5000  # the state's bytes, in tokens
+    rows = {
+        state: resolve_batch(
+            None,
+            budget_bytes=4 * 10**9,
+            weights_bytes=0,
+            kv_bytes_per_token=kv,
+            context_length=4096,
+            state_bytes_per_row=state,
+        )
+        for state in (0, 300 * 10**6)
+    }
+    assert rows[300 * 10**6] < rows[0] == 32
+
+
+def test_the_hybrid_models_state_reaches_model_info(tiny_model_factory):
+    from actors.worker_api import loaded_fields
+    from model.loader import load_model
+
+    loaded = load_model(tiny_model_factory("qwen3_5", num_hidden_layers=4, head_dim=16))
+    expected = loaded.model.state_bytes_per_row(loaded.kv_dtype.size)
+    assert expected > 0 and loaded_fields(loaded)["state_bytes_per_row"] == expected
+    plain = load_model(tiny_model_factory("qwen3"))
+    assert loaded_fields(plain)["state_bytes_per_row"] == 0
