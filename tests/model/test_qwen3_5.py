@@ -193,3 +193,30 @@ def test_speculation_is_off_for_recurrent_state_layers(hybrid):
     assert engine.speculator is None
     spec = RowSpec(0, tuple(PROMPTS[0]), SamplingParams(), 16)
     assert generate_tokens(engine, [spec]) == generate_tokens(Engine(hybrid, eos_token_ids=[]), [spec])
+
+
+async def test_real_server_serves_the_hybrid_model_concurrently_with_the_cache_on(hybrid_dir):
+    """The whole stack on recurrent-state layers: warm-up, concurrent rows batched together, and a
+    repeated request with the prompt cache on (its entries are exact-boundary only) answering the same."""
+    import trio
+
+    from tests.realserver import complete_whole, real_server
+
+    def body(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 10, "temperature": 0}
+
+    with trio.fail_after(120):
+        async with real_server(hybrid_dir, batch=4, prompt_cache_bytes=1 << 30) as server:
+            alone = [await complete_whole(server, body(t), chat=True) for t in ("sea", "mountain range")]
+            together: list = [None, None]
+
+            async def one(i: int, text: str) -> None:
+                together[i] = await complete_whole(server, body(text), chat=True)
+
+            async with trio.open_nursery() as nursery:
+                for i, text in enumerate(("sea", "mountain range")):
+                    nursery.start_soon(one, i, text)
+            again = await complete_whole(server, body("sea"), chat=True)
+    texts = [r["choices"][0]["message"]["content"] for r in alone]
+    assert texts[0] and [r["choices"][0]["message"]["content"] for r in together] == texts
+    assert again["choices"][0]["message"]["content"] == texts[0]
