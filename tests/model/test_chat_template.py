@@ -459,3 +459,60 @@ def test_render_does_not_mutate_caller_messages(chatml_dir):
     messages = copy.deepcopy(TOOL_CONVERSATION)
     tok.render_chat(messages, tools=[WEATHER_TOOL])
     assert messages == TOOL_CONVERSATION
+
+
+# Gemma 3's template (its tokenizer_config.json): turns as <start_of_turn>user / model, the system
+# prompt folded into the first user turn, and raise_exception when roles do not alternate.
+GEMMA3_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+@pytest.mark.parametrize("case", ["multi_turn", "multi_turn_no_prompt"])
+def test_gemma3_template_matches_transformers(chatml_dir, case):
+    ours, reference = _both(chatml_dir, template=GEMMA3_TEMPLATE, **CASES[case])
+    assert ours == reference and "<start_of_turn>model\n" in ours
+
+
+def test_gemma3_template_refuses_roles_that_do_not_alternate():
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(TemplateError, match="alternate"):
+        ChatTemplate(GEMMA3_TEMPLATE).render(messages, add_generation_prompt=True, bos_token="<bos>")
