@@ -194,7 +194,11 @@ class RowSampler:
             logprobs = apply_xtc(logprobs, p.xtc_probability, p.xtc_threshold, self._protected, xtc_key)
         if p.top_k > 0:
             logprobs = apply_top_k(logprobs, p.top_k)
-        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=key)
+        scaled = logprobs * (1.0 / p.temperature)
+        sampled = mx.random.categorical(scaled, key=key)
+        # A temperature so small that 1/T overflows the dtype leaves no finite weight (every token
+        # -inf, or NaN): the limit of sampling there is the argmax, never an arbitrary token.
+        return mx.where(mx.isfinite(mx.max(scaled, axis=-1)), sampled, mx.argmax(logprobs, axis=-1))
 
 
 def observe_batch(samplers: list[RowSampler], indices: list[int], tokens: list[int]) -> None:
