@@ -51,6 +51,11 @@ class DecoderArgs:
     qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_word_embeddings: bool = False
 
+    def kv_bytes_per_token(self, dtype_bytes: int, layers: int | None = None) -> int:
+        """Keys and values of one position in `layers` attention layers (default: every layer)."""
+        count = self.num_hidden_layers if layers is None else layers
+        return 2 * count * self.num_key_value_heads * self.head_dim * dtype_bytes
+
 
 @partial(mx.compile, shapeless=True)
 def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
@@ -274,8 +279,7 @@ class DecoderModel(LanguageModel):
         return self.args.num_attention_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        a = self.args
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * dtype_bytes
+        return self.args.kv_bytes_per_token(dtype_bytes)
 
     def activation_dtype(self) -> mx.Dtype:
         return self.model.norm.weight.dtype

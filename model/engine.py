@@ -128,13 +128,13 @@ class Engine:
         self.prefill_tokens = 0  # prompt tokens forwarded by prefill (a join feeds the last; a fork none)
         self._cuda = cuda
         self._compiled: CompiledDecode | None = None
+        self._recompile = False  # compiled decode was dropped for adapters: rebuilt once they leave
         self._compile()
 
     def _compile(self) -> None:
         """The compiled decode step, while no adapter is installed (model/lora.py)."""
-        model = self.model
-        if self.options.compile_decode and isinstance(model, DecoderModel) and lora.installed(model) is None:
-            compiled = CompiledDecode(model, fuse=self._cuda)
+        if self.options.compile_decode and isinstance(self.model, DecoderModel) and not lora.installed(self.model):
+            compiled = CompiledDecode(self.model, fuse=self._cuda)
             self._compiled = compiled if compiled.enabled else None
 
     # -- row lifecycle ---------------------------------------------------------------------
@@ -395,7 +395,7 @@ class Engine:
 
     def mount_adapter(self, adapter_id: str, path: str) -> AdapterInfo:
         info = self.adapters.mount(adapter_id, path)
-        self._compiled = None  # it would bake one selection in (model/lora.py)
+        self._compiled, self._recompile = None, True  # it would bake one selection in (model/lora.py)
         return info
 
     def unmount_adapter(self, adapter_id: str) -> bool:
@@ -485,7 +485,8 @@ class Engine:
         """Start the decode step that feeds `inputs` ([B] tokens) to the batch's rows."""
         tokens = inputs[:, None]
         self.adapters.select([r.lora for r in self._batch])
-        if self._compiled is None and not self.adapters.installed and self.options.compile_decode:
+        if self._recompile and not self.adapters.installed:
+            self._recompile = False
             self._compile()  # the last adapter left: base rows decode compiled again
         if self.kv_scheme.quantized:
             quantize_due_rows(self.kv_scheme, self._batch, self._caches)

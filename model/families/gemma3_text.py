@@ -191,8 +191,8 @@ class Gemma3TextModel(LanguageModel):
         return self.args.base.num_attention_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        a = self.args.base  # every layer at full length: an upper bound (see the module doc)
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * dtype_bytes
+        # Every layer at full length: an upper bound (see the module doc).
+        return self.args.base.kv_bytes_per_token(dtype_bytes)
 
     def activation_dtype(self) -> mx.Dtype:
         return self.model.norm.weight.dtype

@@ -133,8 +133,7 @@ class Qwen25VLModel(LanguageModel):
         return self.args.num_attention_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        a = self.args
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * dtype_bytes
+        return self.args.kv_bytes_per_token(dtype_bytes)
 
     def activation_dtype(self) -> mx.Dtype:
         return self.model.norm.weight.dtype

@@ -156,8 +156,7 @@ class Qwen35Model(LanguageModel):
         return [StateCache() if lin else KVCache() for lin in self.args.linear]
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        a = self.args.base
-        return 2 * self.args.linear.count(False) * a.num_key_value_heads * a.head_dim * dtype_bytes
+        return self.args.base.kv_bytes_per_token(dtype_bytes, layers=self.args.linear.count(False))
 
     def state_bytes_per_row(self, dtype_bytes: int) -> int:
         return sum(layer.linear_attn.state_bytes(dtype_bytes) for layer in self.layers if layer.is_linear)

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from model.decoder import DecoderArgs, DecoderModel
 from model.errors import ModelLoadError
-from model.families.common import head_dim_of, tie_embeddings
+from model.families.qwen3 import decoder_args
 from model.moe import SparseMoeBlock, expert_prefixes, stack_experts
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3_moe",)
@@ -64,7 +64,6 @@ class Qwen3MoeModel(DecoderModel):
 
 
 def build(config: dict[str, Any], has_lm_head: bool) -> Qwen3MoeModel:
-    heads = int(config["num_attention_heads"])
     step = int(config.get("decoder_sparse_step") or 1)
     if step < 1:
         raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
@@ -77,20 +76,5 @@ def build(config: dict[str, Any], has_lm_head: bool) -> Qwen3MoeModel:
         decoder_sparse_step=step,
         mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()),
     )
-    args = DecoderArgs(
-        hidden_size=int(config["hidden_size"]),
-        num_hidden_layers=int(config["num_hidden_layers"]),
-        intermediate_size=int(config["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=head_dim_of(config),
-        vocab_size=int(config["vocab_size"]),
-        rms_norm_eps=float(config["rms_norm_eps"]),
-        rope_theta=float(config["rope_theta"]),
-        rope_traditional=False,
-        rope_scaling=config.get("rope_scaling"),
-        max_position_embeddings=int(config.get("max_position_embeddings") or 32768),
-        qk_norm=True,
-        tie_word_embeddings=tie_embeddings(config, has_lm_head, default=None),
-    )
+    args = decoder_args(config, has_lm_head)  # attention and dense layers are Qwen3's
     return Qwen3MoeModel(args, moe)

@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch_quick(args: list[str], log_path: Path) -> subprocess.Popen:
+    """`python -m actors.serve` on a free port without warm-up, its log in `log_path`."""
+    with open(log_path, "w") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "actors.serve", "--port", "0", "--warm-up", "off", *args],
+            cwd=ROOT,
+            stderr=log_file,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+
+def end(proc: subprocess.Popen) -> int:
+    """SIGINT, then its exit code (killed after 30 s)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
 
 
 def wait_until_serving(proc: subprocess.Popen, log_path: Path, limit_s: float) -> str:

@@ -4,43 +4,18 @@ unmounts over /v1/adapters; /v1/models lists what is mounted."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.server_process import wait_until_serving
+from tests.e2e.server_process import end, wait_until_serving
+from tests.e2e.server_process import launch_quick as launch
 from tests.fixtures.lora import write_adapter
 
-ROOT = Path(__file__).resolve().parents[2]
 STARTUP_LIMIT_S = 120.0
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-
-
-def launch(args: list[str], log_path: Path) -> subprocess.Popen:
-    with open(log_path, "w") as log_file:
-        return subprocess.Popen(
-            [sys.executable, "-m", "actors.serve", "--port", "0", "--warm-up", "off", *args],
-            cwd=ROOT,
-            stderr=log_file,
-            stdout=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-
-
-def end(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
 
 
 def test_adapters_on_a_real_server(tiny_model_factory, tmp_path):

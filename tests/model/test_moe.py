@@ -210,3 +210,20 @@ async def test_real_server_answers_a_chat_completion(moe_dir):
     choice = first["choices"][0]
     assert choice["finish_reason"] == "length" and first["usage"]["completion_tokens"] == 12
     assert choice["message"]["content"] and choice["message"]["content"] == again["choices"][0]["message"]["content"]
+
+
+def test_a_model_compiled_decode_refuses_is_not_retried_every_step(tiny_model_factory, monkeypatch):
+    """Mixed dense/MoE layers disable compiled decode: the engine asks once, not per step."""
+    import model.engine as engine_module
+
+    built = []
+
+    class Counting(CompiledDecode):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "CompiledDecode", Counting)
+    engine = engine_for(load_model(tiny_model_factory("qwen3_moe", **MIXED)).model)
+    generate_tokens(engine, [RowSpec(0, tuple(PROMPTS[0]), SamplingParams(), 16)])
+    assert engine._compiled is None and len(built) == 1
