@@ -57,6 +57,20 @@ def forward_cost(model, prompt: list[int], ks: list[int], reps: int) -> dict[int
     return out
 
 
+def prefill_seconds(model, prompt: list[int], reps: int = 3) -> float:
+    """Seconds to prefill `prompt` into fresh caches (best of `reps`, after one warm run)."""
+    best = float("inf")
+    for i in range(reps + 1):
+        caches = model.make_caches()
+        started = time.perf_counter()
+        for start in range(0, len(prompt), 512):
+            model(mx.array(prompt[start : start + 512])[None], caches)
+            mx.eval([c.state for c in caches])
+        if i:
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
 def break_even(cost_ratio: float, k: int) -> float | None:
     """The acceptance rate a at which (1 - a^(k+1)) / (1 - a) == cost_ratio (None: never)."""
     if cost_ratio <= 1:
@@ -129,7 +143,15 @@ def main() -> None:
     for k in (int(k) for k in args.ngram_ks.split(",")):
         drafters[f"ngram{k}"] = Speculation("ngram", k)
     if args.draft:
-        drafters["draft"] = Speculation("draft", args.k, draft_model=load_model(args.draft).model)
+        draft = load_model(args.draft).model
+        drafters["draft"] = Speculation("draft", args.k, draft_model=draft)
+        # A row's draft caches start empty, also on a prompt-cache hit: the draft model re-prefills
+        # the prompt at the row's first draft. What that costs next to the target's prefill:
+        result["prefill_s"] = {"target": prefill_seconds(target, prompt), "draft": prefill_seconds(draft, prompt)}
+        print(
+            f"prefill of the prompt: target {result['prefill_s']['target'] * 1e3:.1f} ms, draft "
+            f"{result['prefill_s']['draft'] * 1e3:.1f} ms"
+        )
     for name, spec in drafters.items():
         for always in (True, False):
             label = f"{name}-{'always' if always else 'measured'}"
