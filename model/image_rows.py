@@ -1,8 +1,10 @@
 """The engine's image work for a row whose prompt carries images (a vision-language family).
 
-At open, the vision tower encodes the row's images and `embed_with_images` splices the features
-into the prompt's embeddings; those and the prompt's mrope positions are kept for the prefill
-chunks and the join, which forward slices of them instead of looking the tokens up. After the
+At open, the row gets the prompt's mrope positions and its `PromptEmbeddings`; the prefill chunks
+and the join forward slices of those instead of looking the tokens up. The vision tower runs (and
+`embed_with_images` splices its features into the prompt's embeddings) when the first slice that
+holds or precedes an image is asked for: a prompt-cache hit that covers every image only embeds
+the text after them, so a second turn with the same screenshot never re-encodes it. After the
 prompt, a row runs at cache offset + its `delta` (model/vision/mrope.py), passed to each decode.
 
 Prompt cache: an image row's entries are keyed by its `key` tokens: the prompt with each image's
@@ -27,10 +29,35 @@ if TYPE_CHECKING:
     from model.language_model import LanguageModel
 
 
+class PromptEmbeddings:
+    """A prompt's [1, L, hidden] embeddings with its images' features in their pad rows, built on
+    first need and shared by a row's forks (one prompt)."""
+
+    def __init__(self, model: LanguageModel, prompt: Sequence[int], images: Sequence[ImageInput]) -> None:
+        self.model, self.prompt, self.images = model, list(prompt), images
+        self.images_end = max(i for i, t in enumerate(prompt) if t == model.image_token_id) + 1
+        self._full: mx.array | None = None
+        self.encoded = 0  # times the vision tower ran (tests)
+
+    def slice(self, start: int, end: int) -> mx.array:
+        if self._full is None and start >= self.images_end:  # text only: no vision tower
+            return self.model.embed_with_images(mx.array([self.prompt[start:end]]), mx.zeros((0, 1)))
+        if self._full is None:
+            grids = [image.grid_thw for image in self.images]
+            features = self.model.encode_images(mx.array(np.concatenate([i.pixels for i in self.images])), grids)
+            self._full = self.model.embed_with_images(mx.array([self.prompt]), features)
+            self.encoded += 1
+        return self._full[:, start:end]
+
+    def release(self) -> None:
+        """The prompt has been forwarded: free the embeddings (a later slice rebuilds them)."""
+        self._full = None
+
+
 @attrs.frozen(eq=False)
 class ImageState:
     key: list[int]  # the prompt-cache key tokens (image runs replaced by hash-derived ids)
-    embeddings: mx.array | None  # [1, L, hidden]; None once the prompt has been forwarded
+    embeddings: PromptEmbeddings
     positions: mx.array  # [3, 1, L] mrope positions
     delta: int  # a text position after the prompt is its index + delta
 
@@ -46,17 +73,12 @@ def open_state(model: LanguageModel, spec: RowSpec) -> ImageState | None:
     or the prompt's image-pad runs do not match the images' grids."""
     if not spec.images:
         return None
-    encode = getattr(model, "encode_images", None)
-    if encode is None:
+    if getattr(model, "encode_images", None) is None:
         raise ValueError("this model has no vision tower: a row with images cannot run on it")
     merge = int(model.visual.args.spatial_merge_size)
-    image_token = int(model.image_token_id)
-    grids = [image.grid_thw for image in spec.images]
-    key = key_tokens(spec.prompt, image_token, spec.images, merge)
-    features = encode(mx.array(np.concatenate([image.pixels for image in spec.images])), grids)
-    embeddings = model.embed_with_images(mx.array([spec.prompt]), features)
-    positions, delta = model.image_positions(spec.prompt, grids)
-    return ImageState(key, embeddings, positions, delta)
+    key = key_tokens(spec.prompt, int(model.image_token_id), spec.images, merge)  # (checks the runs)
+    positions, delta = model.image_positions(spec.prompt, [image.grid_thw for image in spec.images])
+    return ImageState(key, PromptEmbeddings(model, spec.prompt, spec.images), positions, delta)
 
 
 def key_tokens(prompt: Sequence[int], image_token: int, images: Sequence[ImageInput], merge: int) -> list[int]:
@@ -94,10 +116,9 @@ def inputs(row: Row, start: int, end: int) -> dict[str, Any]:
     state = row.image
     if state is None:
         return {}
-    assert state.embeddings is not None, "an image row's prompt was forwarded twice"
-    out = {"embeddings": state.embeddings[:, start:end], "positions": state.positions[:, :, start:end]}
+    out = {"embeddings": state.embeddings.slice(start, end), "positions": state.positions[:, :, start:end]}
     if end >= len(state.key):
-        row.image = attrs.evolve(state, embeddings=None)  # (a new value: forks share the old one)
+        state.embeddings.release()
     return out
 
 

@@ -95,13 +95,17 @@ def test_image_rows_are_not_grouped(vlm_dir, ours):
     assert not e.groupable(0) and e.groupable(1)
 
 
-def test_same_image_hits_the_cache_and_a_different_one_misses(vlm_dir, ours):
+def test_same_image_hits_the_cache_and_a_different_one_misses(vlm_dir, ours, monkeypatch):
+    encoded = []
+    encode = Qwen25VLModel.encode_images
+    monkeypatch.setattr(Qwen25VLModel, "encode_images", lambda self, *a: encoded.append(1) or encode(self, *a))
     cache = PromptCache(1 << 30)
     hot = engine(ours, cache=cache)
     image = inputs(vlm_dir, IMAGES[:1])
     turn1 = prompt_with(ours, [image[0].grid_thw[1] * image[0].grid_thw[2] // 4])
     first = generate_tokens(hot, [spec(0, turn1, image)], reusable=True)[0]
     turn2 = turn1 + first + [11, 300, 2, 77]
+    assert len(encoded) == 1
     opened = hot.open_row(spec(1, turn2, image))
     assert opened.cached_tokens >= len(turn1)  # the prompt and what was generated after it
     out = {1: []}
@@ -109,6 +113,7 @@ def test_same_image_hits_the_cache_and_a_different_one_misses(vlm_dir, ours):
         pass
     out[1].append(hot.join(1).token)
     hot_tokens = decode_to_the_end(hot, out, {1}, reusable=True)[1]
+    assert len(encoded) == 1  # the hit covered the image: only the text after it was embedded
     assert hot_tokens == generate_tokens(engine(ours), [spec(1, turn2, image)])[1]
 
     # Another picture of the same size: same token ids, different key. Only the text before it hits.
