@@ -107,15 +107,25 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, args.conv_kernel, groups=self.conv_dim, padding=0, bias=False
         )
-        dim = args.hidden_size
-        self.in_proj_qkv = nn.Linear(dim, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(dim, args.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(dim, args.num_v_heads, bias=False)
+        self.make_projections()
         self.dt_bias = mx.ones(args.num_v_heads)
         self.A_log = mx.zeros(args.num_v_heads)
         self.norm = RMSNormGated(args.head_v_dim, args.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
+        self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
+
+    # The input projections: Qwen3.5's four; Qwen3-Next fuses them (model/families/qwen3_next.py).
+    def make_projections(self) -> None:
+        dim, heads = self.args.hidden_size, self.args.num_v_heads
+        self.in_proj_qkv = nn.Linear(dim, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, heads, bias=False)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """x [B, S, D] -> the convolution's input [B, S, conv_dim], z [B, S, Hv, Dv], b and a [B, S, Hv]."""
+        B, S, _ = x.shape
+        z = self.in_proj_z(x).reshape(B, S, self.args.num_v_heads, self.args.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         B, S, _ = x.shape
@@ -131,10 +141,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: mx.array, cache: Any) -> mx.array:
         a_ = self.args
         B, S, _ = x.shape
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(B, S, a_.num_v_heads, a_.head_v_dim)
-        b = self.in_proj_b(x)
-        a = self.in_proj_a(x)
+        qkv, z, b, a = self.project(x)
         conv_state = cache.conv
         if conv_state is None:
             conv_state = mx.zeros((B, a_.conv_kernel - 1, self.conv_dim), dtype=x.dtype)

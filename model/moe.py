@@ -1,4 +1,4 @@
-"""Routed experts: mlx-lm's SwitchGLU and the Qwen3-MoE sparse block, op for op.
+"""Routed experts: mlx-lm's SwitchGLU and the Qwen3-MoE / Qwen3-Next sparse blocks, op for op.
 
 Expert weights are stacked per projection, [experts, out, in] (`mlp.switch_mlp.gate_proj.weight`),
 and each token multiplies only by its top-k experts through `mx.gather_mm` (`mx.gather_qmm` once
@@ -154,6 +154,34 @@ class SparseMoeBlock(nn.Module):
             scores = scores / mx.sum(scores, axis=-1, keepdims=True)
         y = self.switch_mlp(x, inds)
         return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen3-Next's and Qwen3.5-MoE's MLP: the routed experts plus a dense shared expert whose
+    output each token scales by a sigmoid gate of its own (mlx-lm's Qwen3NextSparseMoeBlock)."""
+
+    def __init__(
+        self, dim: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, shared: nn.Module
+    ) -> None:
+        super().__init__(dim, intermediate_size, num_experts, top_k, norm_topk_prob)
+        self.shared_expert = shared
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(x) + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+def unfuse_experts(weights: dict[str, mx.array]) -> None:
+    """Transformers' fused expert tensors (`{prefix}.experts.gate_up_proj` [experts, 2 * inter, in]
+    and `{prefix}.experts.down_proj`) split in place into the stacked switch_mlp weights, as
+    mlx-lm's qwen3_5_moe sanitize does. A missing down_proj raises KeyError naming it."""
+    for key in [k for k in weights if k.endswith(".experts.gate_up_proj")]:
+        prefix = key.removesuffix(".experts.gate_up_proj")
+        gate_up = weights.pop(key)
+        mid = gate_up.shape[-2] // 2
+        weights[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
 
 
 def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int) -> None:

@@ -8,11 +8,21 @@ from __future__ import annotations
 from typing import Any
 
 from model.errors import ModelLoadError
-from model.families import gemma3_text, llama, qwen2, qwen2_5_vl, qwen3, qwen3_5, qwen3_moe
+from model.families import gemma3_text, llama, qwen2, qwen2_5_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
 from model.families.common import Family
 from model.language_model import LanguageModel
 
-FAMILIES: tuple[Family, ...] = (llama, qwen2, qwen3, qwen3_moe, gemma3_text, qwen3_5, qwen2_5_vl)
+FAMILIES: tuple[Family, ...] = (
+    llama,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    gemma3_text,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+    qwen2_5_vl,
+)
 _BY_TYPE: dict[str, Family] = {t: family for family in FAMILIES for t in family.MODEL_TYPES}
 
 

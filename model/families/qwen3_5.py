@@ -201,7 +201,12 @@ def linear_layers(config: dict[str, Any], n: int) -> tuple[bool, ...]:
 def build(config: dict[str, Any], has_lm_head: bool) -> Qwen35Model:
     text = config.get("text_config") or config  # a vision-language checkpoint nests the text model
     if int(text.get("num_experts") or 0) > 0:
-        raise ValueError("Qwen3.5 mixture-of-experts checkpoints are not supported")
+        raise ValueError("Qwen3.5 mixture-of-experts checkpoints are model_type qwen3_5_moe")
+    return Qwen35Model(hybrid_args(text, has_lm_head))
+
+
+def hybrid_args(text: dict[str, Any], has_lm_head: bool) -> HybridArgs:
+    """The text model's config as HybridArgs (also Qwen3.5-MoE's and Qwen3-Next's)."""
     heads, n = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
     # mlx-lm reads RoPE only from rope_parameters (its defaults when absent).
     rope = dict(text.get("rope_parameters") or {"rope_theta": 100000.0, "partial_rotary_factor": 0.25})
@@ -234,12 +239,10 @@ def build(config: dict[str, Any], has_lm_head: bool) -> Qwen35Model:
         conv_kernel=int(text.get("linear_conv_kernel_dim") or 4),
         rms_norm_eps=base.rms_norm_eps,
     )
-    return Qwen35Model(
-        HybridArgs(
-            base=base,
-            delta=delta,
-            linear=linear_layers(text, n),
-            rotary_dims=int(head_dim * float(rope.get("partial_rotary_factor", 0.25))),
-            output_gate=bool(text.get("attn_output_gate", True)),
-        )
+    return HybridArgs(
+        base=base,
+        delta=delta,
+        linear=linear_layers(text, n),
+        rotary_dims=int(head_dim * float(rope.get("partial_rotary_factor", 0.25))),
+        output_gate=bool(text.get("attn_output_gate", True)),
     )

@@ -36,6 +36,12 @@ def hybrid(hybrid_dir):
     return load_model(hybrid_dir).model
 
 
+@pytest.fixture(scope="module", params=[None, "q4"], ids=["fp32", "q4"])
+def any_hybrid(request, tiny_model_factory):
+    """The float model, and the q4 one in mlx-community's layout (sanitized, language_model.* keys)."""
+    return load_model(tiny_model_factory("qwen3_5", quant=request.param, **SHAPE)).model
+
+
 def engine_for(model, cache=None, **options):
     return Engine(model, eos_token_ids=[], prompt_cache=cache, options=EngineOptions(**options))
 
@@ -44,8 +50,10 @@ def spec(row_id, prompt, n=16, **kw):
     return RowSpec(row_id, tuple(prompt), SamplingParams(), n, **kw)
 
 
-def test_greedy_matches_mlx_lm(hybrid_dir):
-    got, want = ours(hybrid_dir, PROMPTS), reference(hybrid_dir, PROMPTS)
+@pytest.mark.parametrize("quant", [None, "q4"], ids=["fp32", "q4"])
+def test_greedy_matches_mlx_lm(tiny_model_factory, quant):
+    model_dir = tiny_model_factory("qwen3_5", quant=quant, **SHAPE)
+    got, want = ours(model_dir, PROMPTS), reference(model_dir, PROMPTS)
     assert got == want
     assert all(len(set(seq)) > 4 for seq in got)  # not a degenerate repeat: the check can fail
 
@@ -77,8 +85,8 @@ def run_row_to_join(engine, s):
     return engine.join(s.row_id).token
 
 
-def test_batch_with_a_join_and_a_leave_equals_solo(hybrid):
-    engine = engine_for(hybrid, prefill_chunk=16)
+def test_batch_with_a_join_and_a_leave_equals_solo(any_hybrid):
+    engine = engine_for(any_hybrid, prefill_chunk=16)
     prompts = {1: PROMPTS[0], 2: PROMPTS[1], 3: PROMPTS[2], 4: [9] * 5 + [123, 456, 78], 5: [31], 6: [41, 59, 26]}
     lengths = {r: 10 if r == 2 else 24 for r in prompts}
     alone = {r: generate_tokens(engine, [spec(r, prompts[r], lengths[r])])[r] for r in prompts}
@@ -136,7 +144,8 @@ def generate_tokens_after_open(engine, row_id, reusable):
     return [t.token for t in out]
 
 
-def test_a_hit_at_the_covered_boundary_equals_a_cold_run(hybrid):
+def test_a_hit_at_the_covered_boundary_equals_a_cold_run(any_hybrid):
+    hybrid = any_hybrid
     rng = random.Random(1)
     prompt = [rng.randrange(3, 500) for _ in range(300)]
     cache = PromptCache(1 << 30)
