@@ -103,22 +103,47 @@ class Llama3RoPE(nn.Module):
         )
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+class ProportionalRoPE(nn.Module):
+    """mlx-lm's "proportional" RoPE (Gemma 4): the frequencies of all `dims`, but only the first
+    `partial_rotary_factor` of them turn (the rest get infinite wavelengths)."""
+
+    def __init__(self, dims: int, base: float, traditional: bool, scaling: dict[str, Any]):
+        super().__init__()
+        self.dims, self.traditional = dims, traditional
+        rotated = int(dims * scaling.get("partial_rotary_factor", 1.0))
+        exponents = mx.arange(0, rotated, 2, dtype=mx.float32) / dims
+        factor = scaling.get("factor", 1.0)
+        self._freqs = mx.concatenate([factor * (base**exponents), mx.full(((dims - rotated) // 2,), mx.inf)])
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset, freqs=self._freqs
+        )
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 
 def make_rope(dims: int, args: DecoderArgs) -> nn.Module:
-    scaling = args.rope_scaling
+    return rope_for(dims, args.rope_theta, args.rope_traditional, args.rope_scaling)
+
+
+def rope_for(dims: int, base: float, traditional: bool, scaling: dict[str, Any] | None) -> nn.Module:
+    """RoPE on `base` of the `rope_scaling` dict's type (None: plain)."""
     rope_type = "default"
     if scaling is not None:
         rope_type = scaling.get("type") or scaling.get("rope_type", "default")
     if rope_type == "default":
-        return nn.RoPE(dims, traditional=args.rope_traditional, base=args.rope_theta, scale=1.0)
+        return nn.RoPE(dims, traditional=traditional, base=base, scale=1.0)
     if rope_type == "linear":
         assert scaling is not None
-        return nn.RoPE(dims, traditional=args.rope_traditional, base=args.rope_theta, scale=1 / scaling["factor"])
+        return nn.RoPE(dims, traditional=traditional, base=base, scale=1 / scaling["factor"])
     if rope_type == "llama3":
         assert scaling is not None
-        return Llama3RoPE(dims, args.rope_theta, args.rope_traditional, scaling)
+        return Llama3RoPE(dims, base, traditional, scaling)
+    if rope_type == "proportional":
+        assert scaling is not None
+        return ProportionalRoPE(dims, base, traditional, scaling)
     raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 

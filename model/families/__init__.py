@@ -8,7 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 from model.errors import ModelLoadError
-from model.families import gemma3_text, llama, qwen2, qwen2_5_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
+from model.families import (
+    gemma3_text,
+    gemma4_text,
+    llama,
+    qwen2,
+    qwen2_5_vl,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from model.families.common import Family
 from model.language_model import LanguageModel
 
@@ -18,6 +29,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3,
     qwen3_moe,
     gemma3_text,
+    gemma4_text,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
