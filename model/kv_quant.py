@@ -34,11 +34,6 @@ def quantize(x: mx.array, quant: LayerQuant) -> QTriple:
     return packed, scales, biases
 
 
-# Query rows up to which MLX's CUDA quantized_matmul runs (measured on an H100: 1 and 7 rows ran,
-# 64 did not finish; a 2047-row prefill chunk raised "no implementation for problem shape").
-CUDA_QMM_MAX_ROWS = 7
-
-
 def _cuda() -> bool:
     return mx.default_device().type == mx.gpu and not mx.metal.is_available()
 
@@ -57,10 +52,13 @@ def quantized_attention(
         keys = (mx.expand_dims(keys[0], -3), mx.expand_dims(keys[1], -3), mx.expand_dims(keys[2], -3))
         values = (mx.expand_dims(values[0], -3), mx.expand_dims(values[1], -3), mx.expand_dims(values[2], -3))
     g, b = quant.group_size, quant.bits
-    if L > CUDA_QMM_MAX_ROWS and _cuda():
-        # MLX's CUDA quantized_matmul has no kernel for a prefill's many query rows (it fails or
-        # stalls; decode's few rows work): multiply by the dequantized keys and values instead,
-        # the same products up to summation order.
+    if _cuda():
+        # MLX's CUDA quantized_matmul has no kernel for these products (H100, mlx 0.32.4: a
+        # prefill chunk's rows raised "no implementation for problem shape" or stalled, and so did
+        # one decode row over a 16k cache, whose K/V are views into a larger buffer, not
+        # row-contiguous; the scores @ V product is untransposed, which its fast paths exclude):
+        # multiply by the dequantized keys and values, the same products up to summation order.
+        # The cache still holds (and admission bills) the quantized bytes.
         keys = (mx.dequantize(*keys, group_size=g, bits=b),)  # type: ignore[assignment]
         values = (mx.dequantize(*values, group_size=g, bits=b),)  # type: ignore[assignment]
         scores = queries @ mx.swapaxes(keys[0], -1, -2)

@@ -219,12 +219,16 @@ def test_per_layer_config_batched_equals_solo_and_differs_from_uniform(tiny_mode
     assert alone != solo_runs(engine_for(model_dir, 4, 10, 2048), PROMPTS)  # layer 0 kept full precision
 
 
-def test_the_cuda_prefill_path_dequantizes_and_keeps_the_tokens(tiny_model_factory, monkeypatch):
-    """On CUDA a prefill chunk's attention over quantized KV multiplies by dequantized K/V (MLX's
-    CUDA quantized_matmul has no kernel for many query rows): the same tokens, here forced on CPU."""
+def test_the_cuda_path_dequantizes_and_keeps_the_tokens(tiny_model_factory, monkeypatch):
+    """On CUDA attention over quantized KV (prefill chunks and decode) multiplies by dequantized
+    K/V (MLX's CUDA quantized_matmul has no kernel for these products): the same tokens, solo and
+    batched, here forced on CPU."""
     from model import kv_quant
 
     model_dir = tiny_model_factory("qwen3", **SHAPE)
     want = reference(model_dir, PROMPTS, 8, 100, 64)  # 64-token chunks after turning at 128
     monkeypatch.setattr(kv_quant, "_cuda", lambda: True)
-    assert solo_runs(engine_for(model_dir, 8, 100, 64), PROMPTS) == want
+    engine = engine_for(model_dir, 8, 100, 64)
+    assert solo_runs(engine, PROMPTS) == want
+    batched = generate_tokens(engine, [RowSpec(i, tuple(p), SamplingParams(), N_TOKENS) for i, p in enumerate(PROMPTS)])
+    assert [batched[i] for i in range(len(PROMPTS))] == want
