@@ -69,7 +69,12 @@ class SpecPolicy:
     measured: seconds per plain step and per verification, and tokens per verification, by
     batch width (moving averages). It speculates while a verification's tokens per second beat
     plain steps', and re-measures the other choice every `PROBE_EVERY` steps. The output does
-    not depend on it (model/speculative_step.py): only speed does."""
+    not depend on it (model/speculative_step.py): only speed does.
+
+    A width's first sample of each kind is not kept (it pays for tracing and compiling a new
+    shape), and a sample under half the average replaces it: one slow outlier must not hold a
+    choice for hundreds of steps, since the loser is re-measured only once per `PROBE_EVERY`
+    (H100: a first verification that compiled kept n-gram drafting off where it was 2x faster)."""
 
     PROBE_EVERY = 32
     WEIGHT = 0.2  # of a new measurement in a moving average
@@ -79,6 +84,7 @@ class SpecPolicy:
         self.spec: dict[int, tuple[float, float]] = {}  # width -> (seconds, tokens) per verification
         self.idle: dict[int, int] = {}  # width -> steps left before drafting is tried again
         self._steps = 0
+        self._warm: set[tuple[str, int]] = set()  # (kind, width) whose first sample was dropped
 
     def speculate(self, width: int) -> bool:
         self._steps += 1
@@ -92,13 +98,26 @@ class SpecPolicy:
         faster = spec[1] / spec[0] >= width / plain
         return faster != probe
 
+    def _warmed(self, kind: str, width: int) -> bool:
+        if (kind, width) in self._warm:
+            return True
+        self._warm.add((kind, width))
+        return False
+
     def plain_done(self, width: int, seconds: float) -> None:
+        if not self._warmed("plain", width):
+            return
         old = self.plain.get(width)
-        self.plain[width] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        if old is None or seconds < old / 2:
+            self.plain[width] = seconds
+        else:
+            self.plain[width] = old + self.WEIGHT * (seconds - old)
 
     def spec_done(self, width: int, seconds: float, tokens: int) -> None:
+        if not self._warmed("spec", width):
+            return
         old = self.spec.get(width)
-        if old is None:
+        if old is None or seconds / max(tokens, 1) < old[0] / max(old[1], 1) / 2:
             self.spec[width] = (seconds, float(tokens))
         else:
             w = self.WEIGHT

@@ -200,3 +200,26 @@ def test_prompt_cache_put_after_ragged_verification_equals_a_cold_run(target):
     engine.close_row(9)
     cold = Engine(target, eos_token_ids=[])
     assert out == generate_tokens(cold, [RowSpec(9, tuple(follow), SamplingParams(), 12)])[9]
+
+
+def test_the_policy_drops_a_warm_up_sample_and_recovers_from_an_outlier():
+    """A verification that compiled a new shape must not keep drafting off where it pays."""
+    from model.speculation import SpecPolicy
+
+    policy = SpecPolicy()
+    assert policy.speculate(1)  # nothing measured: a verification first
+    policy.spec_done(1, 2.0, 4)  # the first one compiled: dropped
+    assert policy.speculate(1)
+    policy.spec_done(1, 0.012, 4)  # 333 tok/s
+    policy.plain_done(1, 0.5)  # dropped (compile)
+    policy.plain_done(1, 0.008)  # 125 tok/s
+    assert sum(policy.speculate(1) for _ in range(31)) >= 30
+
+    slow = SpecPolicy()
+    for seconds in (1.0, 1.0, 1.0):  # a stall twice after the warm-up: drafting looks slow
+        slow.spec_done(1, seconds, 4)
+    slow.plain_done(1, 0.0)
+    slow.plain_done(1, 0.008)
+    assert not slow.speculate(1)
+    slow.spec_done(1, 0.012, 4)  # one fast probe is believed at once
+    assert slow.speculate(1)
