@@ -254,6 +254,8 @@ def test_detection_of_llama3_and_family_fallbacks():
     )
     assert detect_tool_format(llama31, "llama") == "llama3_json"
     assert detect_tool_format(None, "qwen3") == "hermes"
+    assert detect_tool_format(None, "qwen3_5_moe") == "qwen3_coder"
+    assert detect_tool_format(None, "qwen3_next") == "hermes"
     assert detect_tool_format("{{ messages }}", "mistral") == "mistral"
     assert detect_tool_format(None, "gpt2") is None
 

@@ -22,6 +22,11 @@ _FAMILY_DEFAULTS = {
     "qwen2": "hermes",
     "qwen3": "hermes",
     "qwen3_moe": "hermes",
+    "qwen3_next": "hermes",
+    "qwen2_5_vl": "hermes",
+    # Qwen3.5's templates teach the XML call format of Qwen3-Coder.
+    "qwen3_5": "qwen3_coder",
+    "qwen3_5_moe": "qwen3_coder",
     "mistral": "mistral",
     "llama": "llama3_json",
 }
