@@ -694,18 +694,21 @@ def batches(objects: st.SearchStrategy) -> st.SearchStrategy:
 
 @FUZZ
 @given(batches(chat_object))
+@pytest.mark.slow
 def test_fuzz_chat_completions(bodies):
     send_all(CHAT, bodies)
 
 
 @FUZZ
 @given(batches(text_object))
+@pytest.mark.slow
 def test_fuzz_completions(bodies):
     send_all(TEXT, bodies)
 
 
 @FUZZ
 @given(batches(messages_object))
+@pytest.mark.slow
 def test_fuzz_anthropic_messages(bodies):
     send_all(MESSAGES, bodies)
 

@@ -447,6 +447,7 @@ def test_every_sampling_field_runs_on_the_real_engine(hermes):
     assert result.usage.model_extra["lane"] == "batched"  # a seeded row stays in the batch (per-row RNG)
 
 
+@pytest.mark.slow
 def test_extreme_but_valid_values_are_not_500(hermes):
     bound = 2**31 - 1  # counts and windows fit 32 bits
     body = {

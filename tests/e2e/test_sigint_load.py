@@ -160,6 +160,7 @@ def stats(base: str) -> dict:
     return httpx.get(f"{base}/stats", timeout=10).json()
 
 
+@pytest.mark.slow
 def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_dir, tmp_path):
     proc, base, log_path = start_server(model_dir, tmp_path)
     try:
