@@ -10,12 +10,16 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv > $R/gpu.txt 2>&1
 echo "== $(date +%T) synth" > $R/log.txt
 [ -d $M/$D ] || timeout 90 python3 benchmarks/synth_fast.py $M/$D $SHAPE bfloat16 none >> $R/log.txt 2>&1
-echo "== $(date +%T) bytes" >> $R/log.txt
-timeout 120 python3 benchmarks/kv_quant_bytes.py --model $M/$D --tokens ${TOKENS:-16384} --out $R/bytes.json >> $R/log.txt 2>&1; echo "rc=$?" >> $R/log.txt; pack
+if [ -z "${SKIP_BYTES:-}" ]; then
+  echo "== $(date +%T) bytes" >> $R/log.txt
+  timeout 120 python3 benchmarks/kv_quant_bytes.py --model $M/$D --tokens ${TOKENS:-16384} --out $R/bytes.json >> $R/log.txt 2>&1; echo "rc=$?" >> $R/log.txt; pack
+fi
+# A server whose benchmark hit the time limit keeps its GPU memory: end it before the next run.
+reap() { pkill -9 -f "actors.serve" 2>/dev/null; pkill -9 -f "mlx_lm server" 2>/dev/null; sleep 2; }
 SB="python3 benchmarks/serve_bench.py --model $M/$D --dtype bfloat16 --max-tokens 128 --prompt-words ${WORDS:-4300} --concurrency 8 --repeats 1 --agent-turns 0 --joiner-words 0 --exit-streams 0 --no-abort --no-flags"
-for kv in off 8 4; do
+for kv in ${KVS:-off 8 4}; do
   echo "== $(date +%T) ours kv=$kv" >> $R/log.txt
-  timeout ${LIMIT:-110} $SB --only ours --ours-args "--kv-quant $kv" --out $R/ours-kv$kv.json >> $R/log.txt 2>&1; echo "rc=$?" >> $R/log.txt; pack
+  timeout ${LIMIT:-150} $SB --only ours --ours-args "--kv-quant $kv" --out $R/ours-kv$kv.json >> $R/log.txt 2>&1; echo "rc=$?" >> $R/log.txt; reap; pack
 done
 echo "== $(date +%T) mlx_lm" >> $R/log.txt
-timeout ${LIMIT:-110} $SB --only mlx_lm --out $R/mlx-lm.json >> $R/log.txt 2>&1; echo "rc=$?" >> $R/log.txt; pack
+timeout ${LIMIT:-150} $SB --only mlx_lm --out $R/mlx-lm.json >> $R/log.txt 2>&1; echo "rc=$?" >> $R/log.txt; pack
