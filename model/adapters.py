@@ -116,4 +116,7 @@ class AdapterSet:
 
     @property
     def nbytes(self) -> int:
-        return sum(info.nbytes for _, info in self._mounted.values())
+        """The adapters' own arrays plus their packed copies (model/lora_pack.py)."""
+        state = lora.installed(self.model)
+        packed = state.packing.nbytes if state is not None and state.packing is not None else 0
+        return sum(info.nbytes for _, info in self._mounted.values()) + packed

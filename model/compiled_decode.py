@@ -8,11 +8,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.decoder import FUSED_GATE_UP, FUSED_QKV, DecoderLayer, DecoderModel
+from model import lora
+from model.decoder import DecoderLayer, DecoderModel
 from model.fused_projections import fuse_projections
 from model.kv_cache import LayerCache
 
-# What a compiled stage takes per layer: {"p": its parameters, "f": its fused weights}.
+# What a compiled stage takes per layer: {"p": its parameters, "h": its hidden arrays (fused
+# weights, packed adapters: `_`-named, so not parameters) by (module path, key)}.
 LayerInputs = dict[str, Any]
 
 
@@ -21,21 +23,25 @@ def _structure(layer: nn.Module) -> tuple[Any, ...]:
     settings): the traced graph bakes these in, so layers share compiled stages only when equal."""
     out = []
     for name, module in layer.named_modules():
+        skip = ("_training", "_no_grad", *getattr(module, "per_layer_attributes", ()))
         plain = sorted(
             (k, repr(v))
             for k, v in vars(module).items()
-            if k not in ("_training", "_no_grad") and isinstance(v, (bool, int, float, str, type(None), tuple))
+            if k not in skip and isinstance(v, (bool, int, float, str, type(None), tuple))
         )
-        out.append((name, type(module).__name__, tuple(plain)))
+        hidden = sorted(k for k, v in module.items() if k.startswith("_") and isinstance(v, mx.array))
+        out.append((name, type(module).__name__, tuple(plain), tuple(hidden)))
     return tuple(out)
 
 
 def _layer_inputs(layer: DecoderLayer) -> LayerInputs:
-    fused = {}
-    for owner, key in ((layer.self_attn, FUSED_QKV), (layer.mlp, FUSED_GATE_UP)):
-        if owner.get(key) is not None:
-            fused[key] = owner[key]
-    return {"p": layer.parameters(), "f": fused}
+    hidden = {
+        (name, key): value
+        for name, module in layer.named_modules()
+        for key, value in module.items()
+        if key.startswith("_") and isinstance(value, mx.array)
+    }
+    return {"p": layer.parameters(), "h": hidden}
 
 
 class CompiledDecode:
@@ -56,54 +62,72 @@ class CompiledDecode:
     `enabled` is False and the caller uses the eager forward.
 
     `fuse`: fuse each layer's decode projections first (model/fused_projections.py; CUDA).
+
+    LoRA adapters (model/lora.py): the rows' adapter mask is an input of every stage, and the
+    packed adapter arrays are layer inputs like the weights; mounting or unmounting rebuilds the
+    stages (`ready`). A selection only the eager wrappers run (DoRA) makes `ready` False.
     """
 
     def __init__(self, model: DecoderModel, *, fuse: bool = False) -> None:
         self.model = model
-        layers = model.layers
-        self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
-        if layers and fuse:
+        if model.layers and fuse:
             fuse_projections(model)
-        self._params = [_layer_inputs(layer) for layer in layers]
-        self._template = layers[0] if layers else None
         self._offset_host: int | None = None
         self._offset_dev: mx.array | None = None
+        self._build()
+
+    def _build(self) -> None:
+        """(Re)read the layers and start fresh compiled stages (their traces hold the old arrays)."""
+        layers = self.model.layers
+        self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
+        self._version = lora.version(self.model)
+        self._params = [_layer_inputs(layer) for layer in layers]
+        self._template = layers[0] if layers else None
+        self._modules = dict(self._template.named_modules()) if self._template is not None else {}
         self._first = mx.compile(self._first_fn)
         self._mid = mx.compile(self._mid_fn)
         self._last = mx.compile(self._last_fn)
+
+    def ready(self) -> bool:
+        """Whether the next decode step can run compiled (rebuilt first if adapters changed)."""
+        if lora.version(self.model) != self._version:
+            self._build()
+        return self.enabled and lora.compilable(self.model)
 
     def _as(self, params: LayerInputs) -> DecoderLayer:
         t = self._template
         assert t is not None  # only called with layers to run
         t.update(params["p"])
-        for owner, key in ((t.self_attn, FUSED_QKV), (t.mlp, FUSED_GATE_UP)):
-            if key in params["f"]:
-                owner[key] = params["f"][key]
+        for (name, key), value in params["h"].items():
+            self._modules[name][key] = value
         return t
 
     def _restore(self) -> None:
         self._as(self._params[0])
 
-    def _first_fn(self, p0: LayerInputs, tokens: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+    def _first_fn(self, p0: LayerInputs, tokens: mx.array, offset: mx.array, rows: dict) -> tuple[mx.array, ...]:
         try:
-            h = self.model.model.embed_tokens(tokens)
-            return (h, *self._as(p0).project(h, offset))
+            with lora.bound(self.model, rows):
+                h = self.model.model.embed_tokens(tokens)
+                return (h, *self._as(p0).project(h, offset))
         finally:
             self._restore()
 
     def _mid_fn(
-        self, pa: LayerInputs, pb: LayerInputs, x: mx.array, attended: mx.array, offset: mx.array
+        self, pa: LayerInputs, pb: LayerInputs, x: mx.array, attended: mx.array, offset: mx.array, rows: dict
     ) -> tuple[mx.array, ...]:
         try:
-            h = self._as(pa).finish(x, attended)
-            return (h, *self._as(pb).project(h, offset))
+            with lora.bound(self.model, rows):
+                h = self._as(pa).finish(x, attended)
+                return (h, *self._as(pb).project(h, offset))
         finally:
             self._restore()
 
-    def _last_fn(self, p: LayerInputs, x: mx.array, attended: mx.array) -> mx.array:
+    def _last_fn(self, p: LayerInputs, x: mx.array, attended: mx.array, rows: dict) -> mx.array:
         try:
-            h = self.model.model.norm(self._as(p).finish(x, attended))
-            return self.model.logits(h[:, -1, :])
+            with lora.bound(self.model, rows):
+                h = self.model.model.norm(self._as(p).finish(x, attended))
+                return self.model.logits(h[:, -1, :])
         finally:
             self._restore()
 
@@ -120,12 +144,12 @@ class CompiledDecode:
                 device = mx.array(host, dtype=mx.int32)
             offset = device
             self._offset_host, self._offset_dev = host + 1, device + 1
-        params, layers = self._params, self.model.layers
-        h, q, k, v = self._first(params[0], tokens, offset)
+        params, layers, rows = self._params, self.model.layers, lora.step_inputs(self.model)
+        h, q, k, v = self._first(params[0], tokens, offset, rows)
         last = len(caches) - 1
         for i, cache in enumerate(caches):
             attended = layers[i].self_attn.attend_cached(q, k, v, mask, cache)
             if i == last:
-                return self._last(params[i], h, attended)
-            h, q, k, v = self._mid(params[i], params[i + 1], h, attended, offset)
+                return self._last(params[i], h, attended, rows)
+            h, q, k, v = self._mid(params[i], params[i + 1], h, attended, offset, rows)
         raise AssertionError("unreachable")

@@ -22,6 +22,7 @@ from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv_cache import LayerCache
 from model.kv_mixed import ATTENDING_CACHES
 from model.language_model import AfterLayer, LanguageModel
+from model.lora_delta import fused_product
 
 # A decode step of at most this many rows multiplies by a layer's fused q/k/v (and gate/up)
 # weights where model/fused_projections.py made them; wider products keep the separate ones.
@@ -182,11 +183,11 @@ class Attention(nn.Module):
     # shape-stable ones fused and only the cache update + attention eagerly.
     def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         B, L, _ = x.shape
-        fused = self.get(FUSED_QKV)
-        if fused is not None and B * L <= FUSED_MAX_ROWS:
-            # Decode: one product over the concatenated q/k/v rows (model/fused_projections.py).
-            qkv = x @ fused.T
-            nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+        # Decode: one product over the concatenated q/k/v rows (model/fused_projections.py).
+        qkv = fused_product(self, FUSED_QKV, x, FUSED_MAX_ROWS)
+        if qkv is not None:
+            head_dim = qkv.shape[-1] // (self.n_heads + 2 * self.n_kv_heads)
+            nq, nk = self.n_heads * head_dim, self.n_kv_heads * head_dim
             queries, keys, values = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
         else:
             queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -220,10 +221,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        fused = self.get(FUSED_GATE_UP)
-        if fused is not None and x.size // x.shape[-1] <= FUSED_MAX_ROWS:
-            n = self.gate_proj.weight.shape[0]
-            gate_up = x @ fused.T
+        gate_up = fused_product(self, FUSED_GATE_UP, x, FUSED_MAX_ROWS)
+        if gate_up is not None:
+            n = gate_up.shape[-1] // 2
             return self.down_proj(swiglu(gate_up[..., :n], gate_up[..., n:]))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeGuard, cast
 
 import mlx.core as mx
 
-from model import image_rows, lora, row_cache
+from model import image_rows, row_cache
 from model.abort_flags import AbortFlags
 from model.adapters import AdapterInfo, AdapterSet
 from model.compiled_decode import CompiledDecode
@@ -128,14 +128,8 @@ class Engine:
         self.prefill_tokens = 0  # prompt tokens forwarded by prefill (a join feeds the last; a fork none)
         self._cuda = cuda
         self._compiled: CompiledDecode | None = None
-        self._recompile = False  # compiled decode was dropped for adapters: rebuilt once they leave
-        self._compile()
-
-    def _compile(self) -> None:
-        """The compiled decode step, while no adapter is installed (model/lora.py)."""
-        if self.options.compile_decode and isinstance(self.model, DecoderModel) and not lora.installed(self.model):
-            compiled = CompiledDecode(self.model, fuse=self._cuda)
-            self._compiled = compiled if compiled.enabled else None
+        if self.options.compile_decode and isinstance(self.model, DecoderModel):
+            self._compiled = CompiledDecode(self.model, fuse=self._cuda)  # (adapters: model/lora.py)
 
     # -- row lifecycle ---------------------------------------------------------------------
 
@@ -394,9 +388,7 @@ class Engine:
         warm_up(self, max_batch, prompt_len=prompt_len)
 
     def mount_adapter(self, adapter_id: str, path: str) -> AdapterInfo:
-        info = self.adapters.mount(adapter_id, path)
-        self._compiled, self._recompile = None, True  # it would bake one selection in (model/lora.py)
-        return info
+        return self.adapters.mount(adapter_id, path)
 
     def unmount_adapter(self, adapter_id: str) -> bool:
         return self.adapters.unmount(adapter_id)  # False: once the rows using it close
@@ -485,14 +477,11 @@ class Engine:
         """Start the decode step that feeds `inputs` ([B] tokens) to the batch's rows."""
         tokens = inputs[:, None]
         self.adapters.select([r.lora for r in self._batch])
-        if self._recompile and not self.adapters.installed:
-            self._recompile = False
-            self._compile()  # the last adapter left: base rows decode compiled again
         if self.kv_scheme.quantized:
             quantize_due_rows(self.kv_scheme, self._batch, self._caches)
         for row in self._batch:
             row.kv_length += 1
-        if self._compiled is not None:
+        if self._compiled is not None and self._compiled.ready():
             logits = self._compiled(tokens, self._caches)
         else:
             hidden = self.model(tokens, self._caches, **image_rows.decode_inputs(self._batch))

@@ -19,8 +19,10 @@ from model.decoder import FUSED_GATE_UP, FUSED_QKV, DecoderLayer, DecoderModel
 log = logging.getLogger(__name__)
 
 
-def _groups(layer: DecoderLayer) -> tuple[tuple[nn.Module, str, tuple[str, ...]], ...]:
-    """(owner, fused key, projection names) of each product group of a layer."""
+def fusion_groups(layer: nn.Module) -> tuple[tuple[nn.Module, str, tuple[str, ...]], ...]:
+    """(owner, fused key, projection names) of each product group of a layer (none: not a decoder layer)."""
+    if not isinstance(layer, DecoderLayer):
+        return ()
     return (
         (layer.self_attn, FUSED_QKV, ("q_proj", "k_proj", "v_proj")),
         (layer.mlp, FUSED_GATE_UP, ("gate_proj", "up_proj")),
@@ -36,7 +38,7 @@ def fuse_projections(model: DecoderModel) -> bool:
     bf16/fp16 layers; idempotent. Returns whether any layer is fused."""
     fused_any = False
     for layer in model.layers:
-        for owner, key, names in _groups(layer):
+        for owner, key, names in fusion_groups(layer):
             if not all(n in owner for n in names):  # a routed-experts MLP (model/moe.py): not fused
                 continue
             mods = [owner[n] for n in names]
@@ -58,7 +60,7 @@ def fuse_projections(model: DecoderModel) -> bool:
         mx.eval(layer.parameters())
     if fused_any and not _checks_out(model.layers[0]):
         for layer in model.layers:  # back to separate products (the views stay valid weights)
-            for owner, key, _ in _groups(layer):
+            for owner, key, _ in fusion_groups(layer):
                 if owner.get(key) is not None:
                     del owner[key]
         log.warning("fused decode projections disabled: they did not match the separate products")
@@ -70,7 +72,7 @@ def _checks_out(layer: DecoderLayer) -> bool:
     """The fused products against the separate ones on layer 0: exactly equal for one row (the
     B = 1 path must stay mlx-lm's), close for several."""
     try:
-        for owner, key, names in _groups(layer):
+        for owner, key, names in fusion_groups(layer):
             fused = owner.get(key)
             if fused is None:
                 continue

@@ -7,29 +7,33 @@ top-level Linear such as `lm_head`) in an `AdaptedLinear`; base weights are neve
 indices per row in batch order, () = the base model, (i, j) = both deltas summed. The forward's
 signature does not change: the wrappers read the model's current selection.
 
-Per linear: the base product runs once for the whole batch. When every row selects the same
-adapters (a solo row, or a uniform batch) the delta is mlx-lm's own expression, so B = 1 greedy
-tokens equal `mlx_lm` with that adapter; a base-only selection is exactly the base op. A mixed
-batch gathers each group of rows that share a selection, computes its low-rank delta and adds it
-back into those rows only.
+Plain LoRA adapters are packed side by side (model/lora_pack.py): the base product runs once for
+the whole batch, and every row's delta, whichever adapters (or none) it picked, is two small
+products with a per-row column mask (model/lora_delta.py). A batch mixing four adapters costs what
+one adapter costs; base-only forwards skip the delta. That path keeps the fused decode products
+and the compiled decode (model/compiled_decode.py), which takes the mask as an input
+(`step_inputs`, `bound`) and rebuilds itself when `version` changes.
 
-Compiled decode (model/compiled_decode.py) would bake the selection seen while tracing into its
-graph, and runs every layer through layer 0's modules: it must not run on an installed model.
-(`CompiledDecode` built after `install` already finds the layers unlike and disables itself; one
-built before it holds the unwrapped parameter tree and must be dropped.)
+DoRA rescales whole outputs, so a selection naming a DoRA adapter runs in the wrappers, eager:
+one adapter for the whole batch, or per group of rows that share a selection (`compilable` is
+then False).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from model.decoder import FUSED_GATE_UP, FUSED_QKV
+from model import lora_pack
+from model.fused_projections import fusion_groups
 from model.language_model import LanguageModel
+from model.lora_delta import LORA_A, LORA_B, STATE_ATTR, RowMask, packed_delta
 from model.lora_load import (
     LINEAR_TYPES,
     Adapter,
@@ -46,41 +50,52 @@ __all__ = [
     "AdaptedLinear",
     "Adapter",
     "LoraState",
+    "bound",
+    "compilable",
     "install",
     "installed",
     "load_adapter",
     "mount",
     "mounted",
     "select",
+    "step_inputs",
     "uninstall",
     "unmount",
+    "version",
 ]
 
 Selection = tuple[int, ...]
-_STATE_ATTR = "_lora_state"
+_VERSION_ATTR = "_lora_version"
+_versions = itertools.count(1)
 
 
 @attrs.frozen(eq=False)
 class Plan:
-    """A selection prepared for the forwards: `uniform` when every row selects the same adapters
-    (any batch size then), else per distinct selection the batch rows that use it."""
+    """A selection prepared for the forwards. `packed`: every row on plain LoRA adapters or none
+    (the mask in `LoraState.rows`); else DoRA: `uniform` when every row selects the same adapters
+    (any batch size then), or per distinct selection the batch rows that use it."""
 
     rows: tuple[Selection, ...] = ()
+    packed: bool = True
     uniform: Selection | None = ()
     groups: tuple[tuple[Selection, mx.array], ...] = ()
-    # Every row on one plain LoRA adapter or none: `order` = the adapters by slot (slot 0 = none),
-    # `slots` = each row's slot; the deltas then run as two gathered matmuls for the whole batch.
-    order: tuple[int, ...] = ()
-    slots: mx.array | None = None
+    version: int = 0
 
 
 @attrs.define(eq=False)
 class LoraState:
-    """A model's mounted adapters (index -> adapter) and its current selection."""
+    """A model's mounted adapters (index -> adapter), their packing, and the current selection."""
 
     adapters: dict[int, Adapter] = attrs.field(factory=dict)
     next_index: int = 0
     plan: Plan = Plan()
+    packing: lora_pack.Packing | None = None
+    rows: RowMask | None = None  # the packed path's mask; None: no row has a delta
+    version: int = 0
+
+    @property
+    def packed_mode(self) -> bool:
+        return self.plan.packed
 
 
 class AdaptedLinear(nn.Module):
@@ -89,6 +104,7 @@ class AdaptedLinear(nn.Module):
     key), not in this module's parameters, so the parameter tree keeps only the base weights."""
 
     wraps_linear = True
+    per_layer_attributes = ("key",)  # differs between layers that otherwise share one structure
 
     def __init__(self, base: nn.Module, key: ModuleKey, state: LoraState):
         super().__init__()
@@ -105,63 +121,27 @@ class AdaptedLinear(nn.Module):
         return out
 
     def __call__(self, x: mx.array) -> mx.array:
-        plan = self._state.plan
+        state = self._state
+        plan = state.plan
+        if plan.packed:
+            y = self.base(x)
+            a, rows = self.get(LORA_A), state.rows
+            return y if a is None or rows is None else y + packed_delta(x, a, self[LORA_B], rows)
         if plan.uniform is not None:
             return self._apply(x, self._deltas(plan.uniform))
         if x.shape[0] != len(plan.rows):
             raise ValueError(f"LoRA selection has {len(plan.rows)} rows, the forward {x.shape[0]}")
         y = self.base(x)
-        if plan.slots is not None:
-            stacked = self._stacked(plan.order)
-            if stacked is None:  # no selected adapter touches this module
-                return y
-            a, b, scales = stacked
-            if x.dtype == mx.float32:  # (MLX's GatherMM takes float32 only, for now)
-                z = mx.gather_mm(mx.gather_mm(x, a, rhs_indices=plan.slots), b, rhs_indices=plan.slots)
-            else:  # each row's A and B gathered (small: rank columns), then batched products
-                z = (x @ a[plan.slots]) @ b[plan.slots]
-            return y + (scales[plan.slots][:, None, None] * z).astype(x.dtype)
-        for selection, rows in plan.groups:
+        for selection, members in plan.groups:
             deltas = self._deltas(selection)
             if not deltas:
                 continue
-            xs = x[rows]
+            xs = x[members]
             if deltas[0].norm_scale is not None:  # DoRA rescales the whole output: replace the rows
-                y[rows] = self._dora(xs, deltas[0])
+                y[members] = self._dora(xs, deltas[0])
             else:  # the same expression as a uniform batch, on these rows of the shared base product
-                y[rows] = self._add_deltas(y[rows], xs, deltas)
+                y[members] = self._add_deltas(y[members], xs, deltas)
         return y
-
-    def _stacked(self, order: tuple[int, ...]) -> tuple[mx.array, mx.array, mx.array] | None:
-        """These adapters' A and B stacked by slot (slot 0 and adapters that leave this module
-        alone: zeros; ranks padded with zero columns), and their scales: kept per `order`."""
-        cache = self.__dict__.setdefault("_stacks", {})
-        if order not in cache:
-            deltas = [self._state.adapters[i].modules.get(self.key) for i in order]
-            found = [d for d in deltas if d is not None]
-            if not found:
-                cache.clear()
-                cache[order] = None
-                return None
-            rank = max(d.lora_a.shape[1] for d in found)
-            n_in, n_out = found[0].lora_a.shape[0], found[0].lora_b.shape[1]
-            dtype = found[0].lora_a.dtype
-            a = [mx.zeros((n_in, rank), dtype)]
-            b = [mx.zeros((rank, n_out), dtype)]
-            scales = [0.0]
-            for d in deltas:
-                if d is None:
-                    a.append(a[0])
-                    b.append(b[0])
-                    scales.append(0.0)
-                    continue
-                r = d.lora_a.shape[1]
-                a.append(mx.pad(d.lora_a, [(0, 0), (0, rank - r)]))
-                b.append(mx.pad(d.lora_b, [(0, rank - r), (0, 0)]))
-                scales.append(d.scale)
-            cache.clear()  # one batch composition at a time is what decode reuses
-            cache[order] = (mx.stack(a), mx.stack(b), mx.array(scales))
-        return cache[order]
 
     def _apply(self, x: mx.array, deltas: list[ModuleDelta]) -> mx.array:
         if not deltas:
@@ -189,15 +169,13 @@ class AdaptedLinear(nn.Module):
 
 
 def installed(model: LanguageModel) -> LoraState | None:
-    state = getattr(model, _STATE_ATTR, None)
+    state = getattr(model, STATE_ATTR, None)
     return state if isinstance(state, LoraState) else None
 
 
 def install(model: LanguageModel) -> LoraState:
-    """Wrap every adaptable linear of `model` in place (idempotent). Base weights stay as they are.
-
-    Fused decode projections (model/fused_projections.py) would bypass the wrappers, so they are
-    dropped: the per-projection weights are views of them and stay valid."""
+    """Wrap every adaptable linear of `model` in place (idempotent). Base weights stay as they are;
+    fused decode products (model/fused_projections.py) stay too and add the packed deltas."""
     state = installed(model)
     if state is not None:
         return state
@@ -211,10 +189,8 @@ def install(model: LanguageModel) -> LoraState:
         ]
         if wraps:
             layer.update_modules(tree_unflatten(wraps))
-        for owner in layer.modules():
-            for key in (FUSED_QKV, FUSED_GATE_UP):
-                if owner.get(key) is not None:
-                    del owner[key]
+        for owner in _fused_owners(layer):
+            object.__setattr__(owner, STATE_ATTR, state)
     top = [
         (name, AdaptedLinear(m, (None, name), state))
         for name, m in named_modules(model)
@@ -222,7 +198,8 @@ def install(model: LanguageModel) -> LoraState:
     ]
     if top:
         model.update_modules(tree_unflatten(top))
-    object.__setattr__(model, _STATE_ATTR, state)
+    object.__setattr__(model, STATE_ATTR, state)
+    _bump(model, state)
     return state
 
 
@@ -230,11 +207,39 @@ def uninstall(model: LanguageModel) -> None:
     """Put the base linears back (every adapter is dropped with the wrappers)."""
     if installed(model) is None:
         return
+    lora_pack.clear(model)
     for root in [*model.layers, model]:
         base = [(name, m.base) for name, m in named_modules(root) if is_wrapper(m)]
         if base:
             root.update_modules(tree_unflatten(base))
-    object.__delattr__(model, _STATE_ATTR)
+    for layer in model.layers:
+        for owner in _fused_owners(layer):
+            owner.__dict__.pop(STATE_ATTR, None)
+    object.__delattr__(model, STATE_ATTR)
+    _bump(model, None)
+
+
+def _fused_owners(layer: nn.Module) -> list[nn.Module]:
+    return [owner for owner, _, _ in fusion_groups(layer)]
+
+
+def _bump(model: LanguageModel, state: LoraState | None) -> None:
+    """A new `version`: the wrappers or the packed arrays changed (compiled graphs are stale)."""
+    number = next(_versions)
+    object.__setattr__(model, _VERSION_ATTR, number)
+    if state is not None:
+        state.version = number
+
+
+def version(model: LanguageModel) -> int:
+    """Changes whenever adapters are installed, mounted, unmounted or uninstalled."""
+    return int(getattr(model, _VERSION_ATTR, 0))
+
+
+def _repack(model: LanguageModel, state: LoraState) -> None:
+    state.packing = lora_pack.pack(model, state.adapters)
+    state.plan, state.rows = Plan(version=-1), None  # (select again before a forward)
+    _bump(model, state)
 
 
 def mounted(model: LanguageModel) -> dict[int, Adapter]:
@@ -257,6 +262,7 @@ def mount(model: LanguageModel, adapter: Adapter) -> int:
     index = state.next_index
     state.next_index += 1
     state.adapters[index] = adapter
+    _repack(model, state)
     return index
 
 
@@ -272,6 +278,7 @@ def unmount(model: LanguageModel, adapter_id: str) -> int:
     if any(index in s for s in state.plan.rows):
         raise ValueError(f"adapter {adapter_id!r} is selected by the current batch: select without it first")
     del state.adapters[index]
+    _repack(model, state)
     return index
 
 
@@ -295,17 +302,66 @@ def select(model: LanguageModel, rows: Sequence[Selection]) -> None:
             raise ValueError(f"adapter selection {selection} names an adapter twice")
         if len(selection) > 1 and any(state.adapters[i].is_dora for i in selection):
             raise ValueError(f"adapter selection {selection}: a DoRA adapter cannot be stacked with another")
+    if rows == state.plan.rows and state.plan.version == state.version:
+        return  # (decode selects every step: the same batch keeps its mask)
     distinct = list(dict.fromkeys(rows))
-    if len(distinct) <= 1:
-        state.plan = Plan(rows=rows, uniform=distinct[0] if distinct else ())
+    if not any(state.adapters[i].is_dora for s in distinct for i in s):
+        packing = state.packing
+        if packing is None or not any(distinct):
+            state.rows = None  # base rows only: no delta at all
+        else:  # one mask row for a uniform batch (any size), else one per row
+            state.rows = _row_mask(packing, distinct if len(distinct) == 1 else rows)
+        state.plan = Plan(rows=rows, version=state.version)
         return
-    if all(len(s) <= 1 for s in distinct) and not any(state.adapters[s[0]].is_dora for s in distinct if s):
-        order = tuple(sorted({s[0] for s in distinct if s}))
-        slot = {i: n + 1 for n, i in enumerate(order)}
-        slots = mx.array([slot[r[0]] if r else 0 for r in rows], dtype=mx.uint32)
-    else:
-        order, slots = (), None
+    state.rows = None
+    if len(distinct) == 1:
+        state.plan = Plan(rows=rows, packed=False, uniform=distinct[0], version=state.version)
+        return
     groups = tuple(
         (s, mx.array([r for r, chosen in enumerate(rows) if chosen == s], dtype=mx.int32)) for s in distinct if s
     )
-    state.plan = Plan(rows=rows, uniform=None, groups=groups, order=order, slots=slots)
+    state.plan = Plan(rows=rows, packed=False, uniform=None, groups=groups, version=state.version)
+
+
+def _row_mask(packing: lora_pack.Packing, selections: Sequence[Selection]) -> RowMask:
+    """Each selection's mask row and scale (model/lora_delta.py)."""
+    masks, scales = [], []
+    for selection in selections:
+        mask = [0.0] * packing.width
+        distinct_scales = {packing.scales[i] for i in selection}
+        common = distinct_scales.pop() if len(distinct_scales) == 1 else None
+        for i in selection:
+            lo, hi = packing.columns[i]
+            mask[lo:hi] = [1.0 if common is not None else packing.scales[i]] * (hi - lo)
+        masks.append(mask)
+        scales.append([common if common is not None else (1.0 if selection else 0.0)])
+    return RowMask(mx.array(masks, dtype=packing.dtype), mx.array(scales, dtype=packing.dtype))
+
+
+def compilable(model: LanguageModel) -> bool:
+    """Whether the current selection can run as a compiled decode (every row packed or base)."""
+    state = installed(model)
+    return state is None or state.packed_mode
+
+
+def step_inputs(model: LanguageModel) -> dict[str, mx.array]:
+    """The arrays a compiled forward takes for the current selection ({} when no row has a delta)."""
+    state = installed(model)
+    if state is None or state.rows is None:
+        return {}
+    return {"mask": state.rows.mask, "scale": state.rows.scale}
+
+
+@contextmanager
+def bound(model: LanguageModel, inputs: dict[str, mx.array]) -> Iterator[None]:
+    """While tracing a compiled forward: the wrappers read `inputs` (from `step_inputs`) as the mask."""
+    state = installed(model)
+    if state is None:
+        yield
+        return
+    saved = state.rows
+    state.rows = RowMask(inputs["mask"], inputs["scale"]) if inputs else None
+    try:
+        yield
+    finally:
+        state.rows = saved

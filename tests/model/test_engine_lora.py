@@ -8,7 +8,9 @@ import pytest
 
 from cache.prompt_cache import PromptCache
 from model.engine import Engine
+from model.fused_projections import fuse_projections
 from model.loader import load_model
+from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
 from tests.engine_helpers import decode_to_the_end, generate_tokens
@@ -125,7 +127,7 @@ def test_bad_adapters_are_refused_with_clear_errors(qwen3_dir, adapters, tmp_pat
 
 
 def test_bfloat16_rows_mixing_single_adapters_equal_solo(tiny_model_factory, tmp_path):
-    """bfloat16 activations take the gathered-rows path (float32 ones MLX's gather_mm)."""
+    """bfloat16 activations and adapters: the packed deltas in half precision."""
     model_dir = tiny_model_factory("qwen3", dtype="bfloat16")
     paths = {
         aid: str(write_adapter(tmp_path / aid, model_dir, seed=i + 3, dtype="bfloat16")) for i, aid in enumerate("ab")
@@ -146,3 +148,52 @@ def test_mixed_rows_on_an_untied_head_no_adapter_touches(tiny_model_factory, tmp
     specs = [spec(i, PROMPTS[i % len(PROMPTS)], c) for i, c in enumerate([(), ("a",), ("b",), ("a",)])]
     alone = {s.row_id: generate_tokens(engine, [s])[s.row_id] for s in specs}
     assert generate_tokens(engine, specs) == alone
+
+
+def test_fused_decode_products_carry_the_adapters(tiny_model_factory, tmp_path):
+    """With the decode products fused (the CUDA default), a mixed batch of adapters, a stack and
+    none decodes compiled through the fused q/k/v and gate/up products plus their packed deltas,
+    and every row equals its solo run on an unfused, eager engine."""
+    model_dir = tiny_model_factory("qwen3", dtype="bfloat16")
+    paths = {
+        "a": str(write_adapter(tmp_path / "a", model_dir, seed=11, dtype="bfloat16")),
+        "b": str(write_adapter(tmp_path / "b", model_dir, seed=12, dtype="bfloat16", keys=["self_attn.v_proj"])),
+    }
+    eager = engine_with(model_dir, paths, options=EngineOptions(compile_decode=False))
+    choices = [(), ("a",), ("b",), ("a", "b"), ("a",), ()]
+    specs = [spec(i, PROMPTS[i % len(PROMPTS)], choices[i]) for i in range(len(choices))]
+    alone = {s.row_id: generate_tokens(eager, [s])[s.row_id] for s in specs}
+    assert alone[0] != alone[1] != alone[2] != alone[3]
+
+    model = load_model(model_dir).model
+    assert fuse_projections(model)
+    engine = Engine(model, eos_token_ids=[])
+    for aid, path in paths.items():
+        engine.mount_adapter(aid, path)
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    assert attn["_qkv_lora_a"].shape[1] == 3 * attn.q_proj["_lora_a"].shape[1]
+    assert mlp["_gate_up_lora_b"].shape[1] == mlp["_gate_up"].shape[0]
+    assert generate_tokens(engine, specs) == alone
+    assert engine._compiled is not None and engine._compiled.ready()
+
+
+def test_remounting_rebuilds_the_compiled_decode(tiny_model_factory, tmp_path):
+    """Unmounting an adapter and mounting another of the same shapes (the LM head adapted too)
+    must not leave the compiled decode on the first one's arrays; a DoRA row decodes eager."""
+    model_dir = tiny_model_factory("llama", tie_word_embeddings=False)
+    keys = ["self_attn.q_proj", "mlp.down_proj", "lm_head"]
+    a = str(write_adapter(tmp_path / "a", model_dir, seed=21, keys=keys))
+    c = str(write_adapter(tmp_path / "c", model_dir, seed=22, keys=keys))
+    d = str(write_adapter(tmp_path / "d", model_dir, seed=23, fine_tune_type="dora"))
+    want = generate_tokens(engine_with(model_dir, {"c": c}), [spec(0, PROMPTS[2], ("c",))])
+    engine = engine_with(model_dir, {"a": a})
+    first = generate_tokens(engine, [spec(0, PROMPTS[2], ("a",))])
+    assert first != want
+    assert engine.unmount_adapter("a")
+    engine.mount_adapter("c", c)
+    assert generate_tokens(engine, [spec(0, PROMPTS[2], ("c",))]) == want
+    engine.mount_adapter("d", d)
+    mixed = [spec(0, PROMPTS[2], ("c",)), spec(1, PROMPTS[1], ("d",))]
+    dora_alone = generate_tokens(engine, [mixed[1]])
+    assert generate_tokens(engine, mixed) == {**want, **dora_alone}
+    assert engine._compiled is not None and not engine._compiled.ready()  # (the last batch held a DoRA row)

@@ -172,7 +172,7 @@ def test_stacked_adapters_sum_their_deltas(tiny_model_factory, tmp_path):
     assert mx.allclose(stacked[0], want, rtol=1e-4, atol=1e-4).item()
     assert not mx.allclose(stacked[0], _forward(model, [(a,)], tokens)[0], atol=1e-2).item()
 
-    # One module, exactly: base + delta_a + delta_b.
+    # One module: base + delta_a + delta_b (one packed product sums them: equal up to rounding).
     wrapper = model.layers[0].self_attn.q_proj
     assert isinstance(wrapper, lora.AdaptedLinear)
     x = mx.random.normal((2, 3, wrapper.base.weight.shape[1]), key=mx.random.key(0))
@@ -181,7 +181,7 @@ def test_stacked_adapters_sum_their_deltas(tiny_model_factory, tmp_path):
         d = lora.mounted(model)[i].modules[(0, "self_attn.q_proj")]
         want_q = want_q + (d.scale * ((x @ d.lora_a) @ d.lora_b)).astype(x.dtype)
     lora.select(model, [(a, b)])
-    assert mx.array_equal(wrapper(x), want_q).item()
+    assert mx.allclose(wrapper(x), want_q, rtol=1e-5, atol=1e-5).item()
 
 
 def _write_config(path: Path, **changes) -> None:
