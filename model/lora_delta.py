@@ -35,19 +35,29 @@ class RowMask:
     scale: mx.array  # [rows or 1, 1]
 
 
-def packed_delta(x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.array:
-    """Every row's delta for input `x` [rows, ..., in]: the module docstring's expression, less y."""
+# Bench-only A/B switches (benchmarks/lora_bench.py --variant), until a GPU run picks the winner:
+# ADDMM: the row's scale folded into its mask and y + delta as one addmm; TRANSPOSED: packed A
+# stored [R, in] and B [out, R] (a Linear weight's layout), multiplied through `.T`.
+ADDMM = False
+TRANSPOSED = False
+
+
+def add_packed_delta(y: mx.array, x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.array:
+    """`y` plus every row's delta for input `x` [rows, ..., in] (the module docstring's expression)."""
     n = rows.mask.shape[0]
     if n not in (1, x.shape[0]):
         raise ValueError(f"LoRA selection has {n} rows, the forward {x.shape[0]}")
     lead = (n,) + (1,) * (x.ndim - 2)
     width = rows.mask.shape[-1]
-    z = x @ a
+    z = x @ (a.T if TRANSPOSED else a)
     if z.shape[-1] == width:
         z = z * rows.mask.reshape(*lead, width)
     else:  # a fused product's A: its members' columns side by side, each masked alike
         z = (z.reshape(*z.shape[:-1], -1, width) * rows.mask.reshape(*lead, 1, width)).reshape(z.shape)
-    return (rows.scale.reshape(*lead, 1) * (z @ b)).astype(x.dtype)
+    b = b.T if TRANSPOSED else b
+    if ADDMM and z.dtype == y.dtype:
+        return mx.addmm(y, z, b)
+    return y + (rows.scale.reshape(*lead, 1) * (z @ b)).astype(x.dtype)
 
 
 def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.array | None:
@@ -66,4 +76,4 @@ def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.
     a, rows = owner.get(key + LORA_A), state.rows
     if a is None or rows is None:
         return y
-    return y + packed_delta(x, a, owner[key + LORA_B], rows)
+    return add_packed_delta(y, x, a, owner[key + LORA_B], rows)

@@ -15,6 +15,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from model import lora_delta
 from model.fused_projections import fusion_groups
 from model.language_model import LanguageModel
 from model.lora_delta import LORA_A, LORA_B
@@ -68,8 +69,12 @@ def pack(model: LanguageModel, adapters: dict[int, Adapter]) -> Packing | None:
             members = [owner[n] for n in names if n in owner]
             if owner.get(fused_key) is None or len(members) < len(names) or not all(LORA_A in m for m in members):
                 continue
-            owner[fused_key + LORA_A] = mx.concatenate([m[LORA_A] for m in members], axis=1)
-            owner[fused_key + LORA_B] = _block_diagonal([m[LORA_B] for m in members])
+            if lora_delta.TRANSPOSED:
+                owner[fused_key + LORA_A] = mx.concatenate([m[LORA_A] for m in members], axis=0)
+                owner[fused_key + LORA_B] = mx.contiguous(_block_diagonal([m[LORA_B].T for m in members]).T)
+            else:
+                owner[fused_key + LORA_A] = mx.concatenate([m[LORA_A] for m in members], axis=1)
+                owner[fused_key + LORA_B] = _block_diagonal([m[LORA_B] for m in members])
             created += [owner[fused_key + LORA_A], owner[fused_key + LORA_B]]
     mx.eval(created)
     return Packing(
@@ -98,6 +103,8 @@ def _stack(
         b_parts.append(mx.pad(delta.lora_b.astype(dtype), [(0, pad), (0, 0)]))
     a, b = mx.concatenate(a_parts, axis=1), mx.concatenate(b_parts, axis=0)
     assert a.shape == (n_in, width) and b.shape == (width, n_out)
+    if lora_delta.TRANSPOSED:
+        return mx.contiguous(a.T), mx.contiguous(b.T)
     return a, b
 
 
