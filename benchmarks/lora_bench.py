@@ -69,7 +69,7 @@ def main() -> None:
         "--variants",
         default="default",
         help="comma-separated packed-delta variants to time (model/lora_delta.py's A/B switches): "
-        "default, addmm, transposed, addmm+transposed",
+        "default, addmm, transposed, addmm+transposed, widened, addmm+widened",
     )
     p.add_argument("--adapter-dtypes", default="model", help="comma-separated: model (the base's dtype) and/or float32")
     p.add_argument("--out")
@@ -92,7 +92,8 @@ def main() -> None:
             ]
             for variant in args.variants.split(","):
                 lora_delta.ADDMM = "addmm" in variant
-                lora_delta.TRANSPOSED = "transposed" in variant
+                lora_delta.WIDEN = "widened" in variant
+                lora_delta.TRANSPOSED = "transposed" in variant or lora_delta.WIDEN
                 for i, path in enumerate(paths):  # (re)packed in this variant's layout
                     if f"a{i}" in {a.id for a in engine.adapters.infos()}:
                         engine.unmount_adapter(f"a{i}")

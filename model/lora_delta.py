@@ -25,6 +25,8 @@ import mlx.nn as nn
 # Where packed arrays live: on a wrapped linear, and beside a fused product's weights (its key + these).
 LORA_A = "_lora_a"
 LORA_B = "_lora_b"
+# A base weight with its packed A rows appended (WIDEN): one product gives y and x @ A together.
+LORA_WIDE = "_lora_wide"
 # The model's adapter state, as a plain attribute of each module owning a fused product.
 STATE_ATTR = "_lora_state"
 
@@ -37,19 +39,35 @@ class RowMask:
 
 # Bench-only A/B switches (benchmarks/lora_bench.py --variant), until a GPU run picks the winner:
 # ADDMM: the row's scale folded into its mask and y + delta as one addmm; TRANSPOSED: packed A
-# stored [R, in] and B [out, R] (a Linear weight's layout), multiplied through `.T`.
+# stored [R, in] and B [out, R] (a Linear weight's layout), multiplied through `.T`; WIDEN
+# (TRANSPOSED layout): each dense base weight gets its packed A rows appended (model/lora_pack.py).
 ADDMM = False
 TRANSPOSED = False
+WIDEN = False
 
 
 def add_packed_delta(y: mx.array, x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.array:
     """`y` plus every row's delta for input `x` [rows, ..., in] (the module docstring's expression)."""
+    _check(rows, x)
+    return _finish(y, x @ (a.T if TRANSPOSED else a), b, rows)
+
+
+def add_widened_delta(yz: mx.array, n: int, b: mx.array, rows: RowMask) -> mx.array:
+    """From `yz` = x @ [W; A].T (a widened weight, its first `n` rows W): y plus the rows' deltas."""
+    _check(rows, yz)
+    return _finish(yz[..., :n], yz[..., n:], b, rows)
+
+
+def _check(rows: RowMask, x: mx.array) -> None:
     n = rows.mask.shape[0]
     if n not in (1, x.shape[0]):
         raise ValueError(f"LoRA selection has {n} rows, the forward {x.shape[0]}")
-    lead = (n,) + (1,) * (x.ndim - 2)
+
+
+def _finish(y: mx.array, z: mx.array, b: mx.array, rows: RowMask) -> mx.array:
+    """y + the masked z (= x @ A) through B."""
+    lead = (rows.mask.shape[0],) + (1,) * (z.ndim - 2)
     width = rows.mask.shape[-1]
-    z = x @ (a.T if TRANSPOSED else a)
     if z.shape[-1] == width:
         z = z * rows.mask.reshape(*lead, width)
     else:  # a fused product's A: its members' columns side by side, each masked alike
@@ -57,7 +75,7 @@ def add_packed_delta(y: mx.array, x: mx.array, a: mx.array, b: mx.array, rows: R
     b = b.T if TRANSPOSED else b
     if ADDMM and z.dtype == y.dtype:
         return mx.addmm(y, z, b)
-    return y + (rows.scale.reshape(*lead, 1) * (z @ b)).astype(x.dtype)
+    return y + (rows.scale.reshape(*lead, 1) * (z @ b)).astype(y.dtype)
 
 
 def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.array | None:
@@ -72,8 +90,10 @@ def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.
         return x @ fused.T
     if not state.packed_mode:
         return None
-    y = x @ fused.T
     a, rows = owner.get(key + LORA_A), state.rows
     if a is None or rows is None:
-        return y
-    return add_packed_delta(y, x, a, owner[key + LORA_B], rows)
+        return x @ fused.T
+    wide = owner.get(key + LORA_WIDE)
+    if wide is not None:
+        return add_widened_delta(x @ wide.T, fused.shape[0], owner[key + LORA_B], rows)
+    return add_packed_delta(x @ fused.T, x, a, owner[key + LORA_B], rows)
