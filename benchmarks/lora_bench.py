@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -65,12 +66,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument(
-        "--variants",
-        default="default",
-        help="comma-separated packed-delta variants to time (model/lora_delta.py's A/B switches): "
-        "default, addmm, transposed, addmm+transposed, widened, addmm+widened",
-    )
+    p.add_argument("--split-k", default="0", help="comma-separated model/lora_delta.py SPLIT_K values to compare")
+    p.add_argument("--rounds", type=int, default=1, help="measure none / one / four this many times, interleaved")
     p.add_argument("--adapter-dtypes", default="model", help="comma-separated: model (the base's dtype) and/or float32")
     p.add_argument("--out")
     args = p.parse_args()
@@ -80,34 +77,41 @@ def main() -> None:
     engine = Engine(loaded.model, eos_token_ids=[])
     none = [()] * args.rows
     run(engine, args.rows, none, args.prompt_tokens, 8)  # warm-up: this batch size's shapes
-    base = run(engine, args.rows, none, args.prompt_tokens, args.steps)
-    results = {"none": base}
     cases = {"one adapter": [("a0",)] * args.rows, "four adapters": [(f"a{i % 4}",) for i in range(args.rows)]}
+    samples: dict[str, list[float]] = {"none": []}
     with tempfile.TemporaryDirectory() as tmp:
         for adapter_dtype in args.adapter_dtypes.split(","):
             dtype = model_dtype if adapter_dtype == "model" else adapter_dtype
-            paths = [
-                write_adapter(Path(tmp) / f"{dtype}-a{i}", model_dir, rank=args.rank, seed=i, dtype=dtype)
-                for i in range(4)
-            ]
-            for variant in args.variants.split(","):
-                lora_delta.ADDMM = "addmm" in variant
-                lora_delta.WIDEN = "widened" in variant
-                lora_delta.TRANSPOSED = "transposed" in variant or lora_delta.WIDEN
-                for i, path in enumerate(paths):  # (re)packed in this variant's layout
-                    if f"a{i}" in {a.id for a in engine.adapters.infos()}:
-                        engine.unmount_adapter(f"a{i}")
-                    engine.mount_adapter(f"a{i}", str(path))
-                for name, choices in cases.items():
+            for i in range(4):
+                if f"a{i}" in {a.id for a in engine.adapters.infos()}:
+                    engine.unmount_adapter(f"a{i}")
+                path = write_adapter(Path(tmp) / f"{dtype}-a{i}", model_dir, rank=args.rank, seed=i, dtype=dtype)
+                engine.mount_adapter(f"a{i}", str(path))
+            splits = [int(v) for v in args.split_k.split(",")]
+            for split in splits:
+                lora_delta.SPLIT_K = split
+                engine.unmount_adapter("a0")  # (a new version: the compiled decode traces afresh)
+                engine.mount_adapter("a0", str(Path(tmp) / f"{dtype}-a0"))
+                for choices in cases.values():
                     run(engine, args.rows, choices, args.prompt_tokens, 8)  # warm this case's shapes
-                    key = f"{name} [{variant}, {dtype} adapters]"
-                    results[key] = run(engine, args.rows, choices, args.prompt_tokens, args.steps)
-                    print(f"{key}: {results[key]:.1f} tok/s ({results[key] / base:.2f}x)", flush=True)
-        run(engine, args.rows, none, args.prompt_tokens, 8)
-        results["none, adapters mounted"] = run(engine, args.rows, none, args.prompt_tokens, args.steps)
+            for _ in range(args.rounds):  # interleaved: slow drifts of the device hit every case alike
+                for split in splits:
+                    lora_delta.SPLIT_K = split
+                    engine.unmount_adapter("a0")
+                    engine.mount_adapter("a0", str(Path(tmp) / f"{dtype}-a0"))
+                    for name, choices in [("none, adapters mounted", none), *cases.items()]:
+                        tag = f", split-k {split}" if len(splits) > 1 else ""
+                        key = name if name.startswith("none") else f"{name} [{dtype} adapters{tag}]"
+                        tok_s = run(engine, args.rows, choices, args.prompt_tokens, args.steps)
+                        samples.setdefault(key, []).append(tok_s)
+                        print(f"{key}: {tok_s:.1f} tok/s", flush=True)
     for i in range(4):
         engine.unmount_adapter(f"a{i}")
-    results["none, after unmounting"] = run(engine, args.rows, none, args.prompt_tokens, args.steps)
+    run(engine, args.rows, none, args.prompt_tokens, 8)
+    for _ in range(args.rounds):  # the base-only reference: no adapter mounted
+        samples["none"].append(run(engine, args.rows, none, args.prompt_tokens, args.steps))
+    results = {name: statistics.median(values) for name, values in samples.items()}
+    base = results["none"]
     print(f"device {mx.default_device()}, {args.rows} rows, rank {args.rank}, {args.steps} steps")
     print("| case | tok/s | vs none |")
     print("|---|---|---|")

@@ -30,10 +30,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from model import lora_delta, lora_pack
+from model import lora_pack
 from model.fused_projections import fusion_groups
 from model.language_model import LanguageModel
-from model.lora_delta import LORA_A, LORA_B, LORA_WIDE, STATE_ATTR, RowMask, add_packed_delta, add_widened_delta
+from model.lora_delta import LORA_A, LORA_B, STATE_ATTR, RowMask, packed_delta
 from model.lora_load import (
     LINEAR_TYPES,
     Adapter,
@@ -124,14 +124,9 @@ class AdaptedLinear(nn.Module):
         state = self._state
         plan = state.plan
         if plan.packed:
+            y = self.base(x)
             a, rows = self.get(LORA_A), state.rows
-            if a is None or rows is None:
-                return self.base(x)
-            wide = self.get(LORA_WIDE)
-            if wide is None:
-                return add_packed_delta(self.base(x), x, a, self[LORA_B], rows)
-            out = add_widened_delta(x @ wide.T, self.base.weight.shape[0], self[LORA_B], rows)
-            return out + self.base.bias if "bias" in self.base else out
+            return y if a is None or rows is None else y + packed_delta(x, a, self[LORA_B], rows)
         if plan.uniform is not None:
             return self._apply(x, self._deltas(plan.uniform))
         if x.shape[0] != len(plan.rows):
@@ -334,7 +329,7 @@ def _row_mask(packing: lora_pack.Packing, selections: Sequence[Selection]) -> Ro
     for selection in selections:
         mask = [0.0] * packing.width
         distinct_scales = {packing.scales[i] for i in selection}
-        common = distinct_scales.pop() if len(distinct_scales) == 1 and not lora_delta.ADDMM else None
+        common = distinct_scales.pop() if len(distinct_scales) == 1 else None
         for i in selection:
             lo, hi = packing.columns[i]
             mask[lo:hi] = [1.0 if common is not None else packing.scales[i]] * (hi - lo)

@@ -25,8 +25,6 @@ import mlx.nn as nn
 # Where packed arrays live: on a wrapped linear, and beside a fused product's weights (its key + these).
 LORA_A = "_lora_a"
 LORA_B = "_lora_b"
-# A base weight with its packed A rows appended (WIDEN): one product gives y and x @ A together.
-LORA_WIDE = "_lora_wide"
 # The model's adapter state, as a plain attribute of each module owning a fused product.
 STATE_ATTR = "_lora_state"
 
@@ -37,45 +35,34 @@ class RowMask:
     scale: mx.array  # [rows or 1, 1]
 
 
-# Bench-only A/B switches (benchmarks/lora_bench.py --variant), until a GPU run picks the winner:
-# ADDMM: the row's scale folded into its mask and y + delta as one addmm; TRANSPOSED: packed A
-# stored [R, in] and B [out, R] (a Linear weight's layout), multiplied through `.T`; WIDEN
-# (TRANSPOSED layout): each dense base weight gets its packed A rows appended (model/lora_pack.py).
-ADDMM = False
-TRANSPOSED = False
-WIDEN = False
-
-
-def add_packed_delta(y: mx.array, x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.array:
-    """`y` plus every row's delta for input `x` [rows, ..., in] (the module docstring's expression)."""
-    _check(rows, x)
-    return _finish(y, x @ (a.T if TRANSPOSED else a), b, rows)
-
-
-def add_widened_delta(yz: mx.array, n: int, b: mx.array, rows: RowMask) -> mx.array:
-    """From `yz` = x @ [W; A].T (a widened weight, its first `n` rows W): y plus the rows' deltas."""
-    _check(rows, yz)
-    return _finish(yz[..., :n], yz[..., n:], b, rows)
-
-
-def _check(rows: RowMask, x: mx.array) -> None:
+def packed_delta(x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.array:
+    """Every row's delta for input `x` [rows, ..., in]: the module docstring's expression, less y."""
     n = rows.mask.shape[0]
     if n not in (1, x.shape[0]):
         raise ValueError(f"LoRA selection has {n} rows, the forward {x.shape[0]}")
-
-
-def _finish(y: mx.array, z: mx.array, b: mx.array, rows: RowMask) -> mx.array:
-    """y + the masked z (= x @ A) through B."""
-    lead = (rows.mask.shape[0],) + (1,) * (z.ndim - 2)
+    lead = (n,) + (1,) * (x.ndim - 2)
     width = rows.mask.shape[-1]
+    z = _times_a(x, a)
     if z.shape[-1] == width:
         z = z * rows.mask.reshape(*lead, width)
     else:  # a fused product's A: its members' columns side by side, each masked alike
         z = (z.reshape(*z.shape[:-1], -1, width) * rows.mask.reshape(*lead, 1, width)).reshape(z.shape)
-    b = b.T if TRANSPOSED else b
-    if ADDMM and z.dtype == y.dtype:
-        return mx.addmm(y, z, b)
-    return y + (rows.scale.reshape(*lead, 1) * (z @ b)).astype(y.dtype)
+    return (rows.scale.reshape(*lead, 1) * (z @ b)).astype(x.dtype)
+
+
+# Bench-only A/B switch (benchmarks/lora_bench.py --split-k), until a GPU run picks the winner: a
+# decode step's x @ A (few rows, long K, few columns: little parallelism) as SPLIT_K partial
+# products over slices of K, then summed.
+SPLIT_K = 0
+SPLIT_MAX_ROWS = 8
+
+
+def _times_a(x: mx.array, a: mx.array) -> mx.array:
+    k = a.shape[0]
+    if not SPLIT_K or k % SPLIT_K or x.size // k > SPLIT_MAX_ROWS:
+        return x @ a
+    parts = x.reshape(-1, SPLIT_K, k // SPLIT_K).transpose(1, 0, 2) @ a.reshape(SPLIT_K, k // SPLIT_K, -1)
+    return parts.sum(axis=0).reshape(*x.shape[:-1], -1)
 
 
 def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.array | None:
@@ -90,10 +77,8 @@ def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.
         return x @ fused.T
     if not state.packed_mode:
         return None
+    y = x @ fused.T
     a, rows = owner.get(key + LORA_A), state.rows
     if a is None or rows is None:
-        return x @ fused.T
-    wide = owner.get(key + LORA_WIDE)
-    if wide is not None:
-        return add_widened_delta(x @ wide.T, fused.shape[0], owner[key + LORA_B], rows)
-    return add_packed_delta(x @ fused.T, x, a, owner[key + LORA_B], rows)
+        return y
+    return y + packed_delta(x, a, owner[key + LORA_B], rows)

@@ -15,10 +15,9 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from model import lora_delta
 from model.fused_projections import fusion_groups
 from model.language_model import LanguageModel
-from model.lora_delta import LORA_A, LORA_B, LORA_WIDE
+from model.lora_delta import LORA_A, LORA_B
 from model.lora_load import Adapter, ModuleKey, is_wrapper, linear_dims, named_modules
 
 
@@ -34,61 +33,10 @@ class Packing:
 
 
 def clear(model: LanguageModel) -> None:
-    """Remove every packed array `pack` added; widened base weights become their own rows again."""
-    for layer in [*model.layers, model]:
-        for owner, key, names in fusion_groups(layer):
-            if key + LORA_WIDE in owner:
-                _repoint(owner, key, names, mx.contiguous(owner[key]))  # (a copy: the wide rows go)
-                del owner[key + LORA_WIDE]
-        for _, wrapper in named_modules(layer):
-            if is_wrapper(wrapper) and LORA_WIDE in wrapper:
-                wrapper.base.weight = mx.contiguous(wrapper.base.weight)
-                del wrapper[LORA_WIDE]
-        mx.eval(layer.parameters())
+    """Remove every packed array `pack` added."""
     for _, module in model.named_modules():
         for key in [k for k in module if k.endswith((LORA_A, LORA_B))]:
             del module[key]
-
-
-def _repoint(owner: nn.Module, key: str, names: tuple[str, ...], fused: mx.array) -> None:
-    """Make `fused` the group's fused weight and its members' weights row views of it."""
-    owner[key], start = fused, 0
-    for name in names:
-        base = owner[name].base if is_wrapper(owner[name]) else owner[name]
-        rows = base.weight.shape[0]
-        base.weight = fused[start : start + rows]
-        start += rows
-
-
-def _widen(model: LanguageModel) -> None:
-    """Append the packed A rows to each dense base weight (fused groups: to the fused weight), so
-    one product gives y and x @ A; the base weights become row views of the wider arrays (their
-    narrow originals are freed, layer by layer: the extra memory is the A rows, already billed)."""
-    for layer in [*model.layers, model]:
-        widened: list[mx.array] = []
-        fused_members: set[int] = set()
-        for owner, key, names in fusion_groups(layer):
-            fused, a = owner.get(key), owner.get(key + LORA_A)
-            if fused is None or a is None or fused.dtype != a.dtype:
-                continue
-            wide = mx.concatenate([fused, a], axis=0)
-            _repoint(owner, key, names, wide[: fused.shape[0]])
-            owner[key + LORA_WIDE], owner[key + LORA_A] = wide, wide[fused.shape[0] :]
-            fused_members.update(id(owner[n]) for n in names)
-            widened.append(wide)
-        for _, wrapper in named_modules(layer):
-            if not is_wrapper(wrapper) or (wrapper.key[0] is None) != (layer is model):
-                continue  # (the model's own pass: only its top-level linears)
-            if id(wrapper) in fused_members or LORA_A not in wrapper or LORA_WIDE in wrapper:
-                continue
-            base = wrapper.base
-            if type(base) is not nn.Linear or base.weight.dtype != wrapper[LORA_A].dtype:
-                continue
-            wide = mx.concatenate([base.weight, wrapper[LORA_A]], axis=0)
-            n = base.weight.shape[0]
-            base.weight, wrapper[LORA_WIDE], wrapper[LORA_A] = wide[:n], wide, wide[n:]
-            widened.append(wide)
-        mx.eval(widened)
 
 
 def pack(model: LanguageModel, adapters: dict[int, Adapter]) -> Packing | None:
@@ -120,17 +68,10 @@ def pack(model: LanguageModel, adapters: dict[int, Adapter]) -> Packing | None:
             members = [owner[n] for n in names if n in owner]
             if owner.get(fused_key) is None or len(members) < len(names) or not all(LORA_A in m for m in members):
                 continue
-            if lora_delta.TRANSPOSED:
-                owner[fused_key + LORA_A] = mx.concatenate([m[LORA_A] for m in members], axis=0)
-                owner[fused_key + LORA_B] = mx.contiguous(_block_diagonal([m[LORA_B].T for m in members]).T)
-            else:
-                owner[fused_key + LORA_A] = mx.concatenate([m[LORA_A] for m in members], axis=1)
-                owner[fused_key + LORA_B] = _block_diagonal([m[LORA_B] for m in members])
+            owner[fused_key + LORA_A] = mx.concatenate([m[LORA_A] for m in members], axis=1)
+            owner[fused_key + LORA_B] = _block_diagonal([m[LORA_B] for m in members])
             created += [owner[fused_key + LORA_A], owner[fused_key + LORA_B]]
     mx.eval(created)
-    if lora_delta.WIDEN:
-        assert lora_delta.TRANSPOSED, "widening appends A as rows: the Linear layout"
-        _widen(model)
     return Packing(
         columns=columns,
         scales={i: a.scale for i, a in plain.items()},
@@ -157,8 +98,6 @@ def _stack(
         b_parts.append(mx.pad(delta.lora_b.astype(dtype), [(0, pad), (0, 0)]))
     a, b = mx.concatenate(a_parts, axis=1), mx.concatenate(b_parts, axis=0)
     assert a.shape == (n_in, width) and b.shape == (width, n_out)
-    if lora_delta.TRANSPOSED:
-        return mx.contiguous(a.T), mx.contiguous(b.T)
     return a, b
 
 
