@@ -1,10 +1,12 @@
 """LoRA decode speed, engine level: B rows decoding together with no adapter, all on one adapter,
 and on four different adapters (one per pair of rows), random rank-R adapters on every linear.
 
-    python benchmarks/lora_bench.py --model DIR [--rank 16] [--rows 8] [--steps 128]
-        [--variants default,addmm] [--adapter-dtypes model,float32]
+    python benchmarks/lora_bench.py --model DIR [--rank 16] [--rows 8] [--steps 128] [--rounds 3]
+        [--adapter-dtypes model,float32] [--split-k 0,16]
 
-Prints tok/s per case and each case against the base-only one (the mixed case's goal: within 25%).
+Each round measures the base with no adapter mounted, then mounts the adapters and measures base
+rows, one adapter and four; rounds interleave so a drifting device hits every case alike. Prints
+the median tok/s per case against the base-only one (the mixed case's goal: within 25%).
 """
 
 from __future__ import annotations
@@ -78,38 +80,43 @@ def main() -> None:
     none = [()] * args.rows
     run(engine, args.rows, none, args.prompt_tokens, 8)  # warm-up: this batch size's shapes
     cases = {"one adapter": [("a0",)] * args.rows, "four adapters": [(f"a{i % 4}",) for i in range(args.rows)]}
-    samples: dict[str, list[float]] = {"none": []}
+    splits = [int(v) for v in args.split_k.split(",")]
+    samples: dict[str, list[float]] = {}
+
+    def measure(key: str, choices: list[tuple[str, ...]]) -> None:
+        samples.setdefault(key, []).append(run(engine, args.rows, choices, args.prompt_tokens, args.steps))
+        print(f"{key}: {samples[key][-1]:.1f} tok/s", flush=True)
+
+    def remount(paths: list[Path]) -> None:  # (a new version: the compiled decode traces afresh)
+        for info in engine.adapters.infos():
+            engine.unmount_adapter(info.id)
+        for i, path in enumerate(paths):
+            engine.mount_adapter(f"a{i}", str(path))
+
     with tempfile.TemporaryDirectory() as tmp:
         for adapter_dtype in args.adapter_dtypes.split(","):
             dtype = model_dtype if adapter_dtype == "model" else adapter_dtype
-            for i in range(4):
-                if f"a{i}" in {a.id for a in engine.adapters.infos()}:
-                    engine.unmount_adapter(f"a{i}")
-                path = write_adapter(Path(tmp) / f"{dtype}-a{i}", model_dir, rank=args.rank, seed=i, dtype=dtype)
-                engine.mount_adapter(f"a{i}", str(path))
-            splits = [int(v) for v in args.split_k.split(",")]
-            for split in splits:
+            paths = [
+                write_adapter(Path(tmp) / f"{dtype}-a{i}", model_dir, rank=args.rank, seed=i, dtype=dtype)
+                for i in range(4)
+            ]
+            for split in splits:  # warm every case's shapes once
                 lora_delta.SPLIT_K = split
-                engine.unmount_adapter("a0")  # (a new version: the compiled decode traces afresh)
-                engine.mount_adapter("a0", str(Path(tmp) / f"{dtype}-a0"))
+                remount(paths)
                 for choices in cases.values():
-                    run(engine, args.rows, choices, args.prompt_tokens, 8)  # warm this case's shapes
-            for _ in range(args.rounds):  # interleaved: slow drifts of the device hit every case alike
+                    run(engine, args.rows, choices, args.prompt_tokens, 8)
+            # Interleaved rounds, slow drifts of the device hitting every case alike; the base-only
+            # reference with no adapter mounted in each round.
+            for _ in range(args.rounds):
+                remount([])
+                measure("none", none)
                 for split in splits:
                     lora_delta.SPLIT_K = split
-                    engine.unmount_adapter("a0")
-                    engine.mount_adapter("a0", str(Path(tmp) / f"{dtype}-a0"))
-                    for name, choices in [("none, adapters mounted", none), *cases.items()]:
-                        tag = f", split-k {split}" if len(splits) > 1 else ""
-                        key = name if name.startswith("none") else f"{name} [{dtype} adapters{tag}]"
-                        tok_s = run(engine, args.rows, choices, args.prompt_tokens, args.steps)
-                        samples.setdefault(key, []).append(tok_s)
-                        print(f"{key}: {tok_s:.1f} tok/s", flush=True)
-    for i in range(4):
-        engine.unmount_adapter(f"a{i}")
-    run(engine, args.rows, none, args.prompt_tokens, 8)
-    for _ in range(args.rounds):  # the base-only reference: no adapter mounted
-        samples["none"].append(run(engine, args.rows, none, args.prompt_tokens, args.steps))
+                    remount(paths)
+                    tag = f", split-k {split}" if len(splits) > 1 else ""
+                    measure("none, adapters mounted", none)
+                    for name, choices in cases.items():
+                        measure(f"{name} [{dtype} adapters{tag}]", choices)
     results = {name: statistics.median(values) for name, values in samples.items()}
     base = results["none"]
     print(f"device {mx.default_device()}, {args.rows} rows, rank {args.rank}, {args.steps} steps")
