@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cache.prompt_cache import PromptCache
+from model import lora
 from model.engine import Engine
 from model.fused_projections import fuse_projections
 from model.loader import load_model
@@ -197,3 +198,17 @@ def test_remounting_rebuilds_the_compiled_decode(tiny_model_factory, tmp_path):
     dora_alone = generate_tokens(engine, [mixed[1]])
     assert generate_tokens(engine, mixed) == {**want, **dora_alone}
     assert engine._compiled is not None and not engine._compiled.ready()  # (the last batch held a DoRA row)
+
+
+def test_packed_copies_are_billed_with_the_adapters(qwen3_dir, adapters):
+    engine = engine_with(qwen3_dir, adapters)
+    state = lora.installed(engine.model)
+    assert state is not None and state.packing is not None and state.packing.nbytes > 0
+    own = sum(info.nbytes for info in engine.adapters.infos())
+    assert engine.adapters.nbytes == own + state.packing.nbytes
+    assert engine.unmount_adapter("b")
+    state = lora.installed(engine.model)
+    assert state is not None and state.packing is not None
+    assert engine.adapters.nbytes == engine.adapters.infos()[0].nbytes + state.packing.nbytes
+    assert engine.unmount_adapter("a")
+    assert lora.installed(engine.model) is None and engine.adapters.nbytes == 0
