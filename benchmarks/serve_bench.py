@@ -484,8 +484,10 @@ def run_suite(kind: str, model: Path, args) -> dict:
                     best["worker"] = stats.get("worker")
                     best["batch"] = stats.get("batch")  # scheduler counters, recent_opens
                 out[f"c{c}"] = best
-                if not best.get("tokens"):  # streams that end with no tokens: say why
-                    print(server.tail(4000), file=sys.stderr, flush=True)
+                if not best.get("tokens"):  # streams that end with no tokens: say why (the first error)
+                    log = server.tail(10**7)
+                    first = log.find("Traceback")
+                    print(log[first : first + 4000] if first >= 0 else log[-4000:], file=sys.stderr, flush=True)
                 print(
                     f"  {kind} c={c}: " + json.dumps({k: v for k, v in best.items() if k not in ("ttfts", "itls")}),
                     file=sys.stderr,
