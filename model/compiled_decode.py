@@ -12,9 +12,10 @@ from model import lora
 from model.decoder import DecoderLayer, DecoderModel
 from model.fused_projections import fuse_projections
 from model.kv_cache import LayerCache
+from model.lora_delta import LORA_A, LORA_B
 
 # What a compiled stage takes per layer: {"p": its parameters, "h": its hidden arrays (fused
-# weights, packed adapters: `_`-named, so not parameters) by (module path, key)}.
+# weights: `_`-named, so not parameters) and "l": its packed adapter arrays, by (module path, key)}.
 LayerInputs = dict[str, Any]
 
 
@@ -35,13 +36,13 @@ def _structure(layer: nn.Module) -> tuple[Any, ...]:
 
 
 def _layer_inputs(layer: DecoderLayer) -> LayerInputs:
-    hidden = {
-        (name, key): value
-        for name, module in layer.named_modules()
-        for key, value in module.items()
-        if key.startswith("_") and isinstance(value, mx.array)
-    }
-    return {"p": layer.parameters(), "h": hidden}
+    hidden: dict[tuple[str, str], mx.array] = {}
+    adapters: dict[tuple[str, str], mx.array] = {}
+    for name, module in layer.named_modules():
+        for key, value in module.items():
+            if key.startswith("_") and isinstance(value, mx.array):
+                (adapters if key.endswith((LORA_A, LORA_B)) else hidden)[(name, key)] = value
+    return {"p": layer.parameters(), "h": hidden, "l": adapters}
 
 
 class CompiledDecode:
@@ -63,9 +64,11 @@ class CompiledDecode:
 
     `fuse`: fuse each layer's decode projections first (model/fused_projections.py; CUDA).
 
-    LoRA adapters (model/lora.py): the rows' adapter mask is an input of every stage, and the
-    packed adapter arrays are layer inputs like the weights; mounting or unmounting rebuilds the
-    stages (`ready`). A selection only the eager wrappers run (DoRA) makes `ready` False.
+    LoRA adapters (model/lora.py): the rows' adapter mask (and the LM head's packed arrays) are
+    inputs of every stage, and the layers' packed arrays are layer inputs like the weights, given
+    only while some row has a delta; so mounting or unmounting re-reads the layers (`ready`) but
+    keeps every trace whose shapes still hold (base-only steps keep theirs). A selection only the
+    eager wrappers run (DoRA) makes `ready` False.
     """
 
     def __init__(self, model: DecoderModel, *, fuse: bool = False) -> None:
@@ -74,31 +77,32 @@ class CompiledDecode:
             fuse_projections(model)
         self._offset_host: int | None = None
         self._offset_dev: mx.array | None = None
-        self._build()
-
-    def _build(self) -> None:
-        """(Re)read the layers and start fresh compiled stages (their traces hold the old arrays)."""
-        layers = self.model.layers
-        self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
-        self._version = lora.version(self.model)
-        self._params = [_layer_inputs(layer) for layer in layers]
-        self._template = layers[0] if layers else None
-        self._modules = dict(self._template.named_modules()) if self._template is not None else {}
+        self._read_layers()
         self._first = mx.compile(self._first_fn)
         self._mid = mx.compile(self._mid_fn)
         self._last = mx.compile(self._last_fn)
 
+    def _read_layers(self) -> None:
+        """The layers' arrays as stage inputs (again after adapters change the model)."""
+        layers = self.model.layers
+        self.enabled = bool(layers) and len({_structure(layer) for layer in layers}) == 1
+        self._version = lora.version(self.model)
+        self._params = [_layer_inputs(layer) for layer in layers]
+        self._base_params = [{**p, "l": {}} for p in self._params]  # (steps with no delta)
+        self._template = layers[0] if layers else None
+        self._modules = dict(self._template.named_modules()) if self._template is not None else {}
+
     def ready(self) -> bool:
-        """Whether the next decode step can run compiled (rebuilt first if adapters changed)."""
+        """Whether the next decode step can run compiled (the layers re-read if adapters changed)."""
         if lora.version(self.model) != self._version:
-            self._build()
+            self._read_layers()
         return self.enabled and lora.compilable(self.model)
 
     def _as(self, params: LayerInputs) -> DecoderLayer:
         t = self._template
         assert t is not None  # only called with layers to run
         t.update(params["p"])
-        for (name, key), value in params["h"].items():
+        for (name, key), value in (params["h"] | params["l"]).items():
             self._modules[name][key] = value
         return t
 
@@ -144,7 +148,8 @@ class CompiledDecode:
                 device = mx.array(host, dtype=mx.int32)
             offset = device
             self._offset_host, self._offset_dev = host + 1, device + 1
-        params, layers, rows = self._params, self.model.layers, lora.step_inputs(self.model)
+        layers, rows = self.model.layers, lora.step_inputs(self.model)
+        params = self._params if rows else self._base_params
         h, q, k, v = self._first(params[0], tokens, offset, rows)
         last = len(caches) - 1
         for i, cache in enumerate(caches):

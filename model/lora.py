@@ -12,7 +12,7 @@ the whole batch, and every row's delta, whichever adapters (or none) it picked, 
 products with a per-row column mask (model/lora_delta.py). A batch mixing four adapters costs what
 one adapter costs; base-only forwards skip the delta. That path keeps the fused decode products
 and the compiled decode (model/compiled_decode.py), which takes the mask as an input
-(`step_inputs`, `bound`) and rebuilds itself when `version` changes.
+(`step_inputs`, `bound`) and re-reads the layers when `version` changes.
 
 DoRA rescales whole outputs, so a selection naming a DoRA adapter runs in the wrappers, eager:
 one adapter for the whole batch, or per group of rows that share a selection (`compilable` is
@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -92,6 +93,9 @@ class LoraState:
     packing: lora_pack.Packing | None = None
     rows: RowMask | None = None  # the packed path's mask; None: no row has a delta
     version: int = 0
+    # Top-level wrappers holding packed arrays (the LM head), by path: compiled stages take
+    # their arrays as inputs (`step_inputs`).
+    top: dict[str, AdaptedLinear] = attrs.field(factory=dict)
 
     @property
     def packed_mode(self) -> bool:
@@ -238,6 +242,9 @@ def version(model: LanguageModel) -> int:
 
 def _repack(model: LanguageModel, state: LoraState) -> None:
     state.packing = lora_pack.pack(model, state.adapters)
+    state.top = {
+        name: m for name, m in named_modules(model) if isinstance(m, AdaptedLinear) and m.key[0] is None and LORA_A in m
+    }
     state.plan, state.rows = Plan(version=-1), None  # (select again before a forward)
     _bump(model, state)
 
@@ -344,24 +351,41 @@ def compilable(model: LanguageModel) -> bool:
     return state is None or state.packed_mode
 
 
-def step_inputs(model: LanguageModel) -> dict[str, mx.array]:
-    """The arrays a compiled forward takes for the current selection ({} when no row has a delta)."""
+def step_inputs(model: LanguageModel) -> dict[str, Any]:
+    """What a compiled forward takes for the current selection ({} when no row has a delta): the
+    rows' mask and scales, and the packed arrays of top-level linears (the LM head), which are
+    not layer inputs and so would otherwise be baked into a trace."""
     state = installed(model)
     if state is None or state.rows is None:
         return {}
-    return {"mask": state.rows.mask, "scale": state.rows.scale}
+    top = {path: {k: w[k] for k in (LORA_A, LORA_B)} for path, w in _top_wrappers(model).items()}
+    return {"mask": state.rows.mask, "scale": state.rows.scale, "top": top}
+
+
+def _top_wrappers(model: LanguageModel) -> dict[str, AdaptedLinear]:
+    """Top-level wrappers holding packed arrays, by path."""
+    return {
+        name: m for name, m in named_modules(model) if isinstance(m, AdaptedLinear) and m.key[0] is None and LORA_A in m
+    }
 
 
 @contextmanager
-def bound(model: LanguageModel, inputs: dict[str, mx.array]) -> Iterator[None]:
-    """While tracing a compiled forward: the wrappers read `inputs` (from `step_inputs`) as the mask."""
+def bound(model: LanguageModel, inputs: dict[str, Any]) -> Iterator[None]:
+    """While tracing a compiled forward: the wrappers read `inputs` (from `step_inputs`)."""
     state = installed(model)
     if state is None:
         yield
         return
-    saved = state.rows
+    saved_rows = state.rows
     state.rows = RowMask(inputs["mask"], inputs["scale"]) if inputs else None
+    saved = {path: {k: w[k] for k in (LORA_A, LORA_B)} for path, w in state.top.items()}
+    for path, arrays in inputs.get("top", {}).items():
+        for key, value in arrays.items():
+            state.top[path][key] = value
     try:
         yield
     finally:
-        state.rows = saved
+        state.rows = saved_rows
+        for path, arrays in saved.items():
+            for key, value in arrays.items():
+                state.top[path][key] = value

@@ -8,6 +8,7 @@ import pytest
 
 from cache.prompt_cache import PromptCache
 from model import lora
+from model.compiled_decode import CompiledDecode
 from model.engine import Engine
 from model.fused_projections import fuse_projections
 from model.loader import load_model
@@ -212,3 +213,26 @@ def test_packed_copies_are_billed_with_the_adapters(qwen3_dir, adapters):
     assert engine.adapters.nbytes == engine.adapters.infos()[0].nbytes + state.packing.nbytes
     assert engine.unmount_adapter("a")
     assert lora.installed(engine.model) is None and engine.adapters.nbytes == 0
+
+
+def test_mounting_keeps_the_base_only_traces(tiny_model_factory, tmp_path, monkeypatch):
+    """Mounting another adapter re-reads the layers but does not retrace base-only decode steps
+    (their inputs did not change); a step with deltas traces for the new packed shapes."""
+    traced: list[int] = []
+    original = CompiledDecode._mid_fn
+
+    def counting(self, *args):
+        traced.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(CompiledDecode, "_mid_fn", counting)
+    model_dir = tiny_model_factory("llama")
+    engine = engine_with(model_dir, {"a": str(write_adapter(tmp_path / "a", model_dir, seed=31))})
+    base = generate_tokens(engine, [spec(0, PROMPTS[0])])
+    generate_tokens(engine, [spec(1, PROMPTS[0], ("a",))])
+    before = len(traced)
+    engine.mount_adapter("b", str(write_adapter(tmp_path / "b", model_dir, seed=32)))
+    assert generate_tokens(engine, [spec(2, PROMPTS[0])]) == {2: base[0]}
+    assert len(traced) == before
+    with_b = generate_tokens(engine, [spec(3, PROMPTS[0], ("b",))])
+    assert len(traced) > before and with_b[3] != base[0]

@@ -219,9 +219,9 @@ def test_a_model_compiled_decode_refuses_is_not_retried_every_step(tiny_model_fa
     built = []
 
     class Counting(CompiledDecode):
-        def _build(self) -> None:
+        def _read_layers(self) -> None:
             built.append(1)
-            super()._build()
+            super()._read_layers()
 
     monkeypatch.setattr(engine_module, "CompiledDecode", Counting)
     engine = engine_for(load_model(tiny_model_factory("qwen3_moe", **MIXED)).model)
