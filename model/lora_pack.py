@@ -53,7 +53,9 @@ def pack(model: LanguageModel, adapters: dict[int, Adapter]) -> Packing | None:
         start += rank
     dtypes = {d.lora_a.dtype for a in plain.values() for d in a.modules.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else mx.float32
-    in_layers = {key[1] for a in plain.values() for key in a.modules if key[0] is not None}
+    in_layers = _with_fusion_partners(
+        model, {key[1] for a in plain.values() for key in a.modules if key[0] is not None}
+    )
     created: list[mx.array] = []
     for _, wrapper in named_modules(model):
         if not is_wrapper(wrapper):
@@ -79,6 +81,19 @@ def pack(model: LanguageModel, adapters: dict[int, Adapter]) -> Packing | None:
         dtype=dtype,
         nbytes=sum(a.nbytes for a in created),
     )
+
+
+def _with_fusion_partners(model: LanguageModel, names: set[str]) -> set[str]:
+    """`names` (module paths inside a layer) plus the other members of any fused product one of
+    them belongs to: a fused product adds its members' deltas only if every member has arrays."""
+    out = set(names)
+    for layer in model.layers:
+        paths = {id(m): name for name, m in layer.named_modules()}
+        for owner, _, members in fusion_groups(layer):
+            group = {f"{paths[id(owner)]}.{m}" for m in members}
+            if group & names:
+                out |= group
+    return out
 
 
 def _stack(

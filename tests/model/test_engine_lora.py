@@ -236,3 +236,21 @@ def test_mounting_keeps_the_base_only_traces(tiny_model_factory, tmp_path, monke
     assert len(traced) == before
     with_b = generate_tokens(engine, [spec(3, PROMPTS[0], ("b",))])
     assert len(traced) > before and with_b[3] != base[0]
+
+
+def test_an_adapter_on_one_member_of_a_fused_product(tiny_model_factory, tmp_path):
+    """An adapter on q_proj and up_proj only: the fused q/k/v and gate/up products still carry
+    those deltas (k, v and gate get zero columns), equal to the separate products."""
+    model_dir = tiny_model_factory("qwen3", dtype="bfloat16")
+    keys = ["self_attn.q_proj", "mlp.up_proj"]
+    paths = {"a": str(write_adapter(tmp_path / "a", model_dir, seed=41, dtype="bfloat16", keys=keys, strength=2.0))}
+    eager = engine_with(model_dir, paths, options=EngineOptions(compile_decode=False))
+    specs = [spec(i, PROMPTS[i], c) for i, c in enumerate([(), ("a",), ("a",), ()])]
+    alone = {s.row_id: generate_tokens(eager, [s])[s.row_id] for s in specs}
+    assert alone[1] != generate_tokens(eager, [spec(1, PROMPTS[1])])[1]
+    model = load_model(model_dir).model
+    assert fuse_projections(model)
+    engine = Engine(model, eos_token_ids=[])
+    engine.mount_adapter("a", paths["a"])
+    assert "_qkv_lora_a" in model.layers[0].self_attn and "_gate_up_lora_a" in model.layers[0].mlp
+    assert generate_tokens(engine, specs) == alone
