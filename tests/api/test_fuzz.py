@@ -721,6 +721,7 @@ def test_fuzz_anthropic_count_tokens(bodies):
 
 @FUZZ
 @given(batches(responses_object))
+@pytest.mark.slow
 def test_fuzz_responses(bodies):
     send_all(RESPONSES, bodies)
 

@@ -50,7 +50,14 @@ def distinct(seqs):
 # -- parity with mlx-lm -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,kw", KINDS, ids=IDS)
+# The q4 variants (about 5 s each on two cores) run with -m slow; fp32 ones in every run.
+WINDOW_KINDS = [
+    pytest.param(*kind, id=i, marks=[pytest.mark.slow] if i.endswith("q4") else [])
+    for kind, i in zip(KINDS, IDS, strict=True)
+]
+
+
+@pytest.mark.parametrize("family,kw", WINDOW_KINDS)
 def test_greedy_matches_mlx_lm_past_the_window(tiny_model_factory, family, kw):
     model_dir = tiny_model_factory(family, **kw)
     got = ours(model_dir, PROMPTS)
