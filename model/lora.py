@@ -92,14 +92,9 @@ class LoraState:
     plan: Plan = Plan()
     packing: lora_pack.Packing | None = None
     rows: RowMask | None = None  # the packed path's mask; None: no row has a delta
-    version: int = 0
     # Top-level wrappers holding packed arrays (the LM head), by path: compiled stages take
     # their arrays as inputs (`step_inputs`).
     top: dict[str, AdaptedLinear] = attrs.field(factory=dict)
-
-    @property
-    def packed_mode(self) -> bool:
-        return self.plan.packed
 
 
 class AdaptedLinear(nn.Module):
@@ -203,7 +198,7 @@ def install(model: LanguageModel) -> LoraState:
     if top:
         model.update_modules(tree_unflatten(top))
     object.__setattr__(model, STATE_ATTR, state)
-    _bump(model, state)
+    _bump(model)
     return state
 
 
@@ -220,19 +215,16 @@ def uninstall(model: LanguageModel) -> None:
         for owner in _fused_owners(layer):
             owner.__dict__.pop(STATE_ATTR, None)
     object.__delattr__(model, STATE_ATTR)
-    _bump(model, None)
+    _bump(model)
 
 
 def _fused_owners(layer: nn.Module) -> list[nn.Module]:
     return [owner for owner, _, _ in fusion_groups(layer)]
 
 
-def _bump(model: LanguageModel, state: LoraState | None) -> None:
+def _bump(model: LanguageModel) -> None:
     """A new `version`: the wrappers or the packed arrays changed (compiled graphs are stale)."""
-    number = next(_versions)
-    object.__setattr__(model, _VERSION_ATTR, number)
-    if state is not None:
-        state.version = number
+    object.__setattr__(model, _VERSION_ATTR, next(_versions))
 
 
 def version(model: LanguageModel) -> int:
@@ -246,7 +238,7 @@ def _repack(model: LanguageModel, state: LoraState) -> None:
         name: m for name, m in named_modules(model) if isinstance(m, AdaptedLinear) and m.key[0] is None and LORA_A in m
     }
     state.plan, state.rows = Plan(version=-1), None  # (select again before a forward)
-    _bump(model, state)
+    _bump(model)
 
 
 def mounted(model: LanguageModel) -> dict[int, Adapter]:
@@ -309,7 +301,8 @@ def select(model: LanguageModel, rows: Sequence[Selection]) -> None:
             raise ValueError(f"adapter selection {selection} names an adapter twice")
         if len(selection) > 1 and any(state.adapters[i].is_dora for i in selection):
             raise ValueError(f"adapter selection {selection}: a DoRA adapter cannot be stacked with another")
-    if rows == state.plan.rows and state.plan.version == state.version:
+    current = version(model)
+    if rows == state.plan.rows and state.plan.version == current:
         return  # (decode selects every step: the same batch keeps its mask)
     distinct = list(dict.fromkeys(rows))
     if not any(state.adapters[i].is_dora for s in distinct for i in s):
@@ -318,16 +311,16 @@ def select(model: LanguageModel, rows: Sequence[Selection]) -> None:
             state.rows = None  # base rows only: no delta at all
         else:  # one mask row for a uniform batch (any size), else one per row
             state.rows = _row_mask(packing, distinct if len(distinct) == 1 else rows)
-        state.plan = Plan(rows=rows, version=state.version)
+        state.plan = Plan(rows=rows, version=current)
         return
     state.rows = None
     if len(distinct) == 1:
-        state.plan = Plan(rows=rows, packed=False, uniform=distinct[0], version=state.version)
+        state.plan = Plan(rows=rows, packed=False, uniform=distinct[0], version=current)
         return
     groups = tuple(
         (s, mx.array([r for r, chosen in enumerate(rows) if chosen == s], dtype=mx.int32)) for s in distinct if s
     )
-    state.plan = Plan(rows=rows, packed=False, uniform=None, groups=groups, version=state.version)
+    state.plan = Plan(rows=rows, packed=False, uniform=None, groups=groups, version=current)
 
 
 def _row_mask(packing: lora_pack.Packing, selections: Sequence[Selection]) -> RowMask:
@@ -348,7 +341,7 @@ def _row_mask(packing: lora_pack.Packing, selections: Sequence[Selection]) -> Ro
 def compilable(model: LanguageModel) -> bool:
     """Whether the current selection can run as a compiled decode (every row packed or base)."""
     state = installed(model)
-    return state is None or state.packed_mode
+    return state is None or state.plan.packed
 
 
 def step_inputs(model: LanguageModel) -> dict[str, Any]:

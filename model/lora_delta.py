@@ -75,7 +75,7 @@ def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.
     state: Any = owner.__dict__.get(STATE_ATTR)
     if state is None:
         return x @ fused.T
-    if not state.packed_mode:
+    if not state.plan.packed:
         return None
     y = x @ fused.T
     a, rows = owner.get(key + LORA_A), state.rows
