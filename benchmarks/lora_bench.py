@@ -2,7 +2,7 @@
 and on four different adapters (one per pair of rows), random rank-R adapters on every linear.
 
     python benchmarks/lora_bench.py --model DIR [--rank 16] [--rows 8] [--steps 128] [--rounds 3]
-        [--adapter-dtypes model,float32] [--split-k 0,16]
+        [--adapter-dtypes model,float32] [--xa matmul,split16,kernel]
 
 Each round measures the base with no adapter mounted, then mounts the adapters and measures base
 rows, one adapter and four; rounds interleave so a drifting device hits every case alike. Prints
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--split-k", default="0", help="comma-separated model/lora_delta.py SPLIT_K values to compare")
+    p.add_argument("--xa", default="matmul", help="comma-separated model/lora_delta.py XA modes to compare")
     p.add_argument("--rounds", type=int, default=1, help="measure none / one / four this many times, interleaved")
     p.add_argument("--adapter-dtypes", default="model", help="comma-separated: model (the base's dtype) and/or float32")
     p.add_argument("--out")
@@ -80,7 +80,7 @@ def main() -> None:
     none = [()] * args.rows
     run(engine, args.rows, none, args.prompt_tokens, 8)  # warm-up: this batch size's shapes
     cases = {"one adapter": [("a0",)] * args.rows, "four adapters": [(f"a{i % 4}",) for i in range(args.rows)]}
-    splits = [int(v) for v in args.split_k.split(",")]
+    splits = args.xa.split(",")
     samples: dict[str, list[float]] = {}
 
     def measure(key: str, choices: list[tuple[str, ...]]) -> None:
@@ -101,7 +101,7 @@ def main() -> None:
                 for i in range(4)
             ]
             for split in splits:  # warm every case's shapes once
-                lora_delta.SPLIT_K = split
+                lora_delta.XA = split
                 remount(paths)
                 for choices in cases.values():
                     run(engine, args.rows, choices, args.prompt_tokens, 8)
@@ -111,9 +111,9 @@ def main() -> None:
                 remount([])
                 measure("none", none)
                 for split in splits:
-                    lora_delta.SPLIT_K = split
+                    lora_delta.XA = split
                     remount(paths)
-                    tag = f", split-k {split}" if len(splits) > 1 else ""
+                    tag = f", x @ A: {split}" if len(splits) > 1 else ""
                     measure("none, adapters mounted", none)
                     for name, choices in cases.items():
                         measure(f"{name} [{dtype} adapters{tag}]", choices)

@@ -22,6 +22,8 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from model import lora_kernel
+
 # Where packed arrays live: on a wrapped linear, and beside a fused product's weights (its key + these).
 LORA_A = "_lora_a"
 LORA_B = "_lora_b"
@@ -50,18 +52,21 @@ def packed_delta(x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.arr
     return (rows.scale.reshape(*lead, 1) * (z @ b)).astype(x.dtype)
 
 
-# Bench-only A/B switch (benchmarks/lora_bench.py --split-k), until a GPU run picks the winner: a
-# decode step's x @ A (few rows, long K, few columns: little parallelism) as SPLIT_K partial
-# products over slices of K, then summed.
-SPLIT_K = 0
+# Bench-only A/B switch (benchmarks/lora_bench.py --xa), until a GPU run picks the winner: how a
+# decode step's x @ A (few rows, long K, few columns: little parallelism) runs: "matmul", "split16"
+# (16 partial products over slices of K, then summed) or "kernel" (model/lora_kernel.py, CUDA).
+XA = "matmul"
 SPLIT_MAX_ROWS = 8
 
 
 def _times_a(x: mx.array, a: mx.array) -> mx.array:
+    if XA == "kernel" and lora_kernel.usable(x, a):
+        return lora_kernel.times_a(x, a)
     k = a.shape[0]
-    if not SPLIT_K or k % SPLIT_K or x.size // k > SPLIT_MAX_ROWS:
+    split = 16 if XA == "split16" else 0
+    if not split or k % split or x.size // k > SPLIT_MAX_ROWS:
         return x @ a
-    parts = x.reshape(-1, SPLIT_K, k // SPLIT_K).transpose(1, 0, 2) @ a.reshape(SPLIT_K, k // SPLIT_K, -1)
+    parts = x.reshape(-1, split, k // split).transpose(1, 0, 2) @ a.reshape(split, k // split, -1)
     return parts.sum(axis=0).reshape(*x.shape[:-1], -1)
 
 
