@@ -20,7 +20,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import lora_delta, lora_kernel  # noqa: E402
-from model.lora_delta import RowMask, packed_delta  # noqa: E402
+from model.lora_delta import RowMask, with_delta  # noqa: E402
 
 HIDDEN, Q, KV, INTER, ROWS = 4096, 4096, 1024, 14336, 8
 
@@ -80,7 +80,7 @@ def chain(layers: list[dict[str, mx.array]], x: mx.array, mask: mx.array | None,
     def product(w: dict[str, mx.array], key: str, h: mx.array) -> mx.array:
         y = h @ w[key].T
         if rows is not None:
-            y = y + packed_delta(h, w[key + "_a"], w[key + "_b"], rows)
+            y = with_delta(y, h, w[key + "_a"], w[key + "_b"], rows)
         return y
 
     for w in layers:
@@ -109,7 +109,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--modes", default="matmul,split16,kernel")
+    p.add_argument("--modes", default="matmul,split16,kernel,fused")
     args = p.parse_args()
     check_kernel()
     x = mx.random.normal((ROWS, HIDDEN)).astype(mx.bfloat16)

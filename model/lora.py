@@ -34,7 +34,7 @@ from mlx.utils import tree_unflatten
 from model import lora_pack
 from model.fused_projections import fusion_groups
 from model.language_model import LanguageModel
-from model.lora_delta import LORA_A, LORA_B, STATE_ATTR, RowMask, packed_delta
+from model.lora_delta import LORA_A, LORA_B, STATE_ATTR, RowMask, with_delta
 from model.lora_load import (
     LINEAR_TYPES,
     Adapter,
@@ -125,7 +125,7 @@ class AdaptedLinear(nn.Module):
         if plan.packed:
             y = self.base(x)
             a, rows = self.get(LORA_A), state.rows
-            return y if a is None or rows is None else y + packed_delta(x, a, self[LORA_B], rows)
+            return y if a is None or rows is None else with_delta(y, x, a, self[LORA_B], rows)
         if plan.uniform is not None:
             return self._apply(x, self._deltas(plan.uniform))
         if x.shape[0] != len(plan.rows):

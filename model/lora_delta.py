@@ -52,15 +52,23 @@ def packed_delta(x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.arr
     return (rows.scale.reshape(*lead, 1) * (z @ b)).astype(x.dtype)
 
 
+def with_delta(y: mx.array, x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.array:
+    """`y` (the base product of `x`) plus every row's delta."""
+    if XA == "fused" and lora_kernel.usable(x, a) and rows.mask.shape[0] in (1, x.size // a.shape[0]):
+        return lora_kernel.add_delta(y, x, a, b, rows.mask, rows.scale)
+    return y + packed_delta(x, a, b, rows)
+
+
 # Bench-only A/B switch (benchmarks/lora_bench.py --xa), until a GPU run picks the winner: how a
 # decode step's x @ A (few rows, long K, few columns: little parallelism) runs: "matmul", "split16"
-# (16 partial products over slices of K, then summed) or "kernel" (model/lora_kernel.py, CUDA).
+# (16 partial products over slices of K, then summed), "kernel" (model/lora_kernel.py, CUDA) or
+# "fused" (that kernel, then one more adding each row's masked, scaled delta times B to y).
 XA = "matmul"
 SPLIT_MAX_ROWS = 8
 
 
 def _times_a(x: mx.array, a: mx.array) -> mx.array:
-    if XA == "kernel" and lora_kernel.usable(x, a):
+    if XA in ("kernel", "fused") and lora_kernel.usable(x, a):
         return lora_kernel.times_a(x, a)
     k = a.shape[0]
     split = 16 if XA == "split16" else 0
@@ -86,4 +94,4 @@ def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.
     a, rows = owner.get(key + LORA_A), state.rows
     if a is None or rows is None:
         return y
-    return y + packed_delta(x, a, owner[key + LORA_B], rows)
+    return with_delta(y, x, a, owner[key + LORA_B], rows)
