@@ -37,7 +37,16 @@ def check_kernel() -> None:
                 got = lora_kernel.times_a(x, a).astype(mx.float32)
                 want = x.astype(mx.float32) @ a.astype(mx.float32)
                 err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
-                print(f"kernel: rows {rows} k {k} r {r}: max rel err {err:.2e}", flush=True)
+                n, width = 1024, r // 3 if r % 3 == 0 else r
+                b = (mx.random.normal((r, n)) * 0.02).astype(mx.bfloat16)
+                y = mx.random.normal((rows, n)).astype(mx.bfloat16)
+                mask = (mx.random.uniform(shape=(rows, width)) > 0.5).astype(mx.bfloat16)
+                scale = mx.full((rows, 1), 2.0, mx.bfloat16)
+                fused = lora_kernel.add_delta(y, x, a, b, mask, scale).astype(mx.float32)
+                f32 = [v.astype(mx.float32) for v in (x, a, b, y, mask, scale)]
+                want = f32[3] + f32[5] * ((((f32[0] @ f32[1]).reshape(rows, -1, width) * f32[4][:, None]).reshape(rows, r)) @ f32[2])
+                fused_err = (mx.abs(fused - want).max() / (mx.abs(want).max() + 1e-6)).item()
+                print(f"kernel: rows {rows} k {k} r {r}: x @ A max rel err {err:.2e}, y + delta {fused_err:.2e}", flush=True)
 
 
 def block_diag(parts: list[mx.array]) -> mx.array:
