@@ -44,9 +44,10 @@ def check_kernel() -> None:
                 scale = mx.full((rows, 1), 2.0, mx.bfloat16)
                 fused = lora_kernel.add_delta(y, x, a, b, mask, scale).astype(mx.float32)
                 f32 = [v.astype(mx.float32) for v in (x, a, b, y, mask, scale)]
-                want = f32[3] + f32[5] * ((((f32[0] @ f32[1]).reshape(rows, -1, width) * f32[4][:, None]).reshape(rows, r)) @ f32[2])
+                z = ((f32[0] @ f32[1]).reshape(rows, -1, width) * f32[4][:, None]).reshape(rows, r)
+                want = f32[3] + f32[5] * (z @ f32[2])
                 fused_err = (mx.abs(fused - want).max() / (mx.abs(want).max() + 1e-6)).item()
-                print(f"kernel: rows {rows} k {k} r {r}: x @ A max rel err {err:.2e}, y + delta {fused_err:.2e}", flush=True)
+                print(f"kernel: rows {rows} k {k} r {r}: x @ A max rel err {err:.2e}, y + delta {fused_err:.2e}")
 
 
 def block_diag(parts: list[mx.array]) -> mx.array:
