@@ -8,6 +8,6 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/lora-gpu.txt 2>&1
 [ -d $M/l8-bf16 ] || timeout 90 python3 benchmarks/synth_fast.py $M/l8-bf16 llama3-8b bfloat16 none > $OUT/lora-synth.txt 2>&1
 timeout ${LIMIT:-400} python3 benchmarks/lora_bench.py --model $M/l8-bf16 --rank 16 --rows 8 --steps ${STEPS:-96} \
-  --rounds ${ROUNDS:-3} --adapter-dtypes model,float32 --xa ${XA:-matmul,kernel,fused} --out $OUT/lora.json > $OUT/lora.txt 2>&1
+  --rounds ${ROUNDS:-3} --adapter-dtypes ${DTYPES:-model,float32} --xa ${XA:-matmul,kernel,fused} --out $OUT/lora.json > $OUT/lora.txt 2>&1
 echo "rc=$?" >> $OUT/lora.txt
 tail -12 $OUT/lora.txt
