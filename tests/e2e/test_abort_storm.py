@@ -473,9 +473,12 @@ def check_storm(
         assert produced == plan.reference[: len(produced)], (plan.index, plan.mode, produced, plan.reference)
         if result.finish_reason is not None:  # ran to its end (a survivor, or cut too late)
             finished += 1
-            assert result.done and not result.cut, (plan.index, result)
+            # A cut can land between the finish chunk and [DONE]: the answer is whole all the same.
+            assert result.done or result.cut, (plan.index, result)
             assert produced == plan.reference, (plan.index, plan.mode)
-            assert result.usage["completion_tokens"] == len(plan.reference), (plan.index, result.usage)
+            assert result.usage is not None or not result.done, (plan.index, result)  # usage precedes [DONE]
+            if result.usage is not None:
+                assert result.usage["completion_tokens"] == len(plan.reference), (plan.index, result.usage)
             assert result.text == expected_text(server, plan.reference, result.finish_reason), plan.index
         else:
             aborted += 1
