@@ -1,4 +1,5 @@
-"""A decode step's `x @ A` for packed LoRA adapters, as one CUDA kernel.
+"""A decode step's packed LoRA delta on CUDA: `x @ A` as one kernel, and `y` plus the masked,
+scaled delta times B as a second one.
 
 The product has few rows (the batch), a long K (the hidden or MLP width) and few columns (the
 packed ranks): a GEMM library tiles it into one or two thread blocks that walk all of K alone.
