@@ -6,6 +6,9 @@ set -u
 OUT=${OUT:-/tmp/out}; M=${MODELS:-/tmp/models}; mkdir -p $OUT $M
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/lora-gpu.txt 2>&1
+# The kernels' own checks, and the engine's adapter tests with the fused kernel on (pytest wheels needed).
+timeout 90 python3 -c "import sys, pytest; from model import lora_delta as d; d.XA = 'fused'; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/model/test_lora_kernel.py', 'tests/model/test_engine_lora.py']))" > $OUT/lora-tests.txt 2>&1
+tail -4 $OUT/lora-tests.txt
 [ -d $M/l8-bf16 ] || timeout 90 python3 benchmarks/synth_fast.py $M/l8-bf16 llama3-8b bfloat16 none > $OUT/lora-synth.txt 2>&1
 timeout ${LIMIT:-400} python3 benchmarks/lora_bench.py --model $M/l8-bf16 --rank 16 --rows 8 --steps ${STEPS:-96} \
   --rounds ${ROUNDS:-3} --adapter-dtypes ${DTYPES:-model,float32} --xa ${XA:-matmul,kernel,fused} --out $OUT/lora.json > $OUT/lora.txt 2>&1
