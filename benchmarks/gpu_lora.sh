@@ -1,5 +1,5 @@
 #!/bin/bash
-# LoRA decode on a GPU (8B bf16 shape, 8 rows, rank 16): base-only vs one adapter vs four, three
+# LoRA decode on a GPU (8B bf16 shape, 8 rows): base-only vs one adapter vs four, three
 # interleaved rounds, bf16 and float32 adapters, x @ A as matmul, split-K or a CUDA kernel (the switch
 # still to decide). OUT=/tmp/out bash benchmarks/gpu_lora.sh
 set -u
@@ -10,7 +10,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/lora-gpu.txt 2>&1
 timeout 90 python3 -c "import sys, pytest; from model import lora_delta as d; d.XA = 'fused'; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/model/test_lora_kernel.py', 'tests/model/test_engine_lora.py']))" > $OUT/lora-tests.txt 2>&1
 tail -4 $OUT/lora-tests.txt
 [ -d $M/l8-bf16 ] || timeout 90 python3 benchmarks/synth_fast.py $M/l8-bf16 llama3-8b bfloat16 none > $OUT/lora-synth.txt 2>&1
-timeout ${LIMIT:-400} python3 benchmarks/lora_bench.py --model $M/l8-bf16 --rank 16 --rows 8 --steps ${STEPS:-96} \
-  --rounds ${ROUNDS:-3} --adapter-dtypes ${DTYPES:-model,float32} --xa ${XA:-matmul,kernel,fused} --out $OUT/lora.json > $OUT/lora.txt 2>&1
-echo "rc=$?" >> $OUT/lora.txt
-tail -12 $OUT/lora.txt
+# Two adapter shapes: rank 16 on every linear of every block (the heavy case), and mlx_lm.lora's
+# defaults (rank 8 on the last 16 blocks).
+for shape in "16 -1 heavy" "8 16 default"; do
+  set -- $shape
+  timeout ${LIMIT:-300} python3 benchmarks/lora_bench.py --model $M/l8-bf16 --rank $1 --num-layers $2 --rows 8 \
+    --steps ${STEPS:-96} --rounds ${ROUNDS:-3} --adapter-dtypes ${DTYPES:-model,float32} --xa ${XA:-matmul,kernel,fused} \
+    --out $OUT/lora-$3.json > $OUT/lora-$3.txt 2>&1
+  echo "rc=$?" >> $OUT/lora-$3.txt
+  tail -12 $OUT/lora-$3.txt
+done

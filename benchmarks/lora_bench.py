@@ -1,7 +1,7 @@
 """LoRA decode speed, engine level: B rows decoding together with no adapter, all on one adapter,
 and on four different adapters (one per pair of rows), random rank-R adapters on every linear.
 
-    python benchmarks/lora_bench.py --model DIR [--rank 16] [--rows 8] [--steps 128] [--rounds 3]
+    python benchmarks/lora_bench.py --model DIR [--rank 16] [--num-layers -1] [--rows 8] [--steps 128] [--rounds 3]
         [--adapter-dtypes model,float32] [--xa matmul,split16,kernel]
 
 Each round measures the base with no adapter mounted, then mounts the adapters and measures base
@@ -78,6 +78,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=-1, help="adapt the last N blocks (-1: all; mlx_lm.lora: 16)")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -110,7 +111,14 @@ def main() -> None:
         for adapter_dtype in args.adapter_dtypes.split(","):
             dtype = model_dtype if adapter_dtype == "model" else adapter_dtype
             paths = [
-                write_adapter(Path(tmp) / f"{dtype}-a{i}", model_dir, rank=args.rank, seed=i, dtype=dtype)
+                write_adapter(
+                    Path(tmp) / f"{dtype}-a{i}",
+                    model_dir,
+                    rank=args.rank,
+                    seed=i,
+                    dtype=dtype,
+                    num_layers=args.num_layers,
+                )
                 for i in range(4)
             ]
             for split in splits:  # warm every case's shapes once
@@ -132,7 +140,8 @@ def main() -> None:
                         measure(f"{name} [{dtype} adapters{tag}]", choices)
     results = {name: statistics.median(values) for name, values in samples.items()}
     base = results["none"]
-    print(f"device {mx.default_device()}, {args.rows} rows, rank {args.rank}, {args.steps} steps")
+    layers = "all" if args.num_layers <= 0 else f"last {args.num_layers}"
+    print(f"device {mx.default_device()}, {args.rows} rows, rank {args.rank} on {layers} blocks, {args.steps} steps")
     print("| case | tok/s | vs none |")
     print("|---|---|---|")
     for name, tok_s in results.items():
