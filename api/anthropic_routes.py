@@ -46,7 +46,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
             request = await offload.run(messages_request, await json_body(), vision=handles.info.vision)
             started = await start_chat(handles, request, adapters=adapters)
         message_id = new_id("msg")
-        model = model_name(handles)
+        model = model_name(handles, adapters)
         if started.generation.stream:
             stream = AnthropicStream(
                 message_id=message_id,

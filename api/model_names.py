@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +35,11 @@ def served_names(handles: ServerHandles) -> tuple[str, ...]:
     return tuple(dict.fromkeys(handles.config.served_model_name or (handles.info.name,)))
 
 
-def model_name(handles: ServerHandles) -> str:
-    """The name replies carry."""
-    return served_names(handles)[0]
+def model_name(handles: ServerHandles, adapters: Sequence[str] = ()) -> str:
+    """The name replies carry: the served name, with the adapters a request ran on as /v1/models
+    names them (`<name>:a`, `<name>:a+b`), whichever way the request chose them."""
+    name = served_names(handles)[0]
+    return f"{name}:{'+'.join(adapters)}" if adapters else name
 
 
 def accepted_names(handles: ServerHandles) -> frozenset[str]:

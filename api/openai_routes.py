@@ -59,7 +59,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
             vocab = vocab_size(handles.tokenizer)
             request = await offload.run(chat_request, await json_body(), vocab_size=vocab, vision=handles.info.vision)
             started = await start_chat(handles, request, adapters=adapters)
-        meta = openai_encode.ResponseMeta("chatcmpl", model_name(handles))
+        meta = openai_encode.ResponseMeta("chatcmpl", model_name(handles, adapters))
         if started.generation.stream:
             stream = openai_encode.chat_stream(started.choices, meta, include_usage=request.generation.include_usage)
             return sse_response(stream, unbuffered=False)
@@ -71,7 +71,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
             adapters = check_requested_model(handles, await json_body())
             request = await offload.run(text_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
             started = await start_text(handles, request, adapters=adapters)
-        meta = openai_encode.ResponseMeta("cmpl", model_name(handles))
+        meta = openai_encode.ResponseMeta("cmpl", model_name(handles, adapters))
         if started.generation.stream:
             stream = openai_encode.text_stream(started.choices, meta, include_usage=request.generation.include_usage)
             return sse_response(stream, unbuffered=False)

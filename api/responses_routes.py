@@ -69,7 +69,11 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
             )
             started = await start_chat(handles, request, adapters=adapters)
         meta = ResponseMeta(
-            body, model=model_name(handles), instructions=instructions, previous_response_id=previous_id, store=keep
+            body,
+            model=model_name(handles, adapters),
+            instructions=instructions,
+            previous_response_id=previous_id,
+            store=keep,
         )
 
         def remember(final: dict[str, Any]) -> None:

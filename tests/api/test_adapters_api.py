@@ -111,7 +111,7 @@ def _bodies(**extra):
     ]
 
 
-async def test_every_protocol_passes_the_adapters_to_the_row(autojump_clock):
+async def test_every_protocol_passes_the_adapters_to_the_row_and_names_them_in_the_reply(autojump_clock):
     async with server() as (client, handles, worker):
         await handles.adapters.mount("a", "/p/a")
         await handles.adapters.mount("b", "/p/b")
@@ -131,6 +131,8 @@ async def test_every_protocol_passes_the_adapters_to_the_row(autojump_clock):
                 assert response.status_code == 200, (path, extra, await response.get_data())
                 (row,) = set(worker.specs) - before
                 assert worker.specs[row].adapters == want, (path, extra)
+                named = "fake-model" + (":" + "+".join(want) if want else "")
+                assert (await response.get_json())["model"] == named, (path, extra)
 
 
 async def test_an_unknown_adapter_is_400_in_each_protocols_shape(autojump_clock):
