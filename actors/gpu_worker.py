@@ -268,6 +268,7 @@ class GpuWorker:
             **kv_fields(
                 kv_scheme,
                 num_layers=len(loaded.model.layers),
+                dtype_name=str(loaded.kv_dtype),
                 dtype_bytes=loaded.kv_dtype.size,
                 prefill_chunk=self.engine_options.prefill_chunk,
             ),

@@ -83,12 +83,15 @@ def loaded_fields(loaded: LoadedModel) -> dict[str, Any]:
     return {**common, **vision}
 
 
-def kv_fields(scheme: KVScheme, *, num_layers: int, dtype_bytes: int, prefill_chunk: int) -> dict[str, Any]:
-    """ModelInfo's kv_* fields for a loaded model stored under `scheme`. A long prompt's rows
-    turn quantized at the first prefill-chunk end at or past the scheme's start."""
+def kv_fields(
+    scheme: KVScheme, *, num_layers: int, dtype_name: str, dtype_bytes: int, prefill_chunk: int
+) -> dict[str, Any]:
+    """ModelInfo's kv_* fields for a loaded model stored under `scheme`, whose full-precision KV
+    has dtype `dtype_name` (e.g. "bfloat16"). A long prompt's rows turn quantized at the first
+    prefill-chunk end at or past the scheme's start."""
     quantized = scheme.quantized
     return {
-        "kv_scheme": scheme.label,
+        "kv_scheme": scheme.labelled(dtype_name),
         "kv_quant_ratio": scheme.ratio(num_layers, dtype_bytes),
         "kv_quantized_from": scheme.conversion_point(10**9, prefill_chunk) if quantized else 0,
         "kv_group_size": scheme.group_size,

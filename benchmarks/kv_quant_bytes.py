@@ -52,7 +52,11 @@ def main() -> None:
         )
         engine = Engine(model, eos_token_ids=[], kv_scheme=scheme)
         fields = kv_fields(
-            scheme, num_layers=layers, dtype_bytes=loaded.kv_dtype.size, prefill_chunk=engine.options.prefill_chunk
+            scheme,
+            num_layers=layers,
+            dtype_name=str(loaded.kv_dtype),
+            dtype_bytes=loaded.kv_dtype.size,
+            prefill_chunk=engine.options.prefill_chunk,
         )
         t0 = time.perf_counter()
         engine.open_row(RowSpec(0, prompt, SamplingParams(), 8))

@@ -50,13 +50,17 @@ class KVScheme:
 
     @property
     def label(self) -> str:
-        """What /stats and /v1/models show."""
+        """What /stats and /v1/models show ("full" unquantized: `labelled` names the dtype)."""
         if not self.quantized:
-            return "bf16"
+            return "full"
         if self.mode == "config":
             return "mixed (kv_config.json)"
         q = next(q for q in self.layers if q is not None)
         return f"kv{q.bits}"
+
+    def labelled(self, dtype_name: str) -> str:
+        """The label, unquantized KV named by its dtype ("bfloat16" -> bf16, f16, f32)."""
+        return self.label if self.quantized else dtype_label(dtype_name)
 
     @property
     def group_size(self) -> int | None:
@@ -157,3 +161,9 @@ def resolve(
     except ValueError:
         raise ValueError(f"--kv-quant {mode!r}: expected off, config, 4 or 8") from None
     return uniform(bits, group_size, start, num_layers)
+
+
+def dtype_label(dtype_name: str) -> str:
+    """bf16, f16, f32 for the float dtypes ("bfloat16" or "mlx.core.bfloat16"); another its own name."""
+    name = dtype_name.rsplit(".", 1)[-1]
+    return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(name, name)

@@ -59,7 +59,7 @@ def ceiling(usable: int, ratio: float = 1.0, quantized_from: int = 0, context: i
 
 
 def test_model_info_fields_of_each_scheme():
-    assert kv_fields(scheme("8"), num_layers=LAYERS, dtype_bytes=2, prefill_chunk=CHUNK) == {
+    assert kv_fields(scheme("8"), num_layers=LAYERS, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=CHUNK) == {
         "kv_scheme": "kv8",
         "kv_quant_ratio": KV8,
         "kv_quantized_from": FROM,
@@ -67,9 +67,11 @@ def test_model_info_fields_of_each_scheme():
         "kv_bits": 8,
         "kv_start": 5000,
     }
-    four = kv_fields(scheme("4", group_size=32), num_layers=LAYERS, dtype_bytes=2, prefill_chunk=512)
+    four = kv_fields(
+        scheme("4", group_size=32), num_layers=LAYERS, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=512
+    )
     assert (four["kv_scheme"], four["kv_quant_ratio"], four["kv_quantized_from"]) == ("kv4", (0.5 + 4 / 32) / 2, 5120)
-    off = kv_fields(scheme("off"), num_layers=LAYERS, dtype_bytes=2, prefill_chunk=CHUNK)
+    off = kv_fields(scheme("off"), num_layers=LAYERS, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=CHUNK)
     assert off == {
         "kv_scheme": "bf16",
         "kv_quant_ratio": 1.0,
@@ -78,17 +80,25 @@ def test_model_info_fields_of_each_scheme():
         "kv_bits": None,
         "kv_start": 5000,
     }
+    # full-precision KV is named by its dtype; a quantized scheme's name does not change with it
+    for dtype_name, label in [("mlx.core.float32", "f32"), ("float16", "f16"), ("mlx.core.bfloat16", "bf16")]:
+        full = kv_fields(scheme("off"), num_layers=LAYERS, dtype_name=dtype_name, dtype_bytes=4, prefill_chunk=CHUNK)
+        assert full["kv_scheme"] == label
+    f32_kv8 = kv_fields(scheme("8"), num_layers=LAYERS, dtype_name="float32", dtype_bytes=4, prefill_chunk=CHUNK)
+    assert f32_kv8["kv_scheme"] == "kv8"
 
 
 def test_a_mixed_kv_config_reports_each_layers_bits(tmp_path):
     (tmp_path / "kv_config.json").write_text(json.dumps({"bits": 8, "layers": {"0": 4, "2": None}}))
     mixed = resolve("config", model_dir=tmp_path, num_layers=4, start=100)
-    fields = kv_fields(mixed, num_layers=4, dtype_bytes=2, prefill_chunk=64)
+    fields = kv_fields(mixed, num_layers=4, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=64)
     assert fields["kv_scheme"] == "mixed (kv_config.json)" and fields["kv_bits"] == (4, 8, None, 8)
     assert fields["kv_quantized_from"] == 128 and fields["kv_quant_ratio"] == pytest.approx((KV4 + 2 * KV8 + 1) / 4)
     # no kv_config.json: config mode stores full precision
     plain = resolve("config", model_dir=tmp_path / "none", num_layers=4)
-    assert kv_fields(plain, num_layers=4, dtype_bytes=2, prefill_chunk=64)["kv_quantized_from"] == 0
+    assert (
+        kv_fields(plain, num_layers=4, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=64)["kv_quantized_from"] == 0
+    )
 
 
 # --- the bill and the ceiling ----------------------------------------------------------------
@@ -155,7 +165,7 @@ async def test_the_root_bills_admission_and_batch_with_the_models_scheme(autojum
         fake.info,
         context_length=10**6,
         kv_bytes_per_token=FP,
-        **kv_fields(scheme("8"), num_layers=LAYERS, dtype_bytes=2, prefill_chunk=CHUNK),
+        **kv_fields(scheme("8"), num_layers=LAYERS, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=CHUNK),
     )
     worker = FakeWorker(info=info)
     usable = 40 * GB

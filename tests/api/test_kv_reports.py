@@ -19,7 +19,9 @@ from tests.fakes import FakeTokenizer, FakeWorker
 async def server(mode: str, **scheme_kw):
     fake = FakeWorker()
     scheme = resolve(mode, model_dir=None, num_layers=4, **scheme_kw)
-    info = attrs.evolve(fake.info, **kv_fields(scheme, num_layers=4, dtype_bytes=2, prefill_chunk=256))
+    info = attrs.evolve(
+        fake.info, **kv_fields(scheme, num_layers=4, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=256)
+    )
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
             nursery, FakeWorker(info=info), config=ServeConfig(), make_tokenizer=lambda info: FakeTokenizer()
