@@ -9,11 +9,9 @@ loaded: actors/root.py; one that cannot mount fails start-up in one line, exit 2
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
-# What the engine accepts as an id (model/adapters.py): no "+" (stacking) or ":" (model aliases).
-ADAPTER_ID = re.compile(r"[A-Za-z0-9._-]+")
+from model.adapter_ids import adapter_id_problem
 
 
 def add_adapter_flags(p: argparse.ArgumentParser) -> None:
@@ -42,8 +40,8 @@ def parse_adapter(text: str) -> tuple[str, str]:
     adapter_id, sep, path = text.partition("=")
     if not sep or not path:
         raise argparse.ArgumentTypeError("must be ID=PATH")
-    if not ADAPTER_ID.fullmatch(adapter_id):
-        raise argparse.ArgumentTypeError(f"adapter id {adapter_id!r}: use letters, digits, '-', '_' or '.'")
+    if problem := adapter_id_problem(adapter_id):
+        raise argparse.ArgumentTypeError(problem)
     return adapter_id, path
 
 

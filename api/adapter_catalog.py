@@ -20,6 +20,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from model.adapter_ids import adapter_id_problem
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header past this is not an adapter's
@@ -55,6 +57,8 @@ def describe(path: Path, model_config: dict[str, Any] | None) -> dict[str, Any]:
     kind = config.get("fine_tune_type", "lora")
     entry.update(fine_tune_type=kind, rank=params.get("rank"), num_layers=config.get("num_layers"))
     compatible, reason = check(path, kind, params.get("rank"), model_config)
+    if compatible is not False and (problem := adapter_id_problem(path.name)):
+        compatible, reason = False, f"{problem}: rename the directory"  # POST /v1/adapters would refuse it
     entry["compatible"] = compatible
     if compatible is not True:
         entry["reason"] = reason

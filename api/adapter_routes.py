@@ -28,6 +28,7 @@ from api.adapter_catalog import read_model_config, scan
 from api.errors import ApiError, bad_request
 from api.model_names import model_name
 from api.wire import json_body, json_response
+from model.adapter_ids import adapter_id_problem
 
 
 def blueprint(handles: ServerHandles) -> Blueprint:
@@ -85,6 +86,8 @@ def mount_request(handles: ServerHandles, body: dict[str, Any]) -> tuple[str, st
     adapter_id, path = body.get("id"), body.get("path")
     if not isinstance(adapter_id, str) or not adapter_id:
         raise bad_request("id must be a non-empty string", param="id")
+    if problem := adapter_id_problem(adapter_id):
+        raise bad_request(problem, param="id", code="adapter_not_mountable")
     if path is None and handles.config.adapters_dir:
         path = str(Path(handles.config.adapters_dir) / adapter_id)
     if not isinstance(path, str) or not path:

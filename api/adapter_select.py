@@ -16,8 +16,9 @@ from typing import Any
 
 from actors.adapter_registry import AdapterRegistry
 from api.errors import ApiError
+from model.adapter_ids import NO_ADAPTER
 
-BASE_MODEL = "none"
+BASE_MODEL = NO_ADAPTER
 
 
 def parse_adapters(registry: AdapterRegistry, value: Any, *, param: str) -> tuple[str, ...]:

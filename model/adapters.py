@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 
 from model import lora
+from model.adapter_ids import adapter_id_problem
 from model.language_model import LanguageModel
 
 FINGERPRINT_BYTES = 1 << 20  # of the weights file hashed (with its size): cheap, and enough
@@ -60,8 +61,8 @@ class AdapterSet:
 
     def mount(self, adapter_id: str, path: str) -> AdapterInfo:
         """Load and mount an adapter (ValueError: a clear reason it cannot be)."""
-        if not adapter_id or "+" in adapter_id or ":" in adapter_id:
-            raise ValueError(f"adapter id {adapter_id!r}: use letters, digits, '-', '_' or '.'")
+        if problem := adapter_id_problem(adapter_id):
+            raise ValueError(problem)
         if adapter_id in self._mounted:
             raise ValueError(f"adapter {adapter_id!r} is already mounted")
         adapter = lora.load_adapter(path, self.model, adapter_id)

@@ -29,6 +29,9 @@ def test_flags_fill_the_config():
         ["--adapter", "=/x"],  # no id
         ["--adapter", "a+b=/x"],  # "+" stacks ids in requests
         ["--adapter", "m:a=/x"],  # ":" separates model and adapter names
+        ["--adapter", "none=/x"],  # "none" selects the base model
+        ["--adapter", "..=/x"],  # a leading "." (DIR/<id> must stay inside --adapters-dir)
+        ["--adapter", "a/b=/x"],  # not one path segment
         ["--adapter", "a=/x", "--adapter", "a=/y"],  # twice
     ],
 )

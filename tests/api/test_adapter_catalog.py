@@ -53,11 +53,14 @@ def test_header_shapes_read_the_table_only(tiny_model_factory, tmp_path):
 async def test_the_route_lists_the_directory(tiny_model_factory, tmp_path):
     model = tiny_model_factory("qwen3")
     write_adapter(tmp_path / "a", model)
+    write_adapter(tmp_path / "none", model)  # a directory whose name cannot be an id
     async with server(model=str(model), adapters_dir=str(tmp_path)) as (client, handles, _):
         await handles.adapters.mount("a", str(tmp_path / "a"))  # (the fake worker mounts any path)
         body = await (await client.get("/v1/adapters/available")).get_json()
         assert body["adapters_dir"] == str(tmp_path)
-        assert [(e["id"], e["compatible"], e["mounted"]) for e in body["data"]] == [("a", True, True)]
+        listed = [(e["id"], e["compatible"], e["mounted"]) for e in body["data"]]
+        assert listed == [("a", True, True), ("none", False, False)]
+        assert "reserved" in body["data"][1]["reason"]
     async with server() as (client, _, _):
         body = await (await client.get("/v1/adapters/available")).get_json()
         assert body == {"object": "list", "adapters_dir": None, "data": []}

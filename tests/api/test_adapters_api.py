@@ -52,6 +52,9 @@ async def test_mount_list_unmount_and_their_errors(autojump_clock):
         assert error["type"] == "invalid_request_error" and "shapes do not fit" in error["message"]
         assert (await error_of(await client.post("/v1/adapters", json={"path": "/x"}), 400))["param"] == "id"
         assert (await error_of(await client.post("/v1/adapters", json={"id": "c"}), 400))["param"] == "path"
+        for bad_id in ["none", "../a", ".hidden", "a+b", "m:a", "a b"]:
+            refused = await error_of(await client.post("/v1/adapters", json={"id": bad_id, "path": "/adapters/a"}), 400)
+            assert (refused["param"], refused["code"]) == ("id", "adapter_not_mountable"), bad_id
         assert "b" not in worker.adapters and [a.id for a in handles.adapters.infos()] == ["a"]
 
         gone = await client.delete("/v1/adapters/a")
