@@ -7,13 +7,13 @@ OUT=${OUT:-/tmp/out}; M=${MODELS:-/tmp/models}; mkdir -p $OUT $M
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/lora-gpu.txt 2>&1
 # The kernels' own checks, and the engine's adapter tests with the fused kernel on (pytest wheels needed).
-timeout 90 python3 -c "import sys, pytest; from model import lora_delta as d; d.XA = 'fused'; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/model/test_lora_kernel.py', 'tests/model/test_engine_lora.py']))" > $OUT/lora-tests.txt 2>&1
+timeout ${TEST_LIMIT:-90} python3 -c "import sys, pytest; from model import lora_delta as d; d.XA = 'fused'; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/model/test_lora_kernel.py', 'tests/model/test_engine_lora.py']))" > $OUT/lora-tests.txt 2>&1
 tail -4 $OUT/lora-tests.txt
 [ -d $M/l8-bf16 ] || timeout 90 python3 benchmarks/synth_fast.py $M/l8-bf16 llama3-8b bfloat16 none > $OUT/lora-synth.txt 2>&1
 # Two adapter shapes: rank 16 on every linear of every block (the heavy case), and mlx_lm.lora's
-# defaults (rank 8 on the last 16 blocks).
-for shape in "16 -1 heavy" "8 16 default"; do
-  set -- $shape
+# defaults (rank 8 on the last 16 blocks); SHAPES=heavy runs the first only.
+for shape in ${SHAPES:-heavy default}; do
+  case $shape in heavy) set -- 16 -1 heavy ;; *) set -- 8 16 default ;; esac
   timeout ${LIMIT:-300} python3 benchmarks/lora_bench.py --model $M/l8-bf16 --rank $1 --num-layers $2 --rows 8 \
     --steps ${STEPS:-96} --rounds ${ROUNDS:-3} --adapter-dtypes ${DTYPES:-model,float32} --xa ${XA:-matmul,kernel,fused} \
     --out $OUT/lora-$3.json > $OUT/lora-$3.txt 2>&1
