@@ -18,17 +18,15 @@ from actors.adapter_registry import AdapterRegistry
 from api.errors import ApiError
 from model.adapter_ids import NO_ADAPTER
 
-BASE_MODEL = NO_ADAPTER
-
 
 def parse_adapters(registry: AdapterRegistry, value: Any, *, param: str) -> tuple[str, ...]:
     """The ids `value` names, each mounted. Raises `ApiError` (400)."""
-    if value is None or value == "" or value == BASE_MODEL:
+    if value is None or value == "" or value == NO_ADAPTER:
         return ()
     if not isinstance(value, str):
         raise ApiError(400, f"{param} must be a string: an adapter id, ids joined by '+', or 'none'", param=param)
     ids = tuple(value.split("+"))
-    if any(not i or i == BASE_MODEL for i in ids):
+    if any(not i or i == NO_ADAPTER for i in ids):
         raise ApiError(400, f"{param} {value!r}: join adapter ids with '+' ('none' stands alone)", param=param)
     if len(set(ids)) != len(ids):
         raise ApiError(400, f"{param} {value!r} names an adapter twice", param=param)

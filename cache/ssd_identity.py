@@ -13,6 +13,8 @@ from pathlib import Path
 
 import attrs
 
+from model.kv_scheme import dtype_label
+
 _WEIGHT_SAMPLES = 16
 _SAMPLE_BYTES = 4096
 
@@ -70,5 +72,5 @@ def tokenizer_hash(model_dir: Path) -> str:
 
 
 def scheme_key(dtype_name: str) -> str:
-    """The KV scheme key of an MLX dtype name (bfloat16 -> bf16)."""
-    return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(dtype_name, dtype_name)
+    """The KV scheme key of an MLX dtype name (bfloat16 -> bf16): the label /v1/models shows."""
+    return dtype_label(dtype_name)
