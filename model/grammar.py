@@ -140,8 +140,9 @@ def _tool_call_lark(spec: dict[str, Any], specials: frozenset[tuple[str, int]], 
     if not tools:
         raise GrammarError("no tool to call")
     calls = []
-    for tool in tools:
-        parameters = tool.get("parameters") or {"type": "object"}
+    hoisted: dict[str, Any] = {}  # the tools' parameters schemas that hold local $refs
+    for index, tool in enumerate(tools):
+        parameters = _hoisted(tool.get("parameters") or {"type": "object"}, f"tool{index}", hoisted)
         calls.append(
             {
                 "type": "object",
@@ -154,6 +155,8 @@ def _tool_call_lark(spec: dict[str, Any], specials: frozenset[tuple[str, int]], 
     if as_list:
         schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
     schema = {**schema, "x-guidance": {**JSON_DEFAULTS, "lenient": not strict}}
+    if hoisted:
+        schema["$defs"] = hoisted
 
     special_ids = dict(specials)
 
@@ -170,6 +173,49 @@ def _tool_call_lark(spec: dict[str, Any], specials: frozenset[tuple[str, int]], 
 
     body = " ".join(p for p in (literal(opening), "call", literal(closing)) if p)
     return f"start: {body}\ncall: %json {json.dumps(schema)}\n"
+
+
+# Keywords whose value is a map of names to subschemas (a name may be any string, "const"
+# included), and keywords whose value is data, not a schema (a "$ref" key there is no reference).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def _hoisted(parameters: Any, name: str, hoisted: dict[str, Any]) -> Any:
+    """A tool's parameters schema as embedded in the call wrapper.
+
+    Its local refs ("#", "#/$defs/X", "#/definitions/X", any "#/pointer") name its own root, but
+    embedded they would resolve against the wrapper's: a schema with such refs moves, whole
+    (its own $defs included), to the wrapper's `$defs[name]`, every local ref prefixed with that
+    path, and the wrapper refers to it there. Without local refs it stays inline, as given.
+    """
+    if not isinstance(parameters, dict):
+        return parameters
+    prefix = f"#/$defs/{name}"
+    rebased = _rebased(parameters, prefix)
+    if rebased == parameters:
+        return parameters
+    rebased.pop("$id", None)  # a base URI of its own would re-anchor the rebased refs
+    hoisted[name] = rebased
+    return {"$ref": prefix}
+
+
+def _rebased(node: Any, prefix: str) -> Any:
+    if isinstance(node, list):
+        return [_rebased(item, prefix) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = prefix + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _rebased(v, prefix) for k, v in value.items()}
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, prefix)
+    return out
 
 
 @functools.lru_cache(maxsize=512)

@@ -117,6 +117,23 @@ def test_tool_call_grammar_per_format():
         grammar.validate(Constraint("tool_call", json.dumps({**spec, "format": fmt})))
 
 
+# What `openai.pydantic_function_tool` sends for a nested model: refs into the schema's own `$defs`
+# (and here properties named like keywords, whose refs are refs all the same).
+REF_SCHEMA = {
+    "type": "object",
+    "properties": {"loc": {"$ref": "#/$defs/Loc"}, "const": {"$ref": "#/$defs/Loc"}, "enum": {"$ref": "#"}},
+    "required": ["loc"],
+    "$defs": {"Loc": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}},
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_forced_tool_call_with_local_refs_in_its_schema(choice):
+    tools = [{"type": "function", "function": {"name": n, "parameters": REF_SCHEMA}} for n in ("f", "g")]
+    for fmt in (None, *grammar.TOOL_FORMATS):
+        assert c({"tools": tools, "tool_choice": choice}, tool_format=fmt).kind == "tool_call"  # no 400
+
+
 @pytest.mark.parametrize(
     "body, needle",
     [

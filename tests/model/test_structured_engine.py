@@ -274,3 +274,75 @@ def test_invalid_constraints_raise_the_engine_message():
     with pytest.raises(GrammarError, match="non-empty"):
         grammar_text(Constraint("choice", "[]"))
     validate(Constraint("json_schema", json.dumps(SCHEMA), strict=True))
+
+
+def _pydantic_like(tag: str, *, recursive: bool = False) -> dict:
+    """A parameters schema as pydantic writes one for a nested model: local refs into `$defs`,
+    a legacy `definitions` ref, and (`recursive`) a ref to the root, `#`."""
+    schema: dict = {
+        "type": "object",
+        "properties": {"loc": {"$ref": "#/$defs/Loc"}, "unit": {"$ref": "#/definitions/Unit"}},
+        "required": ["loc", "unit"],
+        "additionalProperties": False,
+        "$defs": {
+            "Loc": {
+                "type": "object",
+                "properties": {tag: {"type": "boolean"}},
+                "required": [tag],
+                "additionalProperties": False,
+            }
+        },
+        "definitions": {"Unit": {"enum": [f"{tag}-c", f"{tag}-f"]}},
+    }
+    if recursive:
+        schema["properties"]["next"] = {"anyOf": [{"type": "null"}, {"$ref": "#"}]}
+        schema["required"].append("next")
+    return schema
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3_json"])
+def test_tool_call_parameters_with_local_refs(qwen, fmt):
+    # Each tool's refs resolve against its own schema, though both name their def "Loc".
+    schemas = {"f": _pydantic_like("ok"), "g": _pydantic_like("on")}
+    spec_ = {"format": fmt, "tools": [{"name": n, "parameters": s} for n, s in schemas.items()]}
+    c = Constraint("tool_call", json.dumps(spec_))
+    out = run(qwen.engine, [spec(qwen, i, c, temperature=1.0, seed=i) for i in range(6)])
+    opening, closing, args_key, as_list = {
+        "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", False),
+        "mistral": ("[TOOL_CALLS]", "", "arguments", True),
+        "llama3_json": ("", "", "parameters", False),
+    }[fmt]
+    for ids, finish in out.values():
+        text = qwen.tok.decode([i for i in ids if i not in qwen.eos])
+        assert finish == "stop", text
+        assert text.startswith(opening) and text.endswith(closing), text
+        call = json.loads(text[len(opening) : len(text) - len(closing)])
+        if as_list:
+            (call,) = call
+        jsonschema.validate(call[args_key], schemas[call["name"]])
+
+
+def test_tool_call_parameters_refs_resolve_in_their_own_tool(qwen):
+    # Decided token by token, since a random model always picks the same tool and a recursive
+    # schema may nest past any max_tokens.
+    tools = [
+        {"name": "f", "parameters": _pydantic_like("ok", recursive=True)},
+        {"name": "g", "parameters": _pydantic_like("on")},
+    ]
+    c = Constraint("tool_call", json.dumps({"format": "llama3_json", "tools": tools}))
+
+    def accepts(name: str, arguments: dict) -> bool:
+        g = qwen.compiler.matcher(c)
+        ids = qwen.tok.encode(json.dumps({"name": name, "parameters": arguments}), add_special_tokens=False)
+        for i, t in enumerate(ids):
+            g.observe(i, t)
+            if g.failed:
+                return False
+        return g.accepting
+
+    inner = {"loc": {"ok": True}, "unit": "ok-f", "next": None}
+    assert accepts("f", {"loc": {"ok": False}, "unit": "ok-c", "next": inner})
+    assert not accepts("f", {"loc": {"ok": False}, "unit": "ok-c", "next": {"loc": {"ok": True}}})  # "#": f's root
+    assert not accepts("f", {"loc": {"on": False}, "unit": "ok-c", "next": None})  # g's Loc, not f's
+    assert accepts("g", {"loc": {"on": False}, "unit": "on-c"})
+    assert not accepts("g", {"loc": {"ok": False}, "unit": "on-c"})
