@@ -55,10 +55,13 @@ class Admission:
         self.ceiling = ceiling
         self.mode = mode
         self.max_queue = max_queue
+        # The admitted rows that must wait for a slot (`policy.waiting_rows`): rows that start at
+        # once in a free slot are not queued, whatever the scheduler's queue holds for a moment.
         self._waiting = waiting
         self._scheduler = scheduler
         self._seeds = seeds or SeedSource()
         self._next_row_id = 0
+        self.enqueued = 0  # `Enqueue`s sent to the scheduler, for its count of rows on their way
         self.counters = AdmissionCounters()
         self.closed = False
         self.cutoff = math.inf  # trio time at which in-flight requests are cut
@@ -97,6 +100,7 @@ class Admission:
                 adapters=request.adapters,
                 images=request.images,
             )
+            self.enqueued += 1
             self._scheduler.send_nowait(
                 Enqueue(
                     spec=spec,
@@ -138,7 +142,7 @@ class Admission:
             self.counters.rejected_queue_full += 1
             return Rejected(
                 503,
-                f"server busy: {self.max_queue} requests are already waiting; retry later",
+                f"server busy: {self.max_queue} requests are already waiting for a free row; retry later",
                 "server_error",
                 "queue_full",
                 RETRY_AFTER_S,

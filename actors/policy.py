@@ -67,6 +67,21 @@ class SeedSource:
         return (self._clock_ms() ^ self._weyl) & _MASK_32
 
 
+# --- the wait queue --------------------------------------------------------------------------
+
+
+def waiting_rows(*, pending: int, active: int, capacity: int, mode: BatchMode) -> int:
+    """The admitted rows that must wait for a running row to leave: those beyond the free rows.
+
+    `pending`: rows admitted and not opened yet; `active`: rows opened (running, prefilling,
+    staged). Each choice of a request (`n`) is a row. A batched server runs `capacity` rows at
+    once, a serial one a row at a time whatever `--batch` says. `--max-queue` bounds this count:
+    a row that fits a free slot starts at once, so it never counts as waiting.
+    """
+    slots = capacity if mode == "batch" else 1
+    return max(0, pending - max(0, slots - active))
+
+
 # --- memory admission ------------------------------------------------------------------------
 
 PREFILL_CHUNK_TOKENS = 2048

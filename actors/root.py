@@ -49,7 +49,7 @@ from actors.durability import shutdown_flush, start_ssd_tier
 from actors.handles import CacheStats, ServerHandles, sampling_defaults_for
 from actors.messages import Control, FlushResult, Submit
 from actors.options import ServeConfig
-from actors.policy import admission_ceiling, batch_mode, batch_rows, memory_budget_bytes
+from actors.policy import admission_ceiling, batch_mode, batch_rows, memory_budget_bytes, waiting_rows
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.shutdown import Shutdown, ShutdownPlan
@@ -150,7 +150,10 @@ async def start_actors(
         ceiling=ceiling,
         mode=mode,
         max_queue=config.max_queue,
-        waiting=lambda: scheduler.waiting,
+        # Rows a free batch slot takes at once do not wait: --max-queue counts only the rest.
+        waiting=lambda: waiting_rows(
+            pending=scheduler.pending_rows(admission.enqueued), active=scheduler.active_rows, capacity=rows, mode=mode
+        ),
         scheduler=inbox_send,
     )
     scheduler = Scheduler(

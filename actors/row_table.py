@@ -241,6 +241,16 @@ class RowTable:
         return rows + self.staged
 
     @property
+    def queued_rows(self) -> int:
+        """Rows not opened yet: the queue, a leader with the choices that have joined its family."""
+        return sum(row.width for row in self.queue)
+
+    @property
+    def active_rows(self) -> int:
+        """Rows holding batch slots: running, staged, and the joiner with its choices (forked next)."""
+        return sum(row.width for row in self._active_rows())
+
+    @property
     def serial_running(self) -> bool:
         return any(r.lane == "serial" for r in self.running.values())
 

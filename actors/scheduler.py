@@ -121,12 +121,18 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Rows waiting to be admitted, counting enqueues still in the inbox."""
-        return len(self.table.queue) + self._inbox.statistics().current_buffer_used
+        """Rows waiting to be opened, counting enqueues still in the inbox's buffer."""
+        return self.table.queued_rows + self._inbox.statistics().current_buffer_used
+
+    def pending_rows(self, enqueued: int) -> int:
+        """Rows admitted and not opened yet (each choice of a request is one), `enqueued` being
+        the `Enqueue`s ever sent here: those not applied yet are on their way. (The inbox's
+        buffer misses some: one handed to the waiting receiver is in no buffer until it runs.)"""
+        return self.table.queued_rows + enqueued - self.counters.submitted_rows
 
     @property
     def active_rows(self) -> int:
-        return len(self.table.running) + (self.table.joiner is not None) + len(self.table.staged)
+        return self.table.active_rows
 
     @property
     def busy(self) -> bool:

@@ -6,9 +6,10 @@ import logging
 import math
 
 import trio
+import trio.testing
 
 from actors.admission import Admission
-from actors.messages import Abort, Admitted, Enqueue, GenerationRequest, Rejected, Submit
+from actors.messages import Abort, Admitted, Enqueue, GenerationRequest, Rejected, Siblings, Submit
 from actors.options import ServeConfig
 from actors.policy import (
     PREFILL_TRANSIENT_BYTES,
@@ -18,7 +19,9 @@ from actors.policy import (
     clamp_max_tokens,
     memory_budget_bytes,
     place,
+    waiting_rows,
 )
+from actors.request import RequestActor, RequestRejected
 from actors.root import start_actors
 from model.params import SamplingParams
 from tests.fakes import FakeTokenizer, FakeWorker
@@ -74,6 +77,16 @@ def test_max_tokens_is_clamped_to_the_room_left_and_none_when_no_room():
     assert clamp_max_tokens(10, 100, 50) == 40
     assert clamp_max_tokens(10, 5, 50) == 5
     assert clamp_max_tokens(50, 5, 50) is None
+
+
+def test_only_the_rows_beyond_the_free_slots_wait():
+    assert waiting_rows(pending=10, active=0, capacity=32, mode="batch") == 0
+    assert waiting_rows(pending=40, active=0, capacity=32, mode="batch") == 8
+    assert waiting_rows(pending=3, active=30, capacity=32, mode="batch") == 1
+    assert waiting_rows(pending=2, active=40, capacity=32, mode="batch") == 2  # never below the pending
+    # a serial server runs one row at a time, whatever --batch says
+    assert waiting_rows(pending=10, active=0, capacity=32, mode="serial") == 9
+    assert waiting_rows(pending=10, active=1, capacity=1, mode="off") == 10
 
 
 def test_placement_is_the_servers_mode_only():
@@ -190,3 +203,72 @@ async def test_the_observer_hears_of_a_requester_gone_before_the_reply():
     reply_recv.close()
     admission.handle(Submit(request(), rows_send, reply_send, observer))
     assert observer.events == [("left_before_answer",)]
+
+
+# --- the wait queue: --max-queue counts only the rows that must wait -------------------------
+
+
+class _Sink:
+    stopped = False
+    finish_reason = None
+
+    def push(self, token_id: int) -> list[str]:
+        return []
+
+    def finish(self, *, reason: str) -> list[str]:
+        return []
+
+
+async def _burst(config: ServeConfig, families: list[int], later: list[int] = ()) -> list[int]:
+    """Requests of `families[i]` choices (OpenAI's `n`) all submitted at the same moment, on an
+    idle server, then (no time passed, every task settled) those of `later`: the status each one
+    got (200 admitted)."""
+    statuses: dict[int, int] = {}
+    kept: list[RequestActor] = []  # an actor dropped aborts its row
+    async with trio.open_nursery() as nursery:
+        handles = await start_actors(
+            nursery, FakeWorker(step_cost=10.0), config=config, make_tokenizer=lambda info: FakeTokenizer()
+        )
+
+        async def one(i: int, n: int) -> None:
+            actors = []
+            try:
+                for index in range(n):  # as api/chat.py's `_admitted` admits a request's choices
+                    siblings = Siblings(key=i + 1, index=index, count=n) if n > 1 else None
+                    actors.append(RequestActor(handles.ports, request(5, 5, siblings=siblings), _Sink()))
+                    await actors[-1].admit()
+                statuses[i] = 200
+                kept.extend(actors)
+            except RequestRejected as rejected:
+                statuses[i] = rejected.rejection.status
+
+        async with trio.open_nursery() as burst:
+            for i, n in enumerate(families):
+                burst.start_soon(one, i, n)
+            await trio.testing.wait_all_tasks_blocked()
+            for i, n in enumerate(later, start=len(families)):
+                burst.start_soon(one, i, n)
+        nursery.cancel_scope.cancel()
+    return [statuses[i] for i in range(len(families) + len(later))]
+
+
+async def test_requests_that_fit_the_free_rows_are_not_counted_as_waiting(autojump_clock):
+    # An idle server of 32 rows with --max-queue 4: 10 at once all start, none waits.
+    assert await _burst(ServeConfig(batch=32, max_queue=4), [1] * 10) == [200] * 10
+    # 40 at once: 32 start, 4 may wait, the other 4 are refused.
+    statuses = await _burst(ServeConfig(batch=32, max_queue=4), [1] * 40)
+    assert statuses.count(200) == 36 and statuses.count(503) == 4
+
+
+async def test_a_serial_server_has_one_free_row(autojump_clock):
+    statuses = await _burst(ServeConfig(batch=1, max_queue=4), [1] * 10)
+    assert statuses.count(200) == 5 and statuses.count(503) == 5  # one runs, four wait
+
+
+async def test_each_choice_of_a_request_takes_a_row(autojump_clock):
+    # 4 rows: two requests of n=3 take 6, so 2 rows wait; with --max-queue 2 a third is refused.
+    assert await _burst(ServeConfig(batch=4, max_queue=2), [3, 3], later=[1]) == [200, 200, 503]
+    assert await _burst(ServeConfig(batch=4, max_queue=3), [3, 3], later=[1]) == [200, 200, 200]
+    # Two requests of n=2 fill 4 rows and none waits; of two more, one may wait (--max-queue 1).
+    statuses = await _burst(ServeConfig(batch=4, max_queue=1), [2, 2], later=[1, 1])
+    assert statuses[:2] == [200, 200] and sorted(statuses[2:]) == [200, 503]
