@@ -8,7 +8,12 @@ the worker (the event loop never waits for the MLX thread to answer a list).
 An adapter unmounted while rows use it leaves the list at once (new requests can no longer name
 it) though the worker keeps its weights until those rows close; admission bills the listed
 adapters' bytes (`on_change`), not the leaving ones: a short overlap, bounded by the rows
-already admitted.
+already admitted. Until then the worker still holds the id: mounting it again from the same path
+(weights unchanged) keeps it, cancelling the unmount; from anywhere else it is a conflict
+(`AdapterDraining`, 409) until those rows finish.
+
+Which adapters a row may stack is decided here too (`stack_problem`), from the kinds the worker
+reported on mount, so a request naming a stack the engine cannot run is the route's 400.
 """
 
 from __future__ import annotations
@@ -37,6 +42,32 @@ class AdapterConflict(ValueError):
     """The id is already mounted (409)."""
 
 
+class AdapterDraining(AdapterConflict):
+    """The id was unmounted but rows still use it, and the mount names other weights (409)."""
+
+
+class AdapterNotStackable(AdapterNotMounted):
+    """A row stacks adapters the engine cannot run together (the scheduler answers any
+    `AdapterNotMounted` as that request's 400, as for an adapter unmounted after the route's check)."""
+
+
+class AdapterKind(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def fine_tune_type(self) -> str: ...
+
+
+def stack_problem(adapters: Sequence[AdapterKind]) -> str | None:
+    """Why these adapters cannot run stacked on one row, or None. DoRA rescales its layers' whole
+    outputs (model/lora.py), so a DoRA adapter runs alone."""
+    dora = [a.id for a in adapters if a.fine_tune_type == "dora"]
+    if len(adapters) > 1 and dora:
+        return f"adapter {dora[0]!r} is a DoRA adapter, which cannot be stacked with another: select it alone"
+    return None
+
+
 class AdapterMissing(KeyError):
     """The id is not mounted (404)."""
 
@@ -63,12 +94,18 @@ class AdapterRegistry:
         return sum(report.nbytes for report in self._mounted.values())
 
     async def mount(self, adapter_id: str, path: str) -> AdapterReport:
-        """Mount on the worker. `AdapterConflict` if the id is mounted; ValueError: the engine's
-        reason it cannot (not found, shapes that do not fit, a full fine-tune, ...)."""
+        """Mount on the worker. `AdapterConflict` if the id is mounted, `AdapterDraining` if it is
+        still leaving (model/adapters.py); ValueError: the engine's reason it cannot (not found,
+        shapes that do not fit, a full fine-tune, ...)."""
         async with self._lock:
             if adapter_id in self._mounted:
                 raise AdapterConflict(f"adapter {adapter_id!r} is already mounted")
-            report = await self._require_worker().mount_adapter(adapter_id, path)
+            try:
+                report = await self._require_worker().mount_adapter(adapter_id, path)
+            except ValueError as exc:
+                if getattr(exc, "status", None) == 409:  # (model/adapters.py AdapterStillLeaving)
+                    raise AdapterDraining(str(exc)) from exc
+                raise
             self._mounted[adapter_id] = report
             self.on_change(self.nbytes)
             return report
@@ -115,11 +152,14 @@ def ceiling_with_adapters(ceiling: AdmissionCeiling, info: ModelInfo, adapter_by
 
 
 def mounted_for(engine: Engine, spec: RowSpec) -> RowSpec:
-    """On the MLX thread, before a row opens: `spec` once every adapter it names is mounted, else
-    `AdapterNotMounted` (unmounted after the route's check: that request's 400, no worker failure)."""
+    """On the MLX thread, before a row opens: `spec` once every adapter it names is mounted and
+    they can be stacked, else `AdapterNotMounted` (unmounted, or remounted as another kind, after
+    the route's check: that request's 400, no worker failure)."""
     if spec.adapters:
-        mounted = {info.id for info in engine.adapters.infos()}
+        mounted = {info.id: info for info in engine.adapters.infos()}
         missing = [a for a in spec.adapters if a not in mounted]
         if missing:
             raise AdapterNotMounted(f"adapter {missing[0]!r} is not mounted")
+        if problem := stack_problem([mounted[a] for a in spec.adapters]):
+            raise AdapterNotStackable(problem)
     return spec

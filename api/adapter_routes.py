@@ -4,6 +4,8 @@
 * `POST /v1/adapters {"id", "path"}` — mount (`path` may be left out with `--adapters-dir`: that
   directory's `<id>`); 200 with the adapter, 409 if the id is mounted, 400 with the engine's
   reason when it cannot mount (no such directory, shapes that do not fit, a full fine-tune, ...).
+  An id unmounted while rows still use it is kept when mounted again from the same path and
+  weights (200: the unmount is cancelled); from other weights it is a 409 until those rows end.
 * `DELETE /v1/adapters/{id}` — 200 `{"id", "unmounted"}`: true when it is gone now, false when it
   leaves once the rows using it finish (new requests can no longer name it either way); 404 when
   it is not mounted.
@@ -20,7 +22,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from actors.adapter_registry import AdapterConflict, AdapterMissing
+from actors.adapter_registry import AdapterConflict, AdapterDraining, AdapterMissing
 from actors.handles import ServerHandles
 from actors.worker_api import AdapterReport
 from api import offload
@@ -43,6 +45,8 @@ def blueprint(handles: ServerHandles) -> Blueprint:
         adapter_id, path = mount_request(handles, await json_body())
         try:
             report = await handles.adapters.mount(adapter_id, path)
+        except AdapterDraining as exc:  # (it is no longer listed: "already mounted" would puzzle)
+            raise ApiError(409, str(exc), param="id", code="adapter_draining") from None
         except AdapterConflict as exc:
             raise ApiError(409, str(exc), param="id", code="adapter_already_mounted") from None
         except ValueError as exc:  # the engine's reason, one line

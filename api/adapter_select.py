@@ -6,15 +6,17 @@
   mounted adapter); api/model_names.py splits it off the served name.
 * Both given and naming different adapters is a 400; an id that is not mounted is a 400
   (`invalid_request_error`, code `adapter_not_found`, `param` the field that named it), answered
-  before the request is queued. An adapter unmounted after this check fails the request's row
-  when it opens: that too is a 400 (actors/request.py), never a neighbour's failure.
+  before the request is queued. So is a stack the engine cannot run, a DoRA adapter with another
+  (code `adapter_not_stackable`), from the kinds the registry keeps. An adapter unmounted after
+  this check fails the request's row when it opens: that too is a 400 (actors/request.py), never a
+  neighbour's failure.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from actors.adapter_registry import AdapterRegistry
+from actors.adapter_registry import AdapterRegistry, stack_problem
 from api.errors import ApiError
 from model.adapter_ids import NO_ADAPTER
 
@@ -30,9 +32,14 @@ def parse_adapters(registry: AdapterRegistry, value: Any, *, param: str) -> tupl
         raise ApiError(400, f"{param} {value!r}: join adapter ids with '+' ('none' stands alone)", param=param)
     if len(set(ids)) != len(ids):
         raise ApiError(400, f"{param} {value!r} names an adapter twice", param=param)
+    reports = []
     for adapter_id in ids:
-        if adapter_id not in registry:
+        report = registry.get(adapter_id)
+        if report is None:
             raise not_mounted(registry, adapter_id, param)
+        reports.append(report)
+    if problem := stack_problem(reports):
+        raise ApiError(400, f"{param} {value!r}: {problem}", param=param, code="adapter_not_stackable")
     return ids
 
 

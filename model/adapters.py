@@ -3,7 +3,9 @@
 Adapters mount and unmount at runtime (`mount`, `unmount`, on the MLX thread). Rows name the
 adapters they stack by id (`RowSpec.adapters`); `open` turns ids into the indices model/lora.py
 selects by and counts the row as a user, so an adapter unmounted while rows use it stays until
-the last of them closes (`close`). `select` tells the wrappers which adapters each row of the
+the last of them closes (`close`); mounting the same id from the same path (weights unchanged)
+meanwhile keeps it instead, and from anywhere else is refused (`AdapterStillLeaving`) until they
+close, since rows name adapters by id. `select` tells the wrappers which adapters each row of the
 next forward uses. Prompt-cache entries are namespaced by the adapters and a fingerprint of
 their weights (`namespace`), so KV computed under one adapter set never serves another, after a
 restart or a remount under the same id included.
@@ -35,6 +37,12 @@ class AdapterInfo:
     fingerprint: str
 
 
+class AdapterStillLeaving(ValueError):
+    """Mounting an id that is unmounted but still used by rows, with other weights."""
+
+    status = 409  # the trio side's conflict (actors/adapter_registry.py), not a bad request
+
+
 def _fingerprint(path: Path) -> str:
     weights = path / "adapters.safetensors"
     h = hashlib.sha256(str(weights.stat().st_size).encode())
@@ -63,6 +71,8 @@ class AdapterSet:
         """Load and mount an adapter (ValueError: a clear reason it cannot be)."""
         if problem := adapter_id_problem(adapter_id):
             raise ValueError(problem)
+        if adapter_id in self._leaving:
+            return self._keep(adapter_id, path)
         if adapter_id in self._mounted:
             raise ValueError(f"adapter {adapter_id!r} is already mounted")
         adapter = lora.load_adapter(path, self.model, adapter_id)
@@ -70,6 +80,23 @@ class AdapterSet:
             adapter_id, str(path), adapter.fine_tune_type, adapter.rank, adapter.nbytes, _fingerprint(Path(path))
         )
         self._mounted[adapter_id] = (lora.mount(self.model, adapter), info)
+        return info
+
+    def _keep(self, adapter_id: str, path: str) -> AdapterInfo:
+        """A leaving adapter mounted again: kept when `path` holds the weights it was loaded from."""
+        info = self._mounted[adapter_id][1]
+        same_path = Path(path).resolve() == Path(info.path).resolve()
+        try:
+            same = same_path and _fingerprint(Path(path)) == info.fingerprint
+        except OSError:
+            same = False
+        if not same:
+            keep = f"its weights at {info.path} changed" if same_path else f"or now from {info.path} to keep it"
+            raise AdapterStillLeaving(
+                f"adapter {adapter_id!r} is still unmounting: {self._users[adapter_id]} running request(s) use it; "
+                f"mount it again once they finish ({keep})"
+            )
+        self._leaving.discard(adapter_id)
         return info
 
     def unmount(self, adapter_id: str) -> bool:
@@ -91,10 +118,13 @@ class AdapterSet:
             lora.uninstall(self.model)  # the base model's own modules (and fast paths) again
 
     def open(self, adapter_ids: Sequence[str]) -> tuple[int, ...]:
-        """A row's selection for these ids (ValueError: one is not mounted)."""
+        """A row's selection for these ids (ValueError: one is not mounted, or they cannot stack)."""
         for aid in adapter_ids:
             if aid not in self._mounted or aid in self._leaving:
                 raise ValueError(f"adapter {aid!r} is not mounted")
+        dora = [aid for aid in adapter_ids if self._mounted[aid][1].fine_tune_type == "dora"]
+        if dora and len(adapter_ids) > 1:  # (before counting users: lora.select would refuse it)
+            raise ValueError(f"adapter {dora[0]!r} is a DoRA adapter, which cannot be stacked with another")
         self._users.update(adapter_ids)
         return tuple(self._mounted[aid][0] for aid in adapter_ids)
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
+import attrs
 import trio
 
 from actors.options import ServeConfig
 from actors.root import start_actors
+from actors.worker_api import AdapterReport
 from api.app import create_app
+from model.adapters import AdapterStillLeaving
 from tests.fakes import FakeTokenizer, FakeWorker
 
 CHAT = "/v1/chat/completions"
@@ -164,6 +167,93 @@ async def test_an_unknown_adapter_is_400_in_each_protocols_shape(autojump_clock)
         # An unknown base name is still a 404.
         response = await client.post(CHAT, json={"messages": MESSAGES, "model": "other:a"})
         assert (await error_of(response, 404))["code"] == "model_not_found"
+
+
+class EngineLikeWorker(FakeWorker):
+    """The fake, with the engine's adapter kinds (a path naming "dora" mounts a DoRA adapter) and
+    its leaving adapters (model/adapters.py): the id stays taken until its rows close, and
+    mounting it again from its own path keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__(prefill_cost=0.1, join_cost=0.1, step_cost=1.0)
+        self.left: dict[str, AdapterReport] = {}
+
+    async def mount_adapter(self, adapter_id: str, path: str) -> AdapterReport:
+        if adapter_id in self.leaving_adapters:
+            if path != self.left[adapter_id].path:
+                raise AdapterStillLeaving(f"adapter {adapter_id!r} is still unmounting: 1 running request(s) use it")
+            self.leaving_adapters.discard(adapter_id)
+            self.adapters[adapter_id] = self.left.pop(adapter_id)
+            return self.adapters[adapter_id]
+        report = await super().mount_adapter(adapter_id, path)
+        if "dora" in path:
+            report = self.adapters[adapter_id] = attrs.evolve(report, fine_tune_type="dora")
+        return report
+
+    async def unmount_adapter(self, adapter_id: str) -> bool:
+        report = self.adapters.get(adapter_id)
+        gone = await super().unmount_adapter(adapter_id)
+        if not gone and report is not None:
+            self.left[adapter_id] = report
+        return gone
+
+
+async def test_a_dora_adapter_in_a_stack_is_400_before_the_request_is_queued(autojump_clock):
+    async with server(EngineLikeWorker()) as (client, handles, worker):
+        await handles.adapters.mount("a2", "/p/a2")
+        assert (await handles.adapters.mount("d1", "/p/dora1")).fine_tune_type == "dora"
+        for extra, param in [
+            ({"adapter": "a2+d1"}, "adapter"),
+            ({"adapter": "d1+a2"}, "adapter"),
+            ({"model": "fake-model:a2+d1"}, "model"),
+            ({"model": "fake-model:a2+d1", "adapter": "a2+d1"}, "model"),  # (the model name is read first)
+        ]:
+            for stream in (False, True):
+                for path, body in _bodies(**extra, stream=stream):
+                    if path == "/v1/messages" and "model" in extra:
+                        body["model"] = extra["model"]
+                    response = await client.post(path, json=body)
+                    assert response.status_code == 400, (path, extra, stream, await response.get_data())
+                    payload = await response.get_json()
+                    if path == "/v1/messages":
+                        assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
+                        assert "DoRA" in payload["error"]["message"]
+                    else:
+                        error = payload["error"]
+                        assert (error["param"], error["code"]) == (param, "adapter_not_stackable"), (path, extra)
+                        assert "'d1' is a DoRA adapter, which cannot be stacked" in error["message"]
+        assert worker.specs == {}  # nothing was queued
+        alone = await client.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2, "adapter": "d1"})
+        assert alone.status_code == 200 and (await alone.get_json())["model"] == "fake-model:d1"
+
+
+async def test_mounting_an_adapter_again_while_it_drains(autojump_clock):
+    async with server(EngineLikeWorker()) as (client, handles, worker):
+        await handles.adapters.mount("a2", "/p/a2")
+        done: list[int] = []
+
+        async def ask() -> None:
+            response = await client.post(CHAT, json={"messages": MESSAGES, "max_tokens": 20, "adapter": "a2"})
+            done.append(response.status_code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await trio.sleep(3)  # decoding now
+            assert await (await client.delete("/v1/adapters/a2")).get_json() == {"id": "a2", "unmounted": False}
+            assert handles.adapters.nbytes == 0
+            other = await client.post("/v1/adapters", json={"id": "a2", "path": "/p/a2-v2"})
+            error = await error_of(other, 409)
+            assert (error["code"], error["param"], error["type"]) == ("adapter_draining", "id", "invalid_request_error")
+            assert "still unmounting" in error["message"]
+            same = await client.post("/v1/adapters", json={"id": "a2", "path": "/p/a2"})  # kept: unmount cancelled
+            assert same.status_code == 200 and (await same.get_json())["path"] == "/p/a2"
+            listed = (await (await client.get("/v1/adapters")).get_json())["data"]
+            assert [a["id"] for a in listed] == ["a2"] and handles.adapters.nbytes == 1000
+            again = await client.post(CHAT, json={"messages": MESSAGES, "max_tokens": 2, "adapter": "a2"})
+            assert again.status_code == 200
+            plain = await client.post("/v1/adapters", json={"id": "a2", "path": "/p/a2"})
+            assert (await error_of(plain, 409))["code"] == "adapter_already_mounted"
+        assert done == [200] and "a2" in worker.adapters and worker.leaving_adapters == set()
 
 
 async def test_an_adapter_unmounted_before_the_row_opens_fails_that_request_alone(autojump_clock):

@@ -1,6 +1,7 @@
 """LoRA adapters through a real `python -m actors.serve` subprocess and a tiny model: an adapter
 given with `--adapter` changes greedy output when a request names it; another mounts and
-unmounts over /v1/adapters; /v1/models lists what is mounted."""
+unmounts over /v1/adapters; /v1/models lists what is mounted; a DoRA adapter stacked with
+another is a 400 before anything is queued, streams included."""
 
 from __future__ import annotations
 
@@ -53,6 +54,16 @@ def test_adapters_on_a_real_server(tiny_model_factory, tmp_path):
                 ("a", True, True),
                 ("b", True, True),
             ]
+
+            dora = write_adapter(tmp_path / "adapters" / "d", model_dir, seed=3, fine_tune_type="dora")
+            assert client.post("/v1/adapters", json={"id": "d", "path": str(dora)}).json()["type"] == "dora"
+            assert complete(adapter="d") != plain
+            for extra in [{"adapter": "a+d"}, {"model": f"{served}:d+b"}, {"adapter": "a+d", "stream": True}]:
+                chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+                refused = client.post("/v1/chat/completions", json=chat)
+                assert refused.status_code == 400, (extra, refused.text)
+                assert refused.json()["error"]["code"] == "adapter_not_stackable", extra
+            assert client.delete("/v1/adapters/d").json() == {"id": "d", "unmounted": True}
 
             gone = client.delete("/v1/adapters/b")
             assert gone.json() == {"id": "b", "unmounted": True}

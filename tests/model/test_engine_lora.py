@@ -8,6 +8,7 @@ import pytest
 
 from cache.prompt_cache import PromptCache
 from model import lora
+from model.adapters import AdapterStillLeaving
 from model.compiled_decode import CompiledDecode
 from model.engine import Engine
 from model.fused_projections import fuse_projections
@@ -126,6 +127,53 @@ def test_bad_adapters_are_refused_with_clear_errors(qwen3_dir, adapters, tmp_pat
         engine.mount_adapter("other", str(other))
     with pytest.raises(ValueError, match="not mounted"):
         engine.open_row(spec(0, PROMPTS[0], ("missing",)))
+
+
+def test_a_dora_adapter_is_refused_in_a_stack_when_the_row_opens(qwen3_dir, adapters, tmp_path):
+    engine = engine_with(qwen3_dir, {"a": adapters["a"]})
+    engine.mount_adapter("d", str(write_adapter(tmp_path / "d", qwen3_dir, seed=5, fine_tune_type="dora")))
+    for stack in [("a", "d"), ("d", "a")]:
+        with pytest.raises(ValueError, match="'d' is a DoRA adapter, which cannot be stacked"):
+            engine.open_row(spec(0, PROMPTS[0], stack))
+    assert engine.unmount_adapter("d") is True  # the refused rows never counted as its users
+
+
+def _row_using(engine, row_id, adapter_id):
+    engine.open_row(spec(row_id, PROMPTS[0], (adapter_id,)))
+    while engine.prefill(row_id).remaining:
+        pass
+    return {row_id: [engine.join(row_id).token]}
+
+
+def test_mounting_a_leaving_adapter_again_from_its_path_keeps_it(qwen3_dir, adapters):
+    engine = engine_with(qwen3_dir, {"a": adapters["a"]})
+    alone = generate_tokens(engine, [spec(0, PROMPTS[0], ("a",))])[0]
+    got = _row_using(engine, 0, "a")
+    assert engine.unmount_adapter("a") is False
+    before = engine.adapters.infos()
+    info = engine.mount_adapter("a", adapters["a"])  # the same weights: the unmount is cancelled
+    assert info.path == adapters["a"] and [i.id for i in engine.adapters.infos()] == ["a"]
+    assert before == []
+    got.update(_row_using(engine, 1, "a"))  # new rows may name it again
+    assert decode_to_the_end(engine, got, {0, 1}) == {0: alone, 1: alone}
+    assert [i.id for i in engine.adapters.infos()] == ["a"]  # its rows closed and it stayed
+    assert engine.unmount_adapter("a") is True
+
+
+def test_mounting_a_leaving_adapter_from_other_weights_waits_for_its_rows(qwen3_dir, adapters, tmp_path):
+    copy = write_adapter(tmp_path / "a", qwen3_dir, seed=1)  # a's weights, elsewhere
+    engine = engine_with(qwen3_dir, {"a": str(copy)})
+    got = _row_using(engine, 0, "a")
+    assert engine.unmount_adapter("a") is False
+    with pytest.raises(AdapterStillLeaving, match=r"still unmounting: 1 running request\(s\) use it") as other:
+        engine.mount_adapter("a", adapters["b"])
+    assert other.value.status == 409 and str(copy) in str(other.value)
+    write_adapter(copy, qwen3_dir, seed=9)  # retrained in place: the running row keeps the old weights
+    with pytest.raises(AdapterStillLeaving, match="changed"):
+        engine.mount_adapter("a", str(copy))
+    assert engine.adapters.infos() == []
+    decode_to_the_end(engine, got, {0})
+    assert engine.mount_adapter("a", adapters["b"]).path == adapters["b"]  # gone with its row: free again
 
 
 def test_bfloat16_rows_mixing_single_adapters_equal_solo(tiny_model_factory, tmp_path):
