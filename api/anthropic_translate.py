@@ -1,12 +1,13 @@
 """Anthropic Messages bodies → the typed chat requests of api/chat_request.py.
 
-The request's own shape is checked first (messages and their blocks, system, tools,
-stop_sequences, stream); then what the server cannot take (image blocks, non-string tool ids),
-then the generation fields (api/fields.py, named as in OpenAI), a forced tool call and the
-thinking switches. Messages are built in the shape chat templates read. A block's
-`cache_control` becomes a `CachePoint`: the conversation cut after that block (a text block cuts
-its message's text there; any other block keeps its whole message; a tool definition marks the
-leading system messages, where templates render tools). Raises `ApiError`.
+The request's own shape is checked first (messages, their roles and blocks, system, tools,
+tool_choice, thinking, stop_sequences, stream); then what the server cannot take (image blocks,
+non-string tool ids), then the generation fields (api/fields.py, named as in OpenAI) and a
+forced tool call (tool_choice "any" or "tool": a grammar, api/structured.py). Messages are
+built in the shape chat templates read. A block's `cache_control` becomes a `CachePoint`: the
+conversation cut after that block (a text block cuts its message's text there; any other block
+keeps its whole message; a tool definition marks the leading system messages, where templates
+render tools). Raises `ApiError`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1
 # Anthropic's rule for a client tool's name.
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_NAME_MESSAGE = "must be a string of 1 to 64 letters, digits, underscores or hyphens"
+ROLES = ("user", "assistant")  # the only roles in `messages`; the system prompt is `system`
+# tool_choice.type → OpenAI's tool_choice: "any" forces one call of any tool (a grammar, as
+# "required"), "none" drops the tools; "tool" (a named one) is mapped on its own.
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+TOOL_CHOICE_MESSAGE = "tool_choice.type: must be 'auto', 'any', 'tool' or 'none'"
+THINKING_TYPES = {"enabled": True, "disabled": False}  # thinking.type → enable_thinking
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl → seconds ("5m" when absent)
 MAX_CACHE_POINTS = 4  # Anthropic's limit on blocks with cache_control
 
@@ -132,9 +139,10 @@ def _parse(body: Mapping[str, Any], vision: bool) -> _Parsed:
         _translate_message(message, index, parsed)
     tools, tools_ttl = _tools(body.get("tools"))
     parsed.mark(tools_ttl, leading_system)
+    choice = _tool_choice(body.get("tool_choice"), [t["function"]["name"] for t in tools])
     if tools:
         parsed.tools = tuple(tools)
-        parsed.tool_choice = _tool_choice(body.get("tool_choice"))
+        parsed.tool_choice = choice
     parsed.template_kwargs = _template_kwargs(body)
     return parsed
 
@@ -181,7 +189,10 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
     where = f"messages.{index}"
     if not isinstance(message, Mapping):
         raise bad_request(f"{where}: must be an object", param="messages")
-    role = "assistant" if message.get("role") == "assistant" else "user"
+    role = message.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        hint = " (the system prompt is the top-level `system` field)" if role == "system" else ""
+        raise bad_request(f"{where}.role: must be 'user' or 'assistant'{hint}", param="messages")
     content = message.get("content")
     if isinstance(content, str):
         parsed.add({"role": role, "content": content})
@@ -335,16 +346,30 @@ def _tools(tools: Any) -> tuple[list[dict[str, Any]], float | None]:
     return out, ttl_s
 
 
-def _tool_choice(choice: Any) -> Any:
-    """In OpenAI's terms: "none" drops the tools, a named tool is a forced call, the rest "auto"."""
-    if not isinstance(choice, Mapping):
+def _tool_choice(choice: Any, names: list[str]) -> Any:
+    """tool_choice in OpenAI's terms (None when absent): "auto", "required" (Anthropic's "any"),
+    "none" (the tools dropped) or a named function. `names`: the client tools' names; a forced
+    call needs one of them."""
+    if choice is None:
         return None
+    if not isinstance(choice, Mapping):
+        raise bad_request("tool_choice: must be an object with a type", param="tool_choice")
     kind = choice.get("type")
-    if kind == "none":
-        return "none"
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    return "auto"  # "auto", and "any" (a forced call of any tool is not enforced)
+    if not isinstance(kind, str) or (kind not in TOOL_CHOICES and kind != "tool"):
+        raise bad_request(f"{TOOL_CHOICE_MESSAGE}, got {kind!r}", param="tool_choice")
+    parallel = choice.get("disable_parallel_tool_use")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("tool_choice.disable_parallel_tool_use: must be a boolean", param="tool_choice")
+    if kind in ("any", "tool") and not names:
+        raise bad_request(f"tool_choice {kind!r} forces a tool call, but no client tool is given", param="tool_choice")
+    if kind != "tool":
+        return TOOL_CHOICES[kind]
+    name = choice.get("name")
+    if not isinstance(name, str):
+        raise bad_request("tool_choice.name: must be a string", param="tool_choice")
+    if name not in names:
+        raise bad_request(f"tool_choice.name: {name!r} is not in tools", param="tool_choice")
+    return {"type": "function", "function": {"name": name}}
 
 
 def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -353,9 +378,13 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(extra, Mapping):
         kwargs.update(extra)
     thinking = body.get("thinking")
-    if isinstance(thinking, Mapping) and "enable_thinking" not in kwargs:
-        if thinking.get("type") == "enabled":
-            kwargs["enable_thinking"] = True
-        elif thinking.get("type") == "disabled":
-            kwargs["enable_thinking"] = False
+    if thinking is None:
+        return kwargs
+    kind = thinking.get("type") if isinstance(thinking, Mapping) else None
+    if not isinstance(kind, str) or kind not in THINKING_TYPES:
+        raise bad_request("thinking.type: must be 'enabled' or 'disabled'", param="thinking")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
+        raise bad_request("thinking.budget_tokens: must be an integer", param="thinking")
+    kwargs.setdefault("enable_thinking", THINKING_TYPES[kind])  # an explicit template kwarg wins
     return kwargs

@@ -244,6 +244,32 @@ def test_tool_use(tool_server):
     assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == "".join(TOOL_SCRIPT)
 
 
+# A pydantic-style schema (a ref into its own $defs) with a bounded output, so that a model
+# scripted to say something else still completes the forced call.
+UNIT_TOOL = {
+    "name": "set_unit",
+    "input_schema": {
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+        "additionalProperties": False,
+        "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"]}},
+    },
+}
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "set_unit"}])
+def test_tool_choice_any_or_tool_forces_a_call(text_server, choice):
+    pytest.importorskip("llguidance")
+    client = sdk(text_server)  # scripted to answer in plain text
+    message = client.messages.create(model="m", max_tokens=64, messages=USER, tools=[UNIT_TOOL], tool_choice=choice)
+    assert [block.type for block in message.content] == ["tool_use"], message.content
+    assert message.content[0].name == "set_unit" and message.content[0].input["unit"] in ("celsius", "fahrenheit")
+    assert message.stop_reason == "tool_use"
+    free = client.messages.create(model="m", max_tokens=64, messages=USER, tools=[UNIT_TOOL])  # "auto"
+    assert [block.type for block in free.content] == ["text"]
+
+
 def test_thinking(think_server):
     client = sdk(think_server)
     message = client.messages.create(

@@ -29,7 +29,7 @@ def test_system_blocks_roles_and_generation_fields():
             "messages": [
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                 {"role": "assistant", "content": "ok"},
-                {"role": "weird", "content": "c"},
+                {"role": "user", "content": "c"},
             ],
             "max_tokens": 9,
             "temperature": 0.5,
@@ -132,6 +132,79 @@ def test_tools_tool_choice_and_thinking_config():
         }
     )
     assert none.prompt.tools is None and none.constraint is None  # "none" drops the tools
+
+
+def test_tool_choice_any_forces_a_call_of_any_client_tool():
+    def translate(choice):
+        return messages_request(
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [
+                    {"name": "f", "input_schema": {"type": "object"}},
+                    {"name": "g", "input_schema": {"type": "object"}},
+                    {"type": "web_search_20250305", "name": "web_search"},  # server tool: not callable
+                ],
+                "tool_choice": choice,
+                "max_tokens": 8,
+            }
+        )
+
+    forced = translate({"type": "any", "disable_parallel_tool_use": True})
+    assert [t["function"]["name"] for t in forced.prompt.tools] == ["f", "g"]
+    if grammar.available():  # enforced as OpenAI's "required": exactly one call, of f or g
+        assert forced.constraint.forced == ForcedToolCall(tools=(("f", {"type": "object"}), ("g", {"type": "object"})))
+        assert forced.constraint.constraint.kind == "tool_call"
+    for choice in ({"type": "auto"}, None):
+        assert translate(choice).constraint is None
+
+
+@pytest.mark.parametrize("translate", [messages_request, count_request])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"messages": [{"role": "system", "content": "s"}]}, "messages.0.role: must be 'user' or 'assistant' (the"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]}, "messages.1.role"),
+        ({"messages": [{"content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "messages.0.role"),
+        ({"tool_choice": {"type": "bogus"}}, "tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got 'bogus'"),
+        ({"tool_choice": {"type": ["any"]}}, "tool_choice.type"),
+        ({"tool_choice": {}}, "tool_choice.type"),
+        ({"tool_choice": "any"}, "tool_choice: must be an object"),
+        ({"tool_choice": {"type": "tool"}}, "tool_choice.name: must be a string"),
+        ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name: 'nope' is not in tools"),
+        ({"tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}}, "disable_parallel_tool_use"),
+        ({"tools": [], "tool_choice": {"type": "any"}}, "tool_choice 'any' forces a tool call, but no client tool"),
+        ({"tools": None, "tool_choice": {"type": "tool", "name": "f"}}, "no client tool"),
+        ({"thinking": {"type": "maybe"}}, "thinking.type: must be 'enabled' or 'disabled'"),
+        ({"thinking": {}}, "thinking.type"),
+        ({"thinking": "enabled"}, "thinking.type"),
+        ({"thinking": {"type": "enabled", "budget_tokens": "1024"}}, "thinking.budget_tokens: must be an integer"),
+    ],
+)
+def test_loose_fields_are_400(translate, extra, message):
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        "max_tokens": 8,
+        **extra,
+    }
+    body = {k: v for k, v in body.items() if v is not None}
+    with pytest.raises(ApiError) as info:
+        translate(body)
+    assert info.value.status == 400 and message in info.value.message, info.value.message
+
+
+def test_valid_thinking_and_tool_choice_shapes_pass():
+    for thinking, enabled in (({"type": "enabled", "budget_tokens": 1024}, True), ({"type": "disabled"}, False)):
+        body = {"messages": [{"role": "user", "content": "x"}], "thinking": thinking, "max_tokens": 8}
+        assert messages_request(body).prompt.reasoning == ReasoningOptions(enable_thinking=enabled)
+        # an explicit chat_template_kwargs switch wins over `thinking`
+        body["chat_template_kwargs"] = {"enable_thinking": not enabled}
+        assert messages_request(body).prompt.reasoning == ReasoningOptions(enable_thinking=not enabled)
+    # auto / none need no tools (nothing is forced)
+    for choice in ({"type": "auto"}, {"type": "none"}):
+        body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": choice, "max_tokens": 8}
+        assert messages_request(body).prompt.tools is None
 
 
 @pytest.mark.parametrize("translate", [messages_request, count_request])
