@@ -215,6 +215,7 @@ def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
     ):
         fields = attrs.evolve(fields, sampling=attrs.evolve(fields.sampling, temperature=NO_THINK_TEMPERATURE_CAP))
     rendered = render_prompt(tokenizer, request.prompt)
+    prompt_bounds.check_tokens(len(rendered.tokens), context_length=handles.info.context_length, param="messages")
     think = bool(getattr(tokenizer, "has_thinking", False))
     # A template that pre-fills `<think>` (Qwen3 thinking, DeepSeek-R1) starts generation inside
     # reasoning.
@@ -257,8 +258,8 @@ def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
         prompt_bounds.check_chars(len(request.prompt), tokenizer=tokenizer, context_length=context, param="prompt")
         prompt = tokenizer.encode(request.prompt)
     else:
-        prompt_bounds.check_tokens(len(request.prompt), context_length=context)
         prompt = list(request.prompt)
+    prompt_bounds.check_tokens(len(prompt), context_length=context)
     generation = resolve_generation(
         request.generation,
         defaults=handles.sampling_defaults,

@@ -79,8 +79,16 @@ def check_chars(chars: int, *, tokenizer: Any, context_length: int, param: str =
 
 
 def check_tokens(tokens: int, *, context_length: int, param: str = "prompt") -> None:
-    if context_length > 0 and tokens > context_length:
-        raise too_long(f"{tokens} tokens", context_length, param)
+    """400 when a prompt of `tokens` leaves no room in the context window to generate one token
+    (Anthropic's wording, which clients match to trim their history). A prompt that fits the
+    window but not the memory budget is admission's 400 (`context_over_budget`)."""
+    if context_length > 0 and tokens >= context_length:
+        raise bad_request(
+            f"prompt is too long: {tokens} tokens > {context_length - 1} maximum (this model's context "
+            f"window is {context_length} tokens, one of them for the first generated token)",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def too_long(what: str, context_length: int, param: str) -> ApiError:

@@ -86,7 +86,7 @@ async def test_absurd_numbers_are_400s_on_every_route(autojump_clock, path):
         (CHAT, "max_tokens", 1e12, "max_tokens must be a positive integer (at most"),
         (CHAT, "max_completion_tokens", 2**31, "max_completion_tokens must be a positive integer"),
         (TEXT, "max_tokens", 0, "max_tokens must be a positive integer"),
-        (RESPONSES, "max_output_tokens", 10**30, "max_tokens must be a positive integer"),
+        (RESPONSES, "max_output_tokens", 10**30, "max_output_tokens must be a positive integer"),
         (CHAT, "logit_bias", {"5": 101}, "logit_bias values must be between -100 and 100"),
         (CHAT, "logit_bias", {"5": 10**400}, "logit_bias must be a dict of int to float"),
         (CHAT, "top_logprobs", 21, "top_logprobs must be at most"),
@@ -184,6 +184,42 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_templating(path):  # r
         else:
             assert payload["error"]["code"] == "context_length_exceeded"
         assert worker.specs == {}
+
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES, RESPONSES, TEXT])
+async def test_a_prompt_over_the_window_is_context_length_exceeded_not_a_memory_refusal(autojump_clock, path):
+    # Under the character bound, over the window once tokenized: refused on its tokens, the
+    # memory budget's "raise --memory-budget" advice would be of no use.
+    text = "x" * (CONTEXT + 50)
+    if path == TEXT:
+        body: dict[str, Any] = {"prompt": text, "max_tokens": 2}
+    elif path == RESPONSES:
+        body = {"input": text, "max_output_tokens": 2}
+    else:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    async with server() as (client, worker):
+        response = await client.post(path, json=body)
+        assert response.status_code == 400, await response.get_data()
+        payload = await response.get_json()
+        error = payload["error"]
+        assert error["message"].startswith("prompt is too long: "), error
+        assert f"tokens > {CONTEXT - 1} maximum" in error["message"], error
+        if path == MESSAGES:
+            assert payload["type"] == "error" and error["type"] == "invalid_request_error"
+        else:
+            assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded")
+        assert worker.specs == {}
+
+
+async def test_a_prompt_must_leave_room_for_one_token_and_max_tokens_is_clamped_to_the_rest(autojump_clock):
+    async with server() as (client, _):
+        full = await client.post(TEXT, json={"prompt": [5] * CONTEXT, "max_tokens": 2})
+        assert full.status_code == 400
+        assert (await full.get_json())["error"]["code"] == "context_length_exceeded"
+        last = await client.post(TEXT, json={"prompt": [5] * (CONTEXT - 1), "max_tokens": 100})
+        assert last.status_code == 200, await last.get_data()
+        usage = (await last.get_json())["usage"]
+        assert usage["completion_tokens"] == 1  # clamped to the room left, not refused
 
 
 def test_the_size_bound_never_refuses_what_fits():

@@ -54,8 +54,8 @@ async def test_huge_bodies_never_stall_a_running_stream(model_dir):
     with trio.fail_after(LIMIT_S):
         async with real_server(model_dir, eos_token_ids=()) as server:
             context = server.handles.info.context_length
-            # Just under the bound: templated and tokenized (on a worker thread), then refused by
-            # admission as longer than the context.
+            # Just under the bound: templated and tokenized (on a worker thread), then refused on
+            # its tokens as longer than the context.
             near_bound = context * prompt_bounds.CHARS_PER_TOKEN_FLOOR * prompt_bounds.NORMALIZER_SLACK - 1000
 
             async def hostile() -> None:
@@ -92,7 +92,7 @@ async def test_huge_bodies_never_stall_a_running_stream(model_dir):
     assert status == 400 and error["type"] == "error", error
     assert error["error"]["type"] == "invalid_request_error" and "too long" in error["error"]["message"]
     status, error = answers["near"]
-    assert status == 400 and error["error"]["code"] == "context_over_budget", error
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
 
 
 async def test_a_prompt_within_the_bound_still_counts(model_dir):
