@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from actors.messages import Abort, Admitted, Control, Enqueue, GenerationRequest, Rejected, Submit
-from actors.policy import AdmissionCeiling, BatchMode, SeedSource, clamp_max_tokens, over_budget_message, place
+from actors.policy import AdmissionCeiling, BatchMode, SeedSource, fit_rows, over_budget_message, place
 from model.rows import RowSpec
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,11 @@ class Admission:
         # subtracts these, and `on_queued` nudges the scheduler when one is counted.
         self.queued = 0
         self.on_queued: Callable[[], None] = lambda: None
+
+    @property
+    def waiting_rows(self) -> int:
+        """The rows `--max-queue` bounds now: admitted, beyond the free batch slots."""
+        return self._waiting()
 
     async def run(
         self,
@@ -126,17 +131,20 @@ class Admission:
         prompt_tokens = len(request.prompt)
         if prompt_tokens == 0:
             return Rejected(400, "prompt is empty", "invalid_request_error", "empty_prompt")
-        # The choices of one request (`n`) each hold a copy of the prompt's KV and their own tail:
-        # together they must fit where one row would (every choice gets the same answer).
+        # Each of the request's `n` choices is its own row: the window bounds each one, the
+        # memory budget their KV together (every choice gets the same answer).
         siblings = request.siblings
-        safe_context = self.ceiling.max_safe_context // (siblings.count if siblings is not None else 1)
-        max_tokens = clamp_max_tokens(prompt_tokens, request.max_tokens, safe_context)
-        if max_tokens is None:
+        choices = siblings.count if siblings is not None else 1
+        fit = fit_rows(self.ceiling, prompt_tokens=prompt_tokens, max_tokens=request.max_tokens, rows=choices)
+        if fit == "window":  # (the routes refuse this first, with the same code)
+            window = self.ceiling.context_length
+            message = f"prompt is too long: {prompt_tokens} tokens > {window - 1} maximum"
+            return Rejected(400, message, "invalid_request_error", "context_length_exceeded")
+        if fit == "memory":
             self.counters.rejected_budget += 1
-            message = over_budget_message(prompt_tokens, safe_context)
-            if siblings is not None:
-                message += f" (safe context is shared by the request's {siblings.count} choices)"
+            message = over_budget_message(prompt_tokens, self.ceiling.memory_context(choices), choices=choices)
             return Rejected(400, message, "memory_admission", "context_over_budget")
+        max_tokens = fit
         # One request waits as one: only its first choice meets the queue cap.
         if (siblings is None or siblings.index == 0) and self._waiting() >= self.max_queue:
             self.counters.rejected_queue_full += 1

@@ -91,6 +91,8 @@ class ServerHandles:
             "server": {"model": self.info.name, "started_at": int(self.started_at), "device": self.info.device},
             "admission": {
                 "max_safe_context": self.ceiling.max_safe_context,
+                "context_length": self.ceiling.context_length,
+                "memory_context": self.ceiling.memory_context(1),
                 "memory_budget_bytes": self.ceiling.memory_budget_bytes,
                 "usable_bytes": self.ceiling.usable_bytes,
                 "weights_bytes": self.ceiling.weights_bytes,
@@ -105,7 +107,10 @@ class ServerHandles:
                 "mode": self.mode,
                 "batched": self.mode == "batch",
                 "active_rows": sched.active_rows,
-                "pending_rows": len(sched.table.queue),
+                # Rows admitted and not opened yet (each choice a row), and of them those beyond
+                # the free batch slots: what --max-queue bounds.
+                "pending_rows": sched.pending_rows(self.admission.enqueued),
+                "waiting_rows": self.admission.waiting_rows,
                 "draining": sched.table.draining,
                 **attrs.asdict(sched.counters),
                 # (row id, reached the queue [ms, server clock], waited [ms], opened with N rows)

@@ -106,12 +106,44 @@ def memory_budget_bytes(budget_gb: float | None, *, device_memory_bytes: int = 0
 
 
 @attrs.frozen
+class KvRate:
+    """How admission bills one row's memory (`kv_bill`, then its fixed recurrent state)."""
+
+    bytes_per_token: int
+    quant_ratio: float = 1.0
+    quantized_from: int = 0
+    state_bytes_per_row: int = 0
+
+
+@attrs.frozen
 class AdmissionCeiling:
+    """Two limits on a request's rows, kept apart: the model's context `window` bounds each row
+    alone, the memory budget bounds the sum of its rows' KV (`memory_context`)."""
+
     memory_budget_bytes: int
     usable_bytes: int  # budget − weights − mounted adapters − prefill transient (may be negative)
     weights_bytes: int
-    max_safe_context: int
+    max_safe_context: int  # the longest one row alone may grow to: min(memory, window)
     adapter_bytes: int = 0  # the mounted LoRA adapters' weights
+    context_length: int = 0  # the model's window, per row (0: not known, memory alone bounds)
+    kv_rate: KvRate | None = None  # None: the budget holds one row of `max_safe_context`, linearly
+
+    def memory_context(self, rows: int = 1) -> int:
+        """The longest each of `rows` rows of one request may grow to, side by side in the budget.
+        Each holds its own copy of the prompt's KV: choices fork from one prefill as views, but
+        their first write or the batch merge copies them (model/engine.py `fork_rows`)."""
+        rows = max(1, rows)
+        rate = self.kv_rate
+        if rate is None:
+            return self.max_safe_context // rows
+        if rate.bytes_per_token <= 0:  # no KV grows with the row: only the window bounds it
+            return self.context_length or self.max_safe_context
+        return max_tokens_billed(
+            self.usable_bytes // rows - rate.state_bytes_per_row,  # (a row's fixed state comes first)
+            kv_bytes_per_token=rate.bytes_per_token,
+            kv_quant_ratio=rate.quant_ratio,
+            kv_quantized_from=rate.quantized_from,
+        )
 
 
 def kv_bill(tokens: int, *, kv_bytes_per_token: int, kv_quant_ratio: float = 1.0, kv_quantized_from: int = 0) -> int:
@@ -157,30 +189,31 @@ def admission_ceiling(
     adapter_bytes: int = 0,
     state_bytes_per_row: int = 0,
 ) -> AdmissionCeiling:
-    """The longest row one request may grow to: what its KV, billed at the scheme's true bytes
-    (`kv_bill`), fits in the budget after weights, the mounted adapters' weights and the prefill
-    transient, capped at the model's context."""
+    """The limits of one request's rows: the model's context window per row, and the KV the
+    budget holds after weights, the mounted adapters' weights and the prefill transient, billed
+    at the scheme's true bytes (`kv_bill`); `max_safe_context` is the smaller, for one row."""
+    rate = KvRate(kv_bytes_per_token, kv_quant_ratio, kv_quantized_from, state_bytes_per_row)
     usable = budget_bytes - weights_bytes - adapter_bytes - PREFILL_TRANSIENT_BYTES
-    by_memory = (
-        max_tokens_billed(
-            usable - state_bytes_per_row,  # (a row's fixed recurrent state comes first)
-            kv_bytes_per_token=kv_bytes_per_token,
-            kv_quant_ratio=kv_quant_ratio,
-            kv_quantized_from=kv_quantized_from,
-        )
-        if kv_bytes_per_token > 0
-        else context_length
-    )
-    return AdmissionCeiling(
+    ceiling = AdmissionCeiling(
         memory_budget_bytes=budget_bytes,
         usable_bytes=usable,
         weights_bytes=weights_bytes,
-        max_safe_context=max(0, min(by_memory, context_length)),
+        max_safe_context=0,
         adapter_bytes=adapter_bytes,
+        context_length=context_length,
+        kv_rate=rate,
     )
+    return attrs.evolve(ceiling, max_safe_context=max(0, min(ceiling.memory_context(1), context_length)))
 
 
-def over_budget_message(prompt_tokens: int, max_safe_context: int) -> str:
+def over_budget_message(prompt_tokens: int, max_safe_context: int, *, choices: int = 1) -> str:
+    if choices > 1:
+        return (
+            f"prompt is {prompt_tokens} tokens but the memory budget caps safe context at "
+            f"{max_safe_context} for each of the request's {choices} choices (each holds its own copy "
+            f"of the prompt's KV) — no room to generate; shorten the prompt, ask for fewer choices "
+            f"or raise --memory-budget"
+        )
     return (
         f"prompt is {prompt_tokens} tokens but the memory budget caps safe context at "
         f"{max_safe_context} — no room to generate; shorten the prompt or raise --memory-budget"
@@ -193,6 +226,22 @@ def clamp_max_tokens(prompt_tokens: int, requested: int, max_safe_context: int) 
     if available < 1:
         return None
     return min(requested, available)
+
+
+def fit_rows(
+    ceiling: AdmissionCeiling, *, prompt_tokens: int, max_tokens: int, rows: int = 1
+) -> int | Literal["window", "memory"]:
+    """`max_tokens` clamped to the room each of a request's `rows` rows has (its `n` choices):
+    the model's window bounds each row alone, the memory budget all of them together. Else the
+    limit that leaves the prompt no room: "window" first (no budget can fix it), then "memory"."""
+    window = ceiling.context_length
+    if 0 < window <= prompt_tokens:
+        return "window"
+    memory = ceiling.memory_context(rows)
+    if memory <= prompt_tokens:
+        return "memory"
+    room = min(window, memory) if window > 0 else memory
+    return min(max_tokens, room - prompt_tokens)
 
 
 def device_memory(device: str, device_info: Mapping[str, object], *, ram_bytes: int) -> int:

@@ -17,6 +17,7 @@ from actors.policy import (
     admission_ceiling,
     batch_mode,
     clamp_max_tokens,
+    fit_rows,
     memory_budget_bytes,
     place,
     waiting_rows,
@@ -123,6 +124,67 @@ async def test_decisions():
     ids = [admission.decide(request()).row_id for _ in range(3)]
     assert len(set(ids + [ok.row_id, seeded.row_id])) == 5
     assert admission.counters.clamped >= 1 and admission.counters.rejected_budget == 1
+
+
+# --- the window bounds each row, the memory budget all of a request's rows -----------------
+
+
+def _ceiling(*, memory: int, window: int, state: int = 0):
+    """A budget that holds `memory` tokens of one row (1 byte a token, plus `state` bytes a row)."""
+    budget = PREFILL_TRANSIENT_BYTES + memory + state
+    return admission_ceiling(
+        budget_bytes=budget, weights_bytes=0, kv_bytes_per_token=1, context_length=window, state_bytes_per_row=state
+    )
+
+
+def test_the_window_is_per_row_and_never_split_across_choices():
+    ceiling = _ceiling(memory=10**6, window=4096)
+    assert ceiling.max_safe_context == 4096 and ceiling.memory_context(1) == 10**6
+    # a prompt of 3000 tokens, n=2: each choice is its own row of the 4096-token window
+    assert fit_rows(ceiling, prompt_tokens=3000, max_tokens=5000, rows=2) == 1096
+    assert fit_rows(ceiling, prompt_tokens=3000, max_tokens=50, rows=8) == 50
+    assert fit_rows(ceiling, prompt_tokens=4096, max_tokens=1, rows=2) == "window"
+
+
+def test_the_memory_budget_holds_every_row_of_a_request():
+    ceiling = _ceiling(memory=5000, window=4096)
+    assert ceiling.memory_context(2) == 2500  # each choice its own copy of the prompt's KV
+    assert fit_rows(ceiling, prompt_tokens=3000, max_tokens=5000, rows=1) == 1096  # the window binds
+    assert fit_rows(ceiling, prompt_tokens=3000, max_tokens=5000, rows=2) == "memory"
+    assert fit_rows(ceiling, prompt_tokens=2000, max_tokens=5000, rows=2) == 500  # memory clamps
+    # a prompt past the window is the window's refusal, whatever the memory
+    assert fit_rows(_ceiling(memory=10, window=64), prompt_tokens=100, max_tokens=1, rows=2) == "window"
+
+
+def test_each_row_of_a_request_brings_its_own_fixed_state():
+    ceiling = _ceiling(memory=900, window=10**6, state=100)  # 1000 usable bytes
+    assert ceiling.memory_context(1) == 900
+    assert ceiling.memory_context(2) == 400  # 2 x (100 + 400)
+
+
+async def test_n_choices_of_a_long_prompt_are_admitted_when_the_window_binds():
+    sent, _ = trio.open_memory_channel(math.inf)
+    admission = Admission(
+        ceiling=_ceiling(memory=10**6, window=4096), mode="batch", max_queue=4, waiting=lambda: 0, scheduler=sent
+    )
+    for index in range(2):
+        ok = admission.decide(request(3000, 5000, siblings=Siblings(key=1, index=index, count=2)))
+        assert isinstance(ok, Admitted) and ok.max_tokens == 1096
+    past = admission.decide(request(4096, 1, siblings=Siblings(key=2, index=0, count=2)))
+    assert (past.status, past.type, past.code) == (400, "invalid_request_error", "context_length_exceeded")
+    assert admission.counters.rejected_budget == 0
+
+
+async def test_choices_over_the_memory_budget_are_told_so():
+    sent, _ = trio.open_memory_channel(math.inf)
+    admission = Admission(
+        ceiling=_ceiling(memory=5000, window=4096), mode="batch", max_queue=4, waiting=lambda: 0, scheduler=sent
+    )
+    over = admission.decide(request(3000, 10, siblings=Siblings(key=1, index=0, count=2)))
+    assert (over.status, over.type, over.code) == (400, "memory_admission", "context_over_budget")
+    assert "caps safe context at 2500 for each of the request's 2 choices" in over.message
+    assert "raise --memory-budget" in over.message
+    assert admission.decide(request(3000, 5000)).max_tokens == 1096  # alone it fits
 
 
 async def test_full_queue_and_closed_gate_are_503():
@@ -272,3 +334,27 @@ async def test_each_choice_of_a_request_takes_a_row(autojump_clock):
     # Two requests of n=2 fill 4 rows and none waits; of two more, one may wait (--max-queue 1).
     statuses = await _burst(ServeConfig(batch=4, max_queue=1), [2, 2], later=[1, 1])
     assert statuses[:2] == [200, 200] and sorted(statuses[2:]) == [200, 503]
+
+
+async def test_stats_show_the_queued_rows_and_those_that_wait(autojump_clock):
+    # 4 rows; requests of n=3, n=3 and 1: 7 rows admitted, 4 open at most, so 3 must wait.
+    kept: list[RequestActor] = []
+    async with trio.open_nursery() as nursery:
+        handles = await start_actors(
+            nursery,
+            FakeWorker(step_cost=10.0),
+            config=ServeConfig(batch=4, max_queue=8),
+            make_tokenizer=lambda info: FakeTokenizer(),
+        )
+        for key, n in enumerate([3, 3, 1], start=1):
+            for index in range(n):
+                siblings = Siblings(key=key, index=index, count=n) if n > 1 else None
+                kept.append(RequestActor(handles.ports, request(5, 5, siblings=siblings), _Sink()))
+                nursery.start_soon(kept[-1].admit)
+        await trio.testing.wait_all_tasks_blocked()
+        batch = handles.stats()["batch"]
+        assert batch["active_rows"] + batch["pending_rows"] == 7
+        assert batch["waiting_rows"] == batch["pending_rows"] - (4 - batch["active_rows"]) == 3
+        admission = handles.stats()["admission"]
+        assert admission["context_length"] == 4096 and admission["memory_context"] >= 4096
+        nursery.cancel_scope.cancel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from contextlib import asynccontextmanager
 
+import attrs
 import trio
 
 from actors.options import ServeConfig
@@ -194,6 +195,27 @@ async def test_prompt_over_the_memory_budget_is_400_and_max_tokens_is_clamped(au
         assert error["message"].startswith("prompt is 25 tokens but the memory budget caps safe context at 20")
         ok = await (await client.post("/v1/completions", json={"prompt": "x" * 15, "max_tokens": 100})).get_json()
         assert ok["usage"]["completion_tokens"] == 5 and ok["choices"][0]["finish_reason"] == "length"
+
+
+async def test_n_choices_share_the_memory_budget_but_each_has_the_whole_window(autojump_clock):
+    worker = FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
+    worker.info = attrs.evolve(worker.info, context_length=64)
+    body = {"prompt": "x" * 40, "max_tokens": 100, "n": 2}  # 40 prompt tokens, 24 left in the window
+    async with server(worker) as (client, handles, _):  # memory for far more than 2 rows of 64
+        assert handles.ceiling.max_safe_context == 64
+        ok = await (await client.post("/v1/completions", json=body)).get_json()
+        assert [c["finish_reason"] for c in ok["choices"]] == ["length", "length"]
+        assert ok["usage"]["completion_tokens"] == 2 * 24
+    room = 70  # tokens of KV the budget leaves: one row of 40 + 24 fits, two do not
+    budget_gb = (worker.info.weights_bytes + PREFILL_TRANSIENT_BYTES + room * worker.info.kv_bytes_per_token) / 1e9
+    async with server(worker, memory_budget_gb=budget_gb, batch=4) as (client, _, _):
+        over = await client.post("/v1/completions", json=body)
+        assert over.status_code == 400
+        error = await error_of(over)
+        assert error["type"] == "memory_admission" and error["code"] == "context_over_budget"
+        assert "35 for each of the request's 2 choices" in error["message"]
+        alone = await (await client.post("/v1/completions", json={**body, "n": 1})).get_json()
+        assert alone["usage"]["completion_tokens"] == 24  # the window, not the memory, clamps it
 
 
 async def test_full_queue_is_503_with_retry_after(autojump_clock):
