@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from quart import Blueprint, Response
 
 from actors.handles import ServerHandles
-from actors.request import RequestActor
+from actors.request import GenerationFailed, RequestActor
 from api import offload
 from api.anthropic_encode import AnthropicStream, message_object
 from api.anthropic_translate import count_request, messages_request
@@ -93,9 +93,11 @@ async def _stream(actor: RequestActor[Event], stream: AnthropicStream) -> AsyncI
         )
     except Exception as exc:  # after the headers an exception would only truncate the body
         log_stream_failure(exc, "messages")
-        # The protocol's error event, then its normal closing frames.
-        yield stream.error(str(exc) or type(exc).__name__) + stream.finish(
-            finish_reason="stop", matched_stop=None, openai_usage=actor.usage()
+        # The protocol's error event ends the stream: as Anthropic's own, nothing follows it (a
+        # message_stop after it would read as a normal end).
+        client = isinstance(exc, GenerationFailed) and exc.status < 500  # the request's own constraint failed
+        yield stream.error(
+            str(exc) or type(exc).__name__, error_type="invalid_request_error" if client else "api_error"
         )
     finally:
         actor.close()

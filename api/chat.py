@@ -76,9 +76,12 @@ def resolve_generation(
     default_max_tokens: int,
     constraint: ConstraintRequest | None = None,
     tool_format: str | None = None,
+    stream_logprobs: bool = False,
 ) -> Generation:
-    """Request > server defaults (flags over generation_config.json over the fallback)."""
-    capture = not fields.stream and (fields.logprobs or fields.top_logprobs > 0)  # streams never carry logprobs
+    """Request > server defaults (flags over generation_config.json over the fallback).
+    `stream_logprobs`: the protocol's stream carries logprobs (/v1/completions' chunks do)."""
+    # chat streams never carry logprobs
+    capture = (stream_logprobs or not fields.stream) and (fields.logprobs or fields.top_logprobs > 0)
     sampling = attrs.evolve(
         fields.sampling.apply(defaults),
         logprobs=bool(capture and fields.logprobs),
@@ -265,6 +268,7 @@ def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
         defaults=handles.sampling_defaults,
         default_max_tokens=handles.config.max_tokens or TEXT_DEFAULT_MAX_TOKENS,
         constraint=request.constraint,
+        stream_logprobs=True,
     )
     sink = CompletionSink(tokenizer.detokenizer(), stop=request.stop)
     return PreparedChat(prompt, generation, sink)

@@ -211,9 +211,9 @@ def stop_strings(value: Any) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, list):
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise bad_request("stop must be a string or an array of strings", param="stop")
-    return tuple(s for s in value if isinstance(s, str) and s)  # empty / non-string dropped
+    return tuple(s for s in value if s)  # empty strings dropped
 
 
 def reasoning_options(template_kwargs: Any, effort: Any) -> ReasoningOptions:

@@ -1,5 +1,6 @@
 """An admitted generation's text events → OpenAI chat-completion / text-completion objects, whole
-or as `data:` chunks ending in `data: [DONE]`.
+or as `data:` chunks ending in `data: [DONE]` (a stream that fails part-way sends an error frame
+in OpenAI's error shape, then `data: [DONE]`, as vLLM does, so a client reading to [DONE] ends).
 
 A request with `n` choices has one actor per choice; they are read in turn (the choices decode in
 one batch, so waiting on one holds the others back by a step at most, and every row's channel
@@ -22,6 +23,7 @@ from api.completion import Completion, add_events, finish
 from api.errors import ApiError, error_body
 from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallsEvent
 from api.wire import DONE_FRAME, data_frame, new_id
+from model.rows import TokenOut
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ async def collect_choices(choices: Choices) -> list[Completion]:
 
 
 def logprobs_block(actor: RequestActor[Event], generation: Generation, tokenizer: Tokenizer) -> dict[str, Any] | None:
-    """mlx_lm.server's `choices[0].logprobs` (NOT OpenAI's shape), or None.
+    """Chat's `choices[0].logprobs` in mlx_lm.server's shape (NOT OpenAI's), or None.
 
     `top_logprobs > 0`: each entry is the top candidate merged with its top-k list (sorted
     descending, so the entry is the argmax), `token` the raw vocabulary piece; else
@@ -129,9 +131,55 @@ def _json_float(value: float | None) -> float | None:
     return value if math.isfinite(value) else MASKED_LOGPROB
 
 
-def _failure_frame(exc: BaseException) -> bytes:
+class TokenNames:
+    """Token ids → their text (decoded one by one), and the names a legacy logprobs block gives
+    them: the text, or vLLM's "token_id:<id>" with `as_ids` (`return_tokens_as_token_ids`)."""
+
+    def __init__(self, tokenizer: Tokenizer, *, as_ids: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def text(self, token_id: int) -> str:
+        try:
+            return self.tokenizer.decode([token_id])
+        except Exception:  # a padded-vocab id beyond the tokenizer, or a tokenizer double
+            return ""
+
+    def name(self, token_id: int, text: str | None = None) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return self.text(token_id) if text is None else text
+
+
+def legacy_logprobs(outs: Sequence[TokenOut], names: TokenNames, *, offset: int = 0) -> tuple[dict[str, Any], int]:
+    """The legacy completions API's `logprobs` for these tokens, and the text offset after them.
+
+    `tokens`: each token (its text, or its id: `TokenNames`); `token_logprobs`: the sampled
+    token's; `top_logprobs`: per token `{token: logprob}` of the requested alternatives and the
+    sampled token (OpenAI: up to logprobs + 1 entries); `text_offset`: where each token's text
+    starts, counted from `offset`.
+    """
+    block: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for out in outs:
+        text = names.text(out.token)
+        token = names.name(out.token, text)
+        top: dict[str, float | None] = {}
+        for alternative in out.top_logprobs:  # most likely first
+            top.setdefault(names.name(alternative.token), _json_float(alternative.logprob))
+        top.setdefault(token, _json_float(out.logprob))
+        block["tokens"].append(token)
+        block["token_logprobs"].append(_json_float(out.logprob))
+        block["top_logprobs"].append(top)
+        block["text_offset"].append(offset)
+        offset += len(text)
+    return block, offset
+
+
+def _failure_frames(exc: BaseException) -> bytes:
+    """The error frame (OpenAI's error shape), then [DONE]: nothing else follows a failure."""
     client = isinstance(exc, GenerationFailed) and exc.status < 500  # the request's own constraint failed
-    return data_frame(error_body(str(exc), type="invalid_request_error" if client else "server_error"))
+    error = data_frame(error_body(str(exc), type="invalid_request_error" if client else "server_error"))
+    return error + DONE_FRAME
 
 
 def _chat_delta(event: Event) -> dict[str, Any]:
@@ -167,7 +215,7 @@ async def chat_stream(choices: Choices, meta: ResponseMeta, *, include_usage: bo
     except Exception as exc:  # after the headers an exception would only truncate the body
         if not isinstance(exc, GenerationFailed):
             log.exception("chat stream failed")
-        yield _failure_frame(exc)
+        yield _failure_frames(exc)
     finally:
         for actor in choices:
             actor.close()
@@ -190,12 +238,34 @@ async def chat_whole(started: StartedGeneration, meta: ResponseMeta, tokenizer: 
     return meta.envelope("chat.completion", choices, usage(started.choices), usage_key=True)
 
 
-async def text_stream(choices: Choices, meta: ResponseMeta, *, include_usage: bool = False) -> AsyncIterator[bytes]:
-    def chunk(index: int, text: str, finish: str | None = None) -> bytes:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+async def text_stream(
+    started: StartedGeneration,
+    meta: ResponseMeta,
+    names: TokenNames,
+    *,
+    include_usage: bool = False,
+    echo: str = "",
+) -> AsyncIterator[bytes]:
+    """With `echo`, each choice's first chunk is that prompt text. With logprobs, a chunk carries
+    the tokens that arrived since the last one (their text may still be held back by the stop
+    matcher: it follows in a later chunk); the finishing chunk carries the rest, EOS included."""
+    choices = started.choices
+    logprobs = started.generation.captures_logprobs
+    sent = [0] * len(choices)  # per choice: the captured tokens already sent
+    offsets = [0] * len(choices)
+
+    def chunk(index: int, text: str, finish: str | None = None, *, tokens: bool = True) -> bytes:
+        block = None
+        if logprobs and tokens:
+            outs = choices[index].token_logprobs[sent[index] :]
+            sent[index] += len(outs)
+            block, offsets[index] = legacy_logprobs(outs, names, offset=offsets[index])
+        choice = {"index": index, "text": text, "logprobs": block, "finish_reason": finish}
         return data_frame(meta.envelope("text_completion", [choice], usage_key=include_usage))
 
     try:
+        if echo:
+            yield b"".join(chunk(i, echo, tokens=False) for i in range(len(choices)))
         live = list(range(len(choices)))
         while live:
             for index in list(live):
@@ -204,29 +274,34 @@ async def text_stream(choices: Choices, meta: ResponseMeta, *, include_usage: bo
                     live.remove(index)
                     yield chunk(index, "", choices[index].finish_reason)
                     continue
-                # One chunk per text event (about one per token), all waiting ones in one write.
-                frames = [chunk(index, e.text) for e in events if isinstance(e, TextDelta) and e.text]
-                if frames:
-                    yield b"".join(frames)
+                texts = [e.text for e in events if isinstance(e, TextDelta) and e.text]
+                if logprobs and texts:  # one chunk, so its text and its tokens go together
+                    yield chunk(index, "".join(texts))
+                elif texts:  # one chunk per text event (about one per token), all in one write
+                    yield b"".join([chunk(index, text) for text in texts])
         if include_usage:
             yield data_frame(meta.envelope("text_completion", [], usage(choices), usage_key=True))
         yield DONE_FRAME
     except Exception as exc:
         if not isinstance(exc, GenerationFailed):
             log.exception("completion stream failed")
-        yield _failure_frame(exc)
+        yield _failure_frames(exc)
     finally:
         for actor in choices:
             actor.close()
 
 
-async def text_whole(started: StartedGeneration, meta: ResponseMeta, tokenizer: Tokenizer) -> dict[str, Any]:
+async def text_whole(
+    started: StartedGeneration, meta: ResponseMeta, names: TokenNames, *, echo: str = ""
+) -> dict[str, Any]:
+    """`echo`: the prompt text each choice's text starts with."""
     dones = await collect_choices(started.choices)  # no think split or tools here: all text is content
+    logprobs = started.generation.captures_logprobs
     choices = [
         {
             "index": index,
-            "text": done.content,
-            "logprobs": logprobs_block(actor, started.generation, tokenizer),
+            "text": echo + done.content,
+            "logprobs": legacy_logprobs(actor.token_logprobs, names)[0] if logprobs else None,
             "finish_reason": done.finish_reason,
         }
         for index, (done, actor) in enumerate(zip(dones, started.choices))

@@ -14,8 +14,9 @@ from quart import Blueprint, Response, current_app
 from actors.handles import ServerHandles
 from api import offload, openai_encode
 from api.chat import start_chat, start_text, vocab_size
+from api.chat_request import TextRequest
 from api.model_names import adapter_model_names, check_requested_model, model_name, model_not_found, served_names
-from api.openai_translate import chat_request, text_request
+from api.openai_translate import chat_request, completion_output, text_request
 from api.wire import json_body, json_response, sse_response
 from model import grammar
 
@@ -70,14 +71,25 @@ def blueprint(handles: ServerHandles) -> Blueprint:
         with handles.arrivals.arriving():
             adapters = check_requested_model(handles, await json_body())
             request = await offload.run(text_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
+            output = completion_output(await json_body())
+            echo = await offload.run(_echo_text, handles, request) if output.echo else ""
             started = await start_text(handles, request, adapters=adapters)
         meta = openai_encode.ResponseMeta("cmpl", model_name(handles, adapters))
+        tokens = openai_encode.TokenNames(handles.tokenizer, as_ids=output.token_ids)
         if started.generation.stream:
-            stream = openai_encode.text_stream(started.choices, meta, include_usage=request.generation.include_usage)
+            usage = request.generation.include_usage
+            stream = openai_encode.text_stream(started, meta, tokens, include_usage=usage, echo=echo)
             return sse_response(stream, unbuffered=False)
-        return answer(await openai_encode.text_whole(started, meta, handles.tokenizer))
+        return answer(await openai_encode.text_whole(started, meta, tokens, echo=echo))
 
     return bp
+
+
+def _echo_text(handles: ServerHandles, request: TextRequest) -> str:
+    """`echo`'s prompt text: the prompt string, or its token ids decoded."""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    return handles.tokenizer.decode(list(request.prompt))
 
 
 def _stats(handles: ServerHandles) -> dict[str, Any]:

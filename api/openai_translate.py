@@ -15,13 +15,14 @@ import attrs
 from api import structured
 from api.chat_request import ChatPrompt, ChatRequest, TextRequest
 from api.errors import bad_request
-from api.fields import parse_generation, reasoning_options, stop_strings
+from api.fields import MAX_TOP_LOGPROBS, integer, parse_generation, pick, reasoning_options, stop_strings
 from api.images import PLACEHOLDER, ImagePart, from_url
 from api.template_messages import MEDIA_PARTS, media_error, template_arguments, tool_call_id_error
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto", "required")
 TOOL_CHOICE_MESSAGE = "tool_choice must be 'none', 'auto', 'required' or an object"
+_LOGPROBS_RANGE = f"an integer from 0 to {MAX_TOP_LOGPROBS} on /v1/completions (the alternatives listed per token)"
 _PROMPT_REQUIRED = "prompt (a non-empty string) or a non-empty array of token ids is required (one prompt per request)"
 
 
@@ -31,12 +32,17 @@ def chat_request(body: Mapping[str, Any], *, vocab_size: int | None, vision: boo
     images: list[ImagePart] = []
     messages = chat_messages(body.get("messages"), images if vision else None)
     generation = attrs.evolve(parse_generation(body, vocab_size=vocab_size), include_usage=include_usage(body))
+    if generation.top_logprobs > 0 and not generation.logprobs:  # OpenAI's rule
+        raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
     constraint = structured.body_constraint(body)
     stop = stop_strings(body.get("stop"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is not None and not (isinstance(choice, dict) or choice in TOOL_CHOICES):
         raise bad_request(TOOL_CHOICE_MESSAGE, param="tool_choice")
+    if not tools and (choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function")):
+        # with tools, a named function that is not among them is structured.forced_tool_call's 400
+        raise bad_request("tool_choice requires tools: the request has none", param="tool_choice")
     # "auto", "required" and named functions only steer (a forced call is a grammar, where one runs).
     disabled = choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none")
     reasoning = reasoning_options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
@@ -46,11 +52,50 @@ def chat_request(body: Mapping[str, Any], *, vocab_size: int | None, vision: boo
 
 
 def text_request(body: Mapping[str, Any], *, vocab_size: int | None) -> TextRequest:
-    """/v1/completions: one raw prompt (a string or token ids), no template."""
+    """/v1/completions: one raw prompt (a string or token ids), no template. `logprobs` is the
+    legacy API's integer (the alternatives listed per token), not chat's boolean."""
     prompt = _text_prompt(body.get("prompt"), vocab_size)
-    generation = attrs.evolve(parse_generation(body, vocab_size=vocab_size), include_usage=include_usage(body))
+    chat_fields = pick(body, ("logprobs", "top_logprobs"))
+    generation = parse_generation({k: v for k, v in body.items() if k not in chat_fields}, vocab_size=vocab_size)
+    alternatives = completion_logprobs(body)
+    generation = attrs.evolve(
+        generation,
+        include_usage=include_usage(body),
+        logprobs=alternatives is not None,
+        top_logprobs=alternatives or 0,
+    )
+    if completion_output(body).echo and alternatives is not None:
+        raise bad_request("echo with logprobs is not supported: the server does not score prompt tokens", param="echo")
     constraint = structured.body_constraint(body)
     return TextRequest(prompt=prompt, generation=generation, stop=stop_strings(body.get("stop")), constraint=constraint)
+
+
+def completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """/v1/completions `logprobs`: None (not asked) or how many alternatives each token lists.
+    A boolean is chat's form, and `top_logprobs` chat's field: both are a 400 here."""
+    top = body.get("top_logprobs")
+    if top is not None and not (top == -1 and not isinstance(top, bool)):  # -1: mlx-lm's "unset"
+        raise bad_request(
+            "top_logprobs is a chat completions field: on /v1/completions, logprobs is the number of alternatives",
+            param="top_logprobs",
+        )
+    return integer(body.get("logprobs"), "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS, what=_LOGPROBS_RANGE)
+
+
+@attrs.frozen
+class CompletionOutput:
+    """How /v1/completions answers: `echo`, the prompt's text before the completion's;
+    `token_ids` (vLLM's `return_tokens_as_token_ids`), logprobs name tokens "token_id:<id>"."""
+
+    echo: bool = False
+    token_ids: bool = False
+
+
+def completion_output(body: Mapping[str, Any]) -> CompletionOutput:
+    for name in ("echo", "return_tokens_as_token_ids"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise bad_request(f"{name} must be a boolean", param=name)
+    return CompletionOutput(echo=bool(body.get("echo")), token_ids=bool(body.get("return_tokens_as_token_ids")))
 
 
 def _text_prompt(value: Any, vocab_size: int | None) -> str | tuple[int, ...]:
@@ -107,6 +152,9 @@ def _chat_message(message: Any, where: str, images: list[ImagePart] | None) -> d
     if role not in MESSAGE_ROLES:
         roles = ", ".join(f"'{r}'" for r in MESSAGE_ROLES)
         raise bad_request(f"{where}.role must be one of {roles}", param="messages")
+    if "content" not in message and not (role == "assistant" and message.get("tool_calls")):
+        # (null is taken as empty text, as mlx_lm.server takes it; a missing key is a malformed message)
+        raise bad_request(f"{where}.content is required", param="messages")
     out = dict(message)
     if role == "developer":
         out["role"] = "system"

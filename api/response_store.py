@@ -1,8 +1,9 @@
 """The Responses store: what `previous_response_id` continues from.
 
 Process-local and in memory. Each entry keeps a finished response's effective input items
-(continuations included), its output items, its instructions and the Response object itself
-(for GET /v1/responses/{id}). Entries expire `ttl_s` after they were stored; reads touch them
+(continuations included, in OpenAI's item shapes with their ids: what GET
+/v1/responses/{id}/input_items lists), its output items, its instructions and the Response
+object itself (for GET /v1/responses/{id}). Entries expire `ttl_s` after they were stored; reads touch them
 for LRU; the total JSON size is capped at `max_bytes`, evicting least recently used entries
 first. Expiry is swept on every put and get. Only the trio thread touches it: no lock.
 """

@@ -1,4 +1,5 @@
-"""OpenAI Responses routes: POST /v1/responses, GET / DELETE /v1/responses/{id}.
+"""OpenAI Responses routes: POST /v1/responses, GET / DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items.
 
 A Responses request is resolved against the store (`previous_response_id`: stored input +
 stored output re-fed as input, reasoning dropped, instructions carried forward unless
@@ -11,10 +12,10 @@ are never stored). Errors use the Responses shape (the app's error handler dispa
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from actors.handles import ServerHandles
 from actors.request import RequestActor
@@ -26,8 +27,10 @@ from api.model_names import check_requested_model, model_name
 from api.pipeline.events import Event
 from api.response_store import ResponseStore, StoredResponse
 from api.responses_encode import ResponseMeta, ResponsesStream, response_object
-from api.responses_translate import input_items, output_to_input, responses_request
+from api.responses_translate import input_items, output_to_input, responses_request, stored_input
 from api.wire import json_body, json_response, sse_response
+
+DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items page sizes, OpenAI's
 
 
 def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> Blueprint:
@@ -78,7 +81,8 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
 
         def remember(final: dict[str, Any]) -> None:
             if keep and final["status"] != "failed":
-                store.put(final["id"], input=items, output=final["output"], instructions=instructions, response=final)
+                kept = stored_input(items)
+                store.put(final["id"], input=kept, output=final["output"], instructions=instructions, response=final)
 
         if started.generation.stream:
             return sse_response(_stream(started.actor, ResponsesStream(meta), remember))
@@ -93,16 +97,7 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
     @bp.get("/v1/responses/<response_id>/input_items")
     async def input_items_list(response_id: str) -> Response:
         entry = _stored(store, response_id)
-        data = [{"id": item.get("id") or f"item_{i}", **item} for i, item in enumerate(entry.input)]
-        return json_response(
-            {
-                "object": "list",
-                "data": data,
-                "has_more": False,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-            }
-        )
+        return json_response(input_items_page(entry.input, request.args))
 
     @bp.delete("/v1/responses/<response_id>")
     async def delete(response_id: str) -> Response:
@@ -111,6 +106,34 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     return bp
+
+
+def input_items_page(items: list[dict[str, Any]], args: Mapping[str, str]) -> dict[str, Any]:
+    """One page of a stored response's input items, as OpenAI lists them: `order` (`desc`, the
+    default, or `asc`), `limit` (1 to 100, default 20) and `after` (the id the previous page
+    ended at)."""
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", param="order")
+    limit_arg = args.get("limit", str(DEFAULT_PAGE))
+    limit = int(limit_arg) if limit_arg.isascii() and limit_arg.isdigit() else 0
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_request(f"limit must be an integer from 1 to {MAX_PAGE}", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = args.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in this response", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    data = ordered[:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": len(ordered) > limit,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
 
 
 def _stored(store: ResponseStore, response_id: str) -> StoredResponse:

@@ -19,9 +19,10 @@ import attrs
 from api import structured
 from api.chat_request import ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
-from api.fields import parse_generation, pick, reasoning_options, stream_flag
+from api.fields import parse_generation, pick, reasoning_options, stream_flag, token_count
 from api.images import PLACEHOLDER, ImagePart, from_url
 from api.template_messages import media_error, template_arguments, tool_call_id_error
+from api.wire import new_id
 
 GENERATION_FIELDS = (
     "temperature",
@@ -47,6 +48,13 @@ TOOL_CHOICES = ("none", "auto", "required")
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 AUDIO_PART_TYPES = ("input_audio", "audio", "audio_url")
 SYSTEM_ROLES = ("system", "developer")
+TEXT_FORMATS = ("text", "json_object", "json_schema")
+# OpenAI's metadata bounds: at most 16 pairs, keys up to 64 characters, values up to 512.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+METADATA_MESSAGE = (
+    f"metadata must be an object of at most {METADATA_PAIRS} string keys (at most {METADATA_KEY_CHARS} characters)"
+    f" with string values (at most {METADATA_VALUE_CHARS} characters)"
+)
 
 
 def input_items(value: Any) -> list[dict[str, Any]]:
@@ -63,24 +71,95 @@ def input_items(value: Any) -> list[dict[str, Any]]:
 
 
 def output_to_input(output: list[Any]) -> list[dict[str, Any]]:
-    """A stored response's output as input items for a continuation; reasoning is dropped
-    (replaying it invites repetition)."""
+    """A stored response's output as input items for a continuation, ids kept (the continuation's
+    input_items lists them as they were answered); reasoning is dropped (replaying it invites
+    repetition)."""
     items = []
     for item in output:
         if not isinstance(item, Mapping):
             continue
         if item.get("type") == "message":
-            items.append({"type": "message", "role": "assistant", "content": item.get("content") or []})
+            content = item.get("content") or []
+            items.append({"id": item.get("id"), "type": "message", "role": "assistant", "content": content})
         elif item.get("type") == "function_call":
             items.append(
                 {
+                    "id": item.get("id"),
                     "type": "function_call",
                     "call_id": item.get("call_id"),
                     "name": item.get("name"),
                     "arguments": item.get("arguments", ""),
                 }
             )
-    return items
+    return stored_input(items)
+
+
+def stored_input(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Already translated input items as the store keeps them and GET .../input_items lists them:
+    in OpenAI's item shapes (an id, `status`, content as parts: `input_text` for user / system /
+    developer messages, `output_text` for the assistant's), meaning what they meant to the
+    translation, so a continuation re-feeds them to the same prompt. Reasoning and item references
+    (never re-fed) are left out; an unknown role is the user it was taken for. Idempotent."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        status = {"status": "completed"}
+        if kind == "message":
+            assistant = item.get("role") == "assistant"
+            role = item.get("role") if item.get("role") in (*SYSTEM_ROLES, "assistant") else "user"
+            content = [_stored_part(part, assistant) for part in _parts(item.get("content"))]
+            out.append({"id": _item_id(item, "msg"), "type": "message", "role": role, **status, "content": content})
+        elif kind == "function_call":
+            arguments = item.get("arguments", "")
+            call = {
+                "call_id": item.get("call_id") or item.get("id") or "",
+                "name": item.get("name"),
+                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+            }
+            out.append({"id": _item_id(item, "fc"), "type": "function_call", **call, **status})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            if isinstance(output, list):
+                output = [_stored_part(part, False) for part in output]
+            elif not isinstance(output, str):
+                output = json.dumps(output)
+            call_id = item.get("call_id") or ""
+            out.append(
+                {
+                    "id": _item_id(item, "fco"),
+                    "type": "function_call_output",
+                    "call_id": call_id,
+                    "output": output,
+                    **status,
+                }
+            )
+    return out
+
+
+def _item_id(item: Mapping[str, Any], prefix: str) -> str:
+    given = item.get("id")
+    return given if isinstance(given, str) and given else new_id(prefix)
+
+
+def _parts(content: Any) -> list[Any]:
+    if content is None:
+        return []
+    return [{"type": "input_text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def _stored_part(part: Mapping[str, Any], assistant: bool) -> dict[str, Any]:
+    """A content part the translation took, in the role's part type (text parts as
+    `output_text` / `input_text`, refusals the assistant's own); images as OpenAI lists them."""
+    kind = part.get("type")
+    if kind == "input_image":
+        detail = part.get("detail") if part.get("detail") in ("low", "high", "auto") else "auto"
+        return {**part, "detail": detail}
+    text = part.get("refusal") if kind == "refusal" else part.get("text")
+    if assistant and kind == "refusal":
+        return {"type": "refusal", "refusal": text}
+    if assistant:
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}
 
 
 def responses_request(
@@ -102,7 +181,9 @@ def responses_request(
         raise bad_request("input: at least one input item is required", param="input")
 
     fields = pick(body, GENERATION_FIELDS)
-    max_tokens = body.get("max_output_tokens", body.get("max_tokens"))
+    # Responses names the length max_output_tokens (max_tokens is taken too), and so do its 400s.
+    length_name = "max_output_tokens" if "max_output_tokens" in body else "max_tokens"
+    max_tokens = token_count(body.get(length_name), length_name)
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
     tools = _tools(body.get("tools"))
@@ -111,17 +192,19 @@ def responses_request(
     effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
     response_format = _response_format(body.get("text"))
     stream = stream_flag(body.get("stream", False), "stream must be a boolean")
+    _check_metadata(body.get("metadata"))
     unsupported = turns.unsupported()
     if unsupported is not None:
         raise unsupported
 
     generation = parse_generation(fields, vocab_size=vocab_size, stream=stream)
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        raise bad_request("tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice")
+    _check_tool_choice(choice, tools)
     constraint = structured.request_constraint(
         structured.ConstraintFields(response_format=response_format),
         structured.forced_tool_call(tools, choice),
     )
-    if isinstance(choice, str) and choice not in TOOL_CHOICES:
-        raise bad_request("tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice")
     prompt = ChatPrompt(
         messages=messages,
         tools=None if choice == "none" or not tools else tuple(tools),
@@ -281,23 +364,64 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 def _tool_choice(choice: Any) -> Any:
     """In OpenAI chat's terms: a named function, a mode string, else "auto"."""
-    if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice.name must be a string", param="tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     if isinstance(choice, str):
         return choice
     return "auto"  # allowed_tools, built-in tool types: not enforced
 
 
+def _check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> None:
+    """A choice that can only be met by a function tool the request has."""
+    names = [tool["function"]["name"] for tool in tools]
+    if choice == "required" and not names:
+        raise bad_request("tool_choice 'required' needs at least one function tool in tools", param="tool_choice")
+    if isinstance(choice, Mapping) and choice["function"]["name"] not in names:
+        raise bad_request(
+            f"tool_choice names {choice['function']['name']!r}, which is not in tools", param="tool_choice"
+        )
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is None:
+        return
+    if (
+        not isinstance(metadata, Mapping)
+        or len(metadata) > METADATA_PAIRS
+        or not all(isinstance(k, str) and len(k) <= METADATA_KEY_CHARS for k in metadata)
+        or not all(isinstance(v, str) and len(v) <= METADATA_VALUE_CHARS for v in metadata.values())
+    ):
+        raise bad_request(METADATA_MESSAGE, param="metadata")
+
+
 def _response_format(text: Any) -> dict[str, Any] | None:
-    """`text.format` → chat `response_format` (structured output, where it is enforced)."""
-    if not isinstance(text, Mapping) or not isinstance(text.get("format"), Mapping):
+    """`text.format` → chat `response_format` (structured output, where it is enforced); any
+    other format type is a 400, as chat's response_format is."""
+    if text is None:
         return None
-    fmt = text["format"]
-    if fmt.get("type") == "json_schema":
-        schema = {"name": fmt.get("name") or "response", "schema": fmt.get("schema") or {}}
-        if "strict" in fmt:
-            schema["strict"] = fmt["strict"]
-        return {"type": "json_schema", "json_schema": schema}
-    if fmt.get("type") == "json_object":
+    if not isinstance(text, Mapping):
+        raise bad_request("text must be an object", param="text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping):
+        raise bad_request("text.format must be an object", param="text.format")
+    kind = fmt.get("type")
+    if not isinstance(kind, str) or kind not in TEXT_FORMATS:
+        raise bad_request(
+            f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="text.format"
+        )
+    if kind == "json_object":
         return {"type": "json_object"}
-    return None
+    if kind == "text":
+        return None
+    if "schema" in fmt and not isinstance(fmt["schema"], Mapping):
+        raise bad_request("text.format.schema must be a JSON schema object", param="text.format")
+    if "strict" in fmt and fmt["strict"] is not None and not isinstance(fmt["strict"], bool):
+        raise bad_request("text.format.strict must be a boolean", param="text.format")
+    schema = {"name": fmt.get("name") or "response", "schema": fmt.get("schema") or {}}
+    if fmt.get("strict") is not None:
+        schema["strict"] = fmt["strict"]
+    return {"type": "json_schema", "json_schema": schema}

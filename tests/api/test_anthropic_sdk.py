@@ -318,13 +318,13 @@ def test_errors_through_the_sdk(text_server):
         assert response.status_code == 200, response.text
 
 
-def test_mid_stream_engine_failure_ends_with_error_and_closing_events(failing_server):
+def test_mid_stream_engine_failure_ends_with_the_error_event(failing_server):
     failing_server.worker.fail_in = 2
     events = failing_server.sse("/v1/messages", {"model": "m", "max_tokens": 64, "messages": USER})
     names = [name for name, _ in events]
     at = names.index("error")
     assert names[:3] == ["message_start", "ping", "content_block_start"]
-    assert names[at:] == ["error", "content_block_stop", "message_delta", "message_stop"]
+    assert at == len(names) - 1  # nothing follows the error event (Anthropic's own streams end there)
     assert events[at][1] == {
         "type": "error",
         "error": {"type": "api_error", "message": "generation failed: injected engine failure"},

@@ -276,8 +276,16 @@ async def test_mid_stream_failure_emits_an_error_frame(autojump_clock):
     async with server(worker) as (client, _, _):
         body = {"prompt": "boom", "max_tokens": 10, "stream": True}
         data = frames(await (await client.post("/v1/completions", json=body)).get_data())
-        assert data[-1] != "[DONE]"
-        assert "generation failed" in json.loads(data[-1])["error"]["message"]
+        # the error frame, then [DONE] and nothing else (vLLM's ending: a client reads to [DONE])
+        assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
+        error = json.loads(data[-2])["error"]
+        assert "generation failed" in error["message"] and error["type"] == "server_error"
+        assert all("choices" in json.loads(frame) for frame in data[:-2])
+        worker.fail_step_at = worker._steps + 2
+        chat = {"messages": [{"role": "user", "content": "boom"}], "max_tokens": 10, "stream": True}
+        data = frames(await (await client.post("/v1/chat/completions", json=chat)).get_data())
+        assert data[-1] == "[DONE]" and "generation failed" in json.loads(data[-2])["error"]["message"]
+        assert all("choices" in json.loads(frame) for frame in data[:-2])
         whole = await client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
         assert whole.status_code == 200
 

@@ -85,13 +85,14 @@ async def test_chat_stream_ends_with_an_error_frame(autojump_clock):
         response = await client.post(CHAT, json={**CHAT_BODY, "stream": True})
         assert response.status_code == 200  # the headers went out before the failure
         data = frames(await response.get_data())
+    assert data.pop() == "[DONE]"  # the error frame, then [DONE]: nothing else
+    assert "[DONE]" not in data
     chunks = [json.loads(d) for d in data]
     error = chunks[-1]
     assert error == {"error": {"message": MESSAGE, "type": "invalid_request_error", "param": None, "code": None}}
     content = [c["choices"][0]["delta"].get("content") for c in chunks[:-1]]
     assert sum(1 for text in content if text) == FAIL_AT  # the tokens before the failure, not the failing one
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])  # never a "stop"
-    assert "[DONE]" not in data
 
 
 async def test_completions_whole_answers_400(autojump_clock):
@@ -117,7 +118,9 @@ async def test_anthropic_stream_sends_its_error_event(autojump_clock):
         body = {"model": "fake-model", "max_tokens": 10, "stream": True, "messages": [{"role": "user", "content": "x"}]}
         response = await client.post("/v1/messages", json=body)
         text = (await response.get_data()).decode()
-    assert "event: error" in text and MESSAGE in text
+    last = text.strip().split("\n\n")[-1]  # the error event ends the stream
+    assert last.startswith("event: error\n") and MESSAGE in last and '"invalid_request_error"' in last
+    assert "message_stop" not in text
 
 
 async def test_responses_whole_and_stream(autojump_clock):

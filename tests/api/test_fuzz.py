@@ -250,7 +250,13 @@ CHAT_ONLY = {
     "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"]),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), leaf, max_size=2),
 }
-TEXT_ONLY = {"echo": json_value, "suffix": json_value, "best_of": json_value}
+TEXT_ONLY = {
+    "echo": st.booleans() | json_value,
+    "suffix": json_value,
+    "best_of": json_value,
+    "logprobs": st.integers(min_value=0, max_value=11) | json_value,  # the legacy API's count
+    "return_tokens_as_token_ids": st.booleans(),
+}
 plain_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": text})
 
 chat_object = objects(

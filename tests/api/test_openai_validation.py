@@ -20,7 +20,7 @@ from actors.root import start_actors
 from api.app import create_app
 from api.fields import REASONING_EFFORT_MESSAGE
 from model.params import SamplingParams
-from tests.fakes import FakeTokenizer, FakeWorker
+from tests.fakes import FakeTokenizer, FakeWorker, token_text
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
@@ -35,6 +35,9 @@ class RecordingTokenizer(FakeTokenizer):
 
     def __init__(self) -> None:
         self.rendered: list[dict[str, Any]] = []
+
+    def decode(self, ids, *, skip_special_tokens=False):
+        return "".join(token_text(t) for t in ids)
 
     def encode_chat(self, messages, *, tools=None, add_generation_prompt=True, **kw):
         self.rendered.append({"messages": messages, "tools": tools, "kwargs": kw})
@@ -55,6 +58,10 @@ async def server(sampling_defaults: SamplingParams = SamplingParams(), **config)
         )
         yield create_app(handles).test_client(), worker, tokenizer
         nursery.cancel_scope.cancel()
+
+
+def frames(body: bytes) -> list[str]:
+    return [f.removeprefix("data: ") for f in body.decode().split("\n\n") if f]
 
 
 async def error_of(response) -> dict:
@@ -120,17 +127,41 @@ INVALID = [
     (TEXT, {"prompt": "x", "max_tokens": 1.5}, "max_tokens must be a positive integer", "max_tokens"),
     (CHAT, chat(stop=5), "stop must be a string or an array of strings", "stop"),
     (CHAT, chat(stop={"a": 1}), "stop must be a string or an array of strings", "stop"),
+    (CHAT, chat(stop=[5]), "stop must be a string or an array of strings", "stop"),
+    (CHAT, chat(stop=["ok", None]), "stop must be a string or an array of strings", "stop"),
+    (TEXT, {"prompt": "x", "stop": ["ok", 5]}, "stop must be a string or an array of strings", "stop"),
     (CHAT, chat(stream="yes"), "stream must be a boolean", "stream"),
-    # logprobs: mlx_lm's messages, cap 11, bool even on /v1/completions
+    # logprobs: mlx_lm's messages and cap 11 on chat; OpenAI's rule that top_logprobs needs logprobs
     (CHAT, chat(logprobs=5), "logprobs must be of type bool", "logprobs"),
     (CHAT, chat(logprobs="true"), "logprobs must be of type bool", "logprobs"),
-    (TEXT, {"prompt": "x", "logprobs": 5}, "logprobs must be of type bool", "logprobs"),
+    (CHAT, chat(top_logprobs=2), "top_logprobs requires logprobs: true", "top_logprobs"),
+    (CHAT, chat(logprobs=False, top_logprobs=2), "top_logprobs requires logprobs: true", "top_logprobs"),
+    # /v1/completions: the legacy API's integer (alternatives per token); chat's boolean is not it
+    (TEXT, {"prompt": "x", "logprobs": True}, "logprobs must be an integer from 0 to 11", "logprobs"),
+    (TEXT, {"prompt": "x", "logprobs": False}, "logprobs must be an integer from 0 to 11", "logprobs"),
+    (TEXT, {"prompt": "x", "logprobs": -1}, "logprobs must be an integer from 0 to 11", "logprobs"),
+    (TEXT, {"prompt": "x", "logprobs": 12}, "logprobs must be an integer from 0 to 11", "logprobs"),
+    (TEXT, {"prompt": "x", "logprobs": "2"}, "logprobs must be an integer from 0 to 11", "logprobs"),
+    (
+        TEXT,
+        {"prompt": "x", "logprobs": 2, "top_logprobs": 2},
+        "top_logprobs is a chat completions field",
+        "top_logprobs",
+    ),
+    (TEXT, {"prompt": "x", "echo": "yes"}, "echo must be a boolean", "echo"),
+    (
+        TEXT,
+        {"prompt": "x", "return_tokens_as_token_ids": 1},
+        "return_tokens_as_token_ids must be a boolean",
+        "return_tokens_as_token_ids",
+    ),
+    (TEXT, {"prompt": "x", "echo": True, "logprobs": 1}, "echo with logprobs is not supported", "echo"),
     (CHAT, chat(top_logprobs="3"), "top_logprobs must be of type int", "top_logprobs"),
     (CHAT, chat(top_logprobs=2.5), "top_logprobs must be of type int", "top_logprobs"),
     (CHAT, chat(top_logprobs=True), "top_logprobs must be of type int", "top_logprobs"),
     (CHAT, chat(top_logprobs=-2), "top_logprobs must be at least 0", "top_logprobs"),
     (CHAT, chat(top_logprobs=12), "top_logprobs must be at most 11", "top_logprobs"),
-    (TEXT, {"prompt": "x", "top_logprobs": 20}, "top_logprobs must be at most 11", "top_logprobs"),
+    (TEXT, {"prompt": "x", "top_logprobs": 3}, "top_logprobs is a chat completions field", "top_logprobs"),
     # reasoning / template kwargs
     (CHAT, chat(reasoning_effort="hihg"), REASONING_EFFORT_MESSAGE, "reasoning_effort"),
     (CHAT, chat(reasoning_effort="HIGH"), REASONING_EFFORT_MESSAGE, "reasoning_effort"),
@@ -156,6 +187,14 @@ INVALID = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": 5}}]), "tools[0] must be", "tools"),
     (CHAT, chat(tool_choice=5), "tool_choice must be 'none', 'auto', 'required' or an object", "tool_choice"),
     (CHAT, chat(tool_choice="sometimes"), "tool_choice must be", "tool_choice"),
+    (CHAT, chat(tool_choice="required"), "tool_choice requires tools", "tool_choice"),
+    (CHAT, chat(tool_choice="required", tools=[]), "tool_choice requires tools", "tool_choice"),
+    (
+        CHAT,
+        chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+        "tool_choice requires tools",
+        "tool_choice",
+    ),
     # messages
     (CHAT, {"max_tokens": 2}, "messages required", "messages"),
     (CHAT, chat(messages=[]), "messages required", "messages"),
@@ -163,6 +202,14 @@ INVALID = [
     (CHAT, chat(messages=["hi"]), "messages[0] must be an object", "messages"),
     (CHAT, chat(messages=[{"content": "hi"}]), "messages[0].role must be one of", "messages"),
     (CHAT, chat(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role must be one of", "messages"),
+    (CHAT, chat(messages=[{"role": "user"}]), "messages[0].content is required", "messages"),
+    (CHAT, chat(messages=[*USER, {"role": "assistant"}]), "messages[1].content is required", "messages"),
+    (
+        CHAT,
+        chat(messages=[*USER, {"role": "tool", "tool_call_id": "c"}]),
+        "messages[1].content is required",
+        "messages",
+    ),
     (
         CHAT,
         chat(messages=[{"role": "user", "content": 5}]),
@@ -287,6 +334,7 @@ FIELDS = [
     "user",
     "stream_options",
     "response_format",
+    "echo",
     "model",
 ]
 
@@ -361,6 +409,40 @@ async def test_streams_never_capture_logprobs_and_top_k_minus_one_is_off(autojum
         first, second = worker.specs.values()
         assert (first.sampling.logprobs, first.sampling.top_logprobs, first.sampling.top_k) == (False, 0, 0)
         assert (second.sampling.logprobs, second.sampling.top_logprobs) == (False, 0)
+
+
+async def test_completions_logprobs_is_the_legacy_integer_and_streams_capture_it(autojump_clock):
+    async with server() as (client, worker, _):
+        for fields in ({"logprobs": 3}, {"logprobs": 0}, {"logprobs": 3, "stream": True}, {"logprobs": None}):
+            response = await client.post(TEXT, json={"prompt": "x", "max_tokens": 2, **fields})
+            assert response.status_code == 200
+            if not fields.get("stream"):
+                [choice] = (await response.get_json())["choices"]
+                # (the fake worker reports no logprobs: an empty block, in the legacy shape)
+                empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                assert choice["logprobs"] == (None if fields["logprobs"] is None else empty)
+            else:
+                await response.get_data()
+        sampling = [(spec.sampling.logprobs, spec.sampling.top_logprobs) for spec in worker.specs.values()]
+        assert sampling == [(True, 3), (True, 0), (True, 3), (False, 0)]
+
+
+async def test_completions_echo_prepends_the_prompt(autojump_clock):
+    async with server(batch=4) as (client, _, _):
+        plain = await (await client.post(TEXT, json={"prompt": "Say", "max_tokens": 3})).get_json()
+        said = plain["choices"][0]["text"]
+        echoed = await client.post(TEXT, json={"prompt": "Say", "max_tokens": 3, "echo": True, "n": 2})
+        assert [c["text"] for c in (await echoed.get_json())["choices"]] == ["Say" + said] * 2
+        assert (await echoed.get_json())["usage"]["completion_tokens"] == 6  # echo adds no tokens
+        body = {"prompt": "Say", "max_tokens": 3, "echo": True, "stream": True}
+        data = [json.loads(f) for f in frames(await (await client.post(TEXT, json=body)).get_data())[:-1]]
+        assert data[0]["choices"][0]["text"] == "Say"  # the first chunk is the prompt
+        assert "".join(c["choices"][0]["text"] for c in data) == "Say" + said
+        by_ids = {"prompt": [5, 6], "max_tokens": 1, "echo": True}
+        text = (await (await client.post(TEXT, json=by_ids)).get_json())["choices"][0]["text"]
+        assert text.startswith("t5 t6 ")  # token ids: their decoded text
+        off = await (await client.post(TEXT, json={"prompt": "Say", "max_tokens": 3, "echo": False})).get_json()
+        assert off["choices"][0]["text"] == said
 
 
 async def test_length_defaults_per_route(autojump_clock):
@@ -461,3 +543,48 @@ async def test_tools_and_thinking_reach_the_template(autojump_clock, fields, too
         assert (await client.post(CHAT, json=chat(**fields))).status_code == 200
         rendered = tokenizer.rendered[-1]
         assert rendered["tools"] == tools and rendered["kwargs"] == kwargs
+
+
+def test_legacy_logprobs_block():
+    from api.openai_encode import MASKED_LOGPROB, TokenNames, legacy_logprobs
+    from model.rows import TokenOut, TopLogprob
+
+    outs = [
+        TokenOut(1, 7, logprob=-0.5, top_logprobs=(TopLogprob(7, -0.5), TopLogprob(9, -1.5))),
+        TokenOut(1, 12, logprob=-2.0, top_logprobs=(TopLogprob(3, -0.1), TopLogprob(4, float("-inf")))),
+        TokenOut(1, 5, logprob=-0.25),  # logprobs: 0, the sampled token alone
+    ]
+    block, offset = legacy_logprobs(outs, TokenNames(RecordingTokenizer()), offset=10)
+    assert block == {
+        "tokens": ["t7 ", "t12 ", "t5 "],
+        "token_logprobs": [-0.5, -2.0, -0.25],
+        # the alternatives (most likely first, a masked one at OpenAI's floor), then the sampled token
+        "top_logprobs": [
+            {"t7 ": -0.5, "t9 ": -1.5},
+            {"t3 ": -0.1, "t4 ": MASKED_LOGPROB, "t12 ": -2.0},
+            {"t5 ": -0.25},
+        ],
+        "text_offset": [10, 13, 17],
+    }
+    assert offset == 20
+    # vLLM's return_tokens_as_token_ids: the same block, tokens named by id (offsets still count text)
+    by_id, _ = legacy_logprobs(outs[1:2], TokenNames(RecordingTokenizer(), as_ids=True), offset=10)
+    assert by_id["tokens"] == ["token_id:12"] and by_id["text_offset"] == [10]
+    assert by_id["top_logprobs"] == [{"token_id:3": -0.1, "token_id:4": MASKED_LOGPROB, "token_id:12": -2.0}]
+
+
+async def test_loose_but_valid_chat_bodies_still_pass(autojump_clock):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    async with server() as (client, _, _):
+        for body in (
+            chat(messages=[*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "1"}]),
+            chat(messages=[{"role": "user", "content": None}]),  # null is empty text (mlx_lm.server)
+            chat(stop=["", "x"]),
+            chat(tools=tools, tool_choice="required"),
+            chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}),
+            chat(logprobs=True, top_logprobs=2),
+            chat(top_logprobs=0),
+        ):
+            response = await client.post(CHAT, json=body)
+            assert response.status_code == 200, (body, await response.get_data())

@@ -14,9 +14,16 @@ from tests.fakes import FakeTokenizer, FakeWorker, token_text
 
 openai = pytest.importorskip("openai")
 from openai.types.responses import Response as SdkResponse  # noqa: E402
-from openai.types.responses import ResponseStreamEvent  # noqa: E402
+from openai.types.responses import ResponseItem, ResponseStreamEvent  # noqa: E402
 
 RESPONSES = "/v1/responses"
+ITEM = pydantic.TypeAdapter(ResponseItem)
+
+
+def INPUT_TEXT(text: str) -> dict:
+    return {"type": "input_text", "text": text}
+
+
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 RESPONSE = pydantic.TypeAdapter(SdkResponse)
 
@@ -112,7 +119,7 @@ async def test_stream_events_in_order(autojump_clock):
         stored = await (await client.get(f"{RESPONSES}/{final['id']}")).get_json()
         assert stored == final
         items = await (await client.get(f"{RESPONSES}/{final['id']}/input_items")).get_json()
-        assert items["object"] == "list" and [i["content"] for i in items["data"]] == ["hi"]
+        assert items["object"] == "list" and [i["content"] for i in items["data"]] == [[INPUT_TEXT("hi")]]
 
 
 async def test_previous_response_id_continues_the_conversation(autojump_clock):
@@ -136,6 +143,61 @@ async def test_previous_response_id_continues_the_conversation(autojump_clock):
     )
     assert second["previous_response_id"] == first["id"] and second["instructions"] == "sys"
     assert third["instructions"] == "new sys"
+
+
+async def test_input_items_list_openais_item_shapes_newest_first_in_pages(autojump_clock):
+    async with server() as (client, _, _):
+        first = await create(
+            client,
+            input=[
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": "Hello"},
+                {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+            ],
+        )
+        second = await create(client, input="more", previous_response_id=first["id"])
+
+        async def listing(response_id: str, query: str = "") -> dict:
+            answer = await client.get(f"{RESPONSES}/{response_id}/input_items{query}")
+            assert answer.status_code == 200, await answer.get_data()
+            page = await answer.get_json()
+            for item in page["data"]:
+                ITEM.validate_python(item)
+            return page
+
+        page = await listing(first["id"], "?order=asc")
+        data = page["data"]
+        assert [item["type"] for item in data] == ["message", "message", "function_call", "function_call_output"]
+        assert data[1] == {
+            "id": data[1]["id"],
+            "type": "message",
+            "role": "user",
+            "status": "completed",
+            "content": [INPUT_TEXT("Hello")],
+        }
+        assert data[1]["id"].startswith("msg_") and data[2]["id"].startswith("fc_")
+        assert data[3]["call_id"] == "call_1" and data[3]["output"] == "42"
+        assert (page["first_id"], page["last_id"], page["has_more"]) == (data[0]["id"], data[3]["id"], False)
+        assert (await listing(first["id"]))["data"] == data[::-1]  # OpenAI's default order: newest first
+        # a continuation lists its whole input: the stored turns (same ids), the answer as output, the new turn
+        later = (await listing(second["id"], "?order=asc"))["data"]
+        assert later[:4] == data and later[4]["id"] == first["output"][0]["id"]
+        assert later[4]["content"][0]["type"] == "output_text" and later[5]["content"] == [INPUT_TEXT("more")]
+        # pages: limit and after
+        one = await listing(second["id"], "?limit=2")
+        assert [item["id"] for item in one["data"]] == [later[5]["id"], later[4]["id"]] and one["has_more"]
+        rest = await listing(second["id"], f"?limit=100&after={one['last_id']}")
+        assert rest["data"] == later[3::-1] and not rest["has_more"]
+        for query, param in (
+            ("?order=up", "order"),
+            ("?limit=0", "limit"),
+            ("?limit=x", "limit"),
+            ("?limit=%C2%B2", "limit"),  # a unicode digit
+            ("?after=no", "after"),
+        ):
+            bad = await client.get(f"{RESPONSES}/{first['id']}/input_items{query}")
+            assert bad.status_code == 400 and (await bad.get_json())["error"]["param"] == param
 
 
 async def test_unknown_ids_are_404_in_the_responses_shape(autojump_clock):
@@ -177,6 +239,13 @@ async def test_bad_input_is_400_in_the_responses_shape(autojump_clock):
             (await client.post(RESPONSES, json={"input": [{"type": "mystery"}]}), "mystery"),
             (await client.post(RESPONSES, json={"input": "x", "temperature": -1}), "temperature"),
             (await client.post(RESPONSES, json={"input": "RAISE"}), "prompt build failed"),
+            (await client.post(RESPONSES, json={"input": "x", "max_output_tokens": -1}), "max_output_tokens must be"),
+            (await client.post(RESPONSES, json={"input": "x", "text": {"format": {"type": "xml"}}}), "text.format"),
+            (await client.post(RESPONSES, json={"input": "x", "metadata": {"k": 1}}), "metadata must be"),
+            (
+                await client.post(RESPONSES, json={"input": "x", "tool_choice": {"type": "function", "name": "f"}}),
+                "not in tools",
+            ),
         ]
         for response, message in cases:
             assert response.status_code == 400, message

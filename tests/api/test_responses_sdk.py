@@ -157,6 +157,20 @@ def test_previous_response_id_continuation(text_server):
     assert client.responses.retrieve(third.id).output_text == said
 
 
+def test_input_items_list_parses_with_the_sdk(tool_server):
+    client = sdk(tool_server)
+    first = client.responses.create(model="m", input="Hello", tools=TOOLS)
+    [hello] = client.responses.input_items.list(first.id).data
+    assert (hello.type, hello.role, hello.status, hello.content[0].text) == ("message", "user", "completed", "Hello")
+    call = first.output[1]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
+    resumed = client.responses.create(model="m", tools=TOOLS, previous_response_id=first.id, input=[output])
+    items = list(client.responses.input_items.list(resumed.id, order="asc", limit=2))  # the SDK pages with `after`
+    assert [item.type for item in items] == ["message", "message", "function_call", "function_call_output"]
+    assert items[1].content[0].type == "output_text" and items[1].id == first.output[0].id
+    assert items[2].call_id == call.call_id and items[2].arguments == call.arguments and items[3].output == "Sunny"
+
+
 def test_unknown_id_is_404(text_server):
     client = sdk(text_server)
     with pytest.raises(openai.NotFoundError) as info:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pydantic
 import pytest
 
 from api.chat_request import ChatRequest, ReasoningOptions
 from api.errors import ApiError
 from api.pipeline.events import TextDelta, ToolCall, ToolCallsEvent
 from api.responses_encode import ResponseMeta, ResponsesStream, reasoning_token_estimate
-from api.responses_translate import input_items, output_to_input, responses_request
+from api.responses_translate import METADATA_MESSAGE, input_items, output_to_input, responses_request, stored_input
 from api.structured import ForcedToolCall
 from model import grammar
 from model.params import Constraint
@@ -148,10 +149,54 @@ def test_stored_output_becomes_input_without_reasoning():
             "status": "completed",
         },
     ]
-    assert output_to_input(output) == [
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi", "annotations": []}]},
-        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+    assert output_to_input(output) == output[1:]  # as answered, ids included
+
+
+RAW_ITEMS = [
+    {"role": "developer", "content": "dev rules"},
+    {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "text", "text": "b"}]},
+    {"type": "reasoning", "id": "rs_1", "summary": []},
+    {"type": "item_reference", "id": "msg_old"},
+    {"role": "assistant", "content": "Checking."},
+    {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": {"city": "Paris"}},
+    {"type": "function_call_output", "call_id": "call_1", "output": {"temp": 21}},
+    {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "sunny"}]},
+    {"id": "msg_mine", "role": "critic", "content": "unknown role"},
+]
+
+
+def test_stored_input_is_openais_item_shapes_and_means_the_same_prompt():
+    sdk = pytest.importorskip("openai")
+    stored = stored_input(RAW_ITEMS)
+    item = pydantic.TypeAdapter(sdk.types.responses.ResponseItem)
+    for entry in stored:
+        item.validate_python(entry)  # what client.responses.input_items.list parses
+        assert entry["status"] == "completed"
+    assert [(e["type"], e.get("role")) for e in stored] == [
+        ("message", "developer"),
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "assistant"),
+        ("function_call", None),
+        ("function_call_output", None),
+        ("function_call_output", None),
+        ("message", "user"),  # the role the translation took it for
     ]
+    assert stored[0]["id"].startswith("msg_") and stored[4]["id"].startswith("fc_") and stored[-1]["id"] == "msg_mine"
+    assert stored[1]["content"] == [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    assert stored[2]["content"] == [{"type": "output_text", "text": "Checking.", "annotations": []}]
+    assert stored[3]["content"] == [{"type": "refusal", "refusal": "no"}]
+    assert stored[4]["arguments"] == '{"city": "Paris"}' and stored[5]["output"] == '{"temp": 21}'
+    assert stored_input(stored) == stored  # idempotent: ids are kept
+    # a continuation re-feeds the stored items: the same prompt as the items the client sent
+    assert chat_of({"input": stored}, "sys").prompt == chat_of({"input": RAW_ITEMS}, "sys").prompt
+
+
+def test_vision_input_image_is_stored_as_openai_lists_it():
+    image = {"type": "input_image", "image_url": "data:image/png;base64,xx"}
+    [stored] = stored_input([{"role": "user", "content": [image]}])
+    assert stored["content"] == [{**image, "detail": "auto"}]
 
 
 @pytest.mark.parametrize(
@@ -171,6 +216,49 @@ def test_bad_input_is_400(body, message):
     with pytest.raises(ApiError) as info:
         chat_of(body)
     assert info.value.status == 400 and message in info.value.message
+
+
+F_TOOLS = [{"type": "function", "name": "f"}]
+
+
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be a positive integer"),
+        ({"max_output_tokens": -1}, "max_output_tokens", "max_output_tokens must be a positive integer"),
+        ({"max_output_tokens": "9"}, "max_output_tokens", "max_output_tokens must be a positive integer"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be a positive integer"),  # the alias, by its name
+        ({"text": {"format": {"type": "xml"}}}, "text.format", "text.format.type must be 'text', 'json_object'"),
+        ({"text": {"format": {}}}, "text.format", "got None"),
+        ({"text": {"format": "json"}}, "text.format", "text.format must be an object"),
+        ({"text": "json"}, "text", "text must be an object"),
+        ({"text": {"format": {"type": "json_schema", "schema": "{}"}}}, "text.format", "schema must be"),
+        ({"text": {"format": {"type": "json_schema", "strict": "yes"}}}, "text.format", "strict must be a boolean"),
+        ({"metadata": {"k": 1}}, "metadata", METADATA_MESSAGE),
+        ({"metadata": {"k": None}}, "metadata", METADATA_MESSAGE),
+        ({"metadata": ["k"]}, "metadata", METADATA_MESSAGE),
+        ({"metadata": {"k" * 65: "v"}}, "metadata", METADATA_MESSAGE),
+        ({"metadata": {"k": "v" * 513}}, "metadata", METADATA_MESSAGE),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", METADATA_MESSAGE),
+        ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice", "'f', which is not in tools"),
+        ({"tool_choice": {"type": "function", "name": "g"}, "tools": F_TOOLS}, "tool_choice", "'g', which is not"),
+        ({"tool_choice": {"type": "function"}, "tools": F_TOOLS}, "tool_choice", "tool_choice.name must be a string"),
+        ({"tool_choice": "required"}, "tool_choice", "'required' needs at least one function tool"),
+        ({"tool_choice": "required", "tools": [{"type": "web_search_preview"}]}, "tool_choice", "'required' needs"),
+    ],
+)
+def test_fields_responses_does_not_take_are_a_400_naming_them(fields, param, message):
+    with pytest.raises(ApiError) as info:
+        chat_of({"input": "x", **fields})
+    assert (info.value.status, info.value.param) == (400, param) and message in info.value.message
+
+
+def test_valid_metadata_text_formats_and_tool_choices_pass():
+    metadata = {f"k{i}": "v" * 512 for i in range(16)}
+    chat_of({"input": "x", "metadata": metadata, "text": {"format": {"type": "text"}, "verbosity": "low"}})
+    chat_of({"input": "x", "metadata": None, "text": {}, "tools": F_TOOLS, "tool_choice": "required"})
+    chat_of({"input": "x", "tools": F_TOOLS, "tool_choice": {"type": "function", "name": "f"}})
+    assert chat_of({"input": "x", "max_output_tokens": 5}).generation.max_tokens == 5
 
 
 def test_media_and_call_ids_are_a_400_after_the_request_shape_checks():

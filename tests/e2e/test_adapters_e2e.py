@@ -30,11 +30,12 @@ def test_adapters_on_a_real_server(tiny_model_factory, tmp_path):
         with httpx.Client(base_url=base, timeout=60) as client:
             served = client.get("/v1/models").json()["data"][0]["id"]
 
-            def complete(**extra: object) -> list[int]:
-                body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 8, "temperature": 0.0, "logprobs": True, **extra}
+            def complete(**extra: object) -> list[str]:
+                body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 8, "temperature": 0.0, "logprobs": 0, **extra}
+                body["return_tokens_as_token_ids"] = True  # tokens as "token_id:<id>"
                 response = client.post("/v1/completions", json=body)
                 assert response.status_code == 200, response.text
-                return [entry["id"] for entry in response.json()["choices"][0]["logprobs"]["content"]]
+                return response.json()["choices"][0]["logprobs"]["tokens"]
 
             plain = complete()
             adapted = complete(adapter="a")

@@ -66,7 +66,7 @@ def short(data: bytes) -> bytes:
 
 
 def without_logprobs(raw: bytes, content_type: str) -> bytes:
-    """A JSON completion with its `logprobs` blocks nulled: they are mlx_lm.server's shape, on
+    """A JSON completion with its `logprobs` blocks nulled: chat's are mlx_lm.server's shape, on
     purpose not OpenAI's (api/openai_encode.py), so the SDK models cannot validate them."""
     if content_type != "application/json":
         return raw

@@ -355,8 +355,33 @@ def test_text_completions_are_untemplated_and_unsplit(hermes):
     assert "".join(c.choices[0].text for c in chunks[:-1]) == "<think>The user wants weather.</think>Let me "
     assert chunks[-2].choices[0].finish_reason == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
-    data = hermes.raw("/v1/completions", {"prompt": "Hello there", "max_tokens": 2, "logprobs": True}).json()
-    assert [e["id"] for e in data["choices"][0]["logprobs"]["content"]] == hermes.ids(HERMES_SCRIPT[:2])
+
+
+def test_text_completions_logprobs_in_the_legacy_shape_and_echo(hermes):
+    whole = hermes.client.completions.create(model="m", prompt="Hello there", max_tokens=3, logprobs=2)
+    logprobs = whole.choices[0].logprobs
+    assert logprobs.tokens == list(HERMES_SCRIPT[:3]) and "".join(logprobs.tokens) == whole.choices[0].text
+    assert logprobs.text_offset == [0, len(HERMES_SCRIPT[0]), len(HERMES_SCRIPT[0]) + len(HERMES_SCRIPT[1])]
+    assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs.token_logprobs)
+    for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert 1 <= len(top) <= 3 and top[token] == lp  # the 2 alternatives and the sampled token
+    sampled_only = hermes.client.completions.create(model="m", prompt="Hello there", max_tokens=2, logprobs=0)
+    assert [list(top) for top in sampled_only.choices[0].logprobs.top_logprobs] == [[t] for t in HERMES_SCRIPT[:2]]
+    chunks = list(
+        hermes.client.completions.create(model="m", prompt="Hello there", max_tokens=3, logprobs=1, stream=True)
+    )
+    streamed = [token for c in chunks if c.choices[0].logprobs for token in c.choices[0].logprobs.tokens]
+    assert streamed == list(HERMES_SCRIPT[:3]) and "".join(streamed) == "".join(c.choices[0].text for c in chunks)
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == logprobs.text_offset  # counted across the whole stream
+    with pytest.raises(openai.BadRequestError) as bad:  # chat's boolean is not the legacy API's
+        hermes.client.completions.create(model="m", prompt="Hello there", max_tokens=2, logprobs=True)
+    assert bad.value.body["param"] == "logprobs"
+    echoed = hermes.client.completions.create(model="m", prompt="Hello there", max_tokens=2, echo=True)
+    assert echoed.choices[0].text == "Hello there" + "".join(HERMES_SCRIPT[:2])
+    ids = hermes.tokenizer.encode("Hello there")
+    by_ids = hermes.client.completions.create(model="m", prompt=ids, max_tokens=1, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in by_ids) == hermes.tokenizer.decode(ids) + HERMES_SCRIPT[0]
 
 
 def test_models_card_and_errors_through_the_sdk(hermes):
@@ -463,6 +488,7 @@ def test_extreme_but_valid_values_are_not_500(hermes):
         "frequency_penalty": -2,
         "frequency_context_size": bound,
         "logit_bias": {"0": -100},
+        "logprobs": True,
         "top_logprobs": 11,
     }
     response = hermes.raw("/v1/chat/completions", body)

@@ -118,10 +118,11 @@ def _alive(pid: int) -> bool:
 
 
 def _greedy_ids(base: str) -> list[int]:
-    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True}
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0}
+    body["return_tokens_as_token_ids"] = True  # the legacy logprobs block names tokens "token_id:<id>"
     response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
-    return [entry["id"] for entry in response.json()["choices"][0]["logprobs"]["content"]]
+    return [int(t.removeprefix("token_id:")) for t in response.json()["choices"][0]["logprobs"]["tokens"]]
 
 
 def _stop(proc: subprocess.Popen) -> int:
