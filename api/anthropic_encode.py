@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.completion import Completion
-from api.pipeline.events import Event, ToolCall, ToolCallsEvent
+from api.pipeline.events import Event, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from api.wire import sse_event
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -89,7 +89,8 @@ class AnthropicStream:
         self.cached_tokens = cached_tokens
         self.cache_created_tokens = cache_created_tokens
         self._index = -1
-        self._open: str | None = None  # "thinking" | "text"
+        self._open: str | None = None  # "thinking" | "text" | "tool_use"
+        self._streamed: set[str] = set()  # the calls whose tool_use block went out piece by piece
 
     def start(self) -> bytes:
         message: dict[str, Any] = {
@@ -119,9 +120,15 @@ class AnthropicStream:
     def add(self, events: list[Event]) -> bytes:
         out = b""
         for event in events:
-            if isinstance(event, ToolCallsEvent):
-                out += self._close()
-                for call in event.calls:
+            if isinstance(event, ToolCallStart):  # a streamed call: its block stays open for its input
+                out += self._close() + self._open_tool_use(event)
+            elif isinstance(event, ToolCallDelta):
+                out += self._delta({"type": "input_json_delta", "partial_json": event.arguments})
+            elif isinstance(event, ToolCallsEvent):  # every call, at the end: send those not streamed
+                unsent = [call for call in event.calls if call.id not in self._streamed]
+                if unsent:
+                    out += self._close()
+                for call in unsent:
                     out += self._tool_use(call)
             elif event.text:
                 kind = "thinking" if event.kind == "reasoning" else "text"
@@ -176,6 +183,17 @@ class AnthropicStream:
             out += self._delta({"type": "signature_delta", "signature": ""})
         self._open = None
         return out + sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+    def _open_tool_use(self, start: ToolCallStart) -> bytes:
+        """A tool_use block whose input follows as input_json_delta pieces of the arguments text
+        (concatenated, they are the arguments the whole answer's `input` is parsed from)."""
+        self._index += 1
+        self._open = "tool_use"
+        self._streamed.add(start.id)
+        block = {"type": "tool_use", "id": start.id, "name": start.name, "input": {}}
+        return sse_event(
+            "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
+        )
 
     def _tool_use(self, call: ToolCall) -> bytes:
         self._index += 1

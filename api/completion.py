@@ -16,7 +16,7 @@ import trio
 
 from actors.request import GenerationFailed, RequestActor
 from api.errors import ApiError
-from api.pipeline.events import Event, ToolCall, ToolCallsEvent
+from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallsEvent
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,12 @@ class Completion:
 
 
 def add_events(completion: Completion, events: list[Event]) -> None:
-    for event in events:
+    for event in events:  # a call's streamed pieces are skipped: ToolCallsEvent has it whole
         if isinstance(event, ToolCallsEvent):
             completion.calls.extend(event.calls)
-        elif event.kind == "reasoning":
+        elif isinstance(event, TextDelta) and event.kind == "reasoning":
             completion.reasoning += event.text
-        else:
+        elif isinstance(event, TextDelta):
             completion.content += event.text
 
 

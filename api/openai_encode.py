@@ -21,7 +21,7 @@ from actors.request import GenerationFailed, RequestActor
 from api.chat import Generation, StartedGeneration
 from api.completion import Completion, add_events, finish
 from api.errors import ApiError, error_body
-from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallsEvent
+from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from api.wire import DONE_FRAME, data_frame, new_id
 from model.rows import TokenOut
 from model.tokenizer import Tokenizer
@@ -182,9 +182,19 @@ def _failure_frames(exc: BaseException) -> bytes:
     return error + DONE_FRAME
 
 
-def _chat_delta(event: Event) -> dict[str, Any]:
+def _chat_delta(event: Event, streamed: set[str]) -> dict[str, Any] | None:
+    """A chunk's delta; None for nothing to send. A call streams as vLLM's and OpenAI's do: a
+    header (index, id, type, name, arguments "") then `function.arguments` pieces; `streamed`
+    holds the ids of headers sent, whose calls the closing ToolCallsEvent must not repeat."""
+    if isinstance(event, ToolCallStart):
+        streamed.add(event.id)
+        function = {"name": event.name, "arguments": ""}
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function", "function": function}]}
+    if isinstance(event, ToolCallDelta):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
     if isinstance(event, ToolCallsEvent):
-        return {"tool_calls": [_tool_call(call, index=i) for i, call in enumerate(event.calls)]}
+        calls = [_tool_call(call, index=i) for i, call in enumerate(event.calls) if call.id not in streamed]
+        return {"tool_calls": calls} if calls else None
     return {event.kind: event.text}  # "content" | "reasoning"
 
 
@@ -201,14 +211,17 @@ async def chat_stream(choices: Choices, meta: ResponseMeta, *, include_usage: bo
     try:
         yield b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(choices)))
         live = list(range(len(choices)))
+        streamed: list[set[str]] = [set() for _ in choices]  # per choice: the calls whose header went out
         while live:
             for index in list(live):
                 events = await choices[index].next_events()
                 if events is None:
                     live.remove(index)
                     yield chunk(index, {}, choices[index].finish_reason)
-                elif events:  # one write for every token that was waiting: one chunk each
-                    yield b"".join([chunk(index, _chat_delta(event)) for event in events])
+                    continue
+                deltas = [delta for event in events if (delta := _chat_delta(event, streamed[index])) is not None]
+                if deltas:  # one write for every token that was waiting: one chunk each
+                    yield b"".join([chunk(index, delta) for delta in deltas])
         if include_usage:
             yield data_frame(meta.envelope("chat.completion.chunk", [], usage(choices), usage_key=True))
         yield DONE_FRAME

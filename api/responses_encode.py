@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.completion import Completion
-from api.pipeline.events import Event, ToolCall, ToolCallsEvent
+from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from api.wire import new_id, sse_event
 
 
@@ -200,12 +200,15 @@ def response_object(completion: Completion, meta: ResponseMeta) -> dict[str, Any
     status, incomplete = status_of(completion.finish_reason)
     cut = item_status(status)  # the answer (or the reasoning it never left) was cut short
     output: list[dict[str, Any]] = []
+    calls = completion.calls
     if completion.reasoning:
-        output.append(reasoning_item(new_id("rs"), completion.reasoning, "completed" if completion.content else cut))
-    if completion.content or not completion.calls:
-        output.append(message_item(new_id("msg"), completion.content, cut))
-    for call in completion.calls:
-        output.append(function_call_item(function_item_id(call), call))
+        output.append(
+            reasoning_item(new_id("rs"), completion.reasoning, "completed" if completion.content or calls else cut)
+        )
+    if completion.content or not calls:
+        output.append(message_item(new_id("msg"), completion.content, "completed" if calls else cut))
+    for n, call in enumerate(calls):  # only the last can be cut short: max_output_tokens in its arguments
+        output.append(function_call_item(function_item_id(call), call, cut if n == len(calls) - 1 else "completed"))
     return meta.response(
         status=status, output=output, usage=usage(completion.usage, completion.reasoning), incomplete=incomplete
     )
@@ -220,6 +223,7 @@ class ResponsesStream:
         self._seq = 0
         self._open: dict[str, Any] | None = None  # the item being streamed
         self._text = ""
+        self._streamed: set[str] = set()  # the calls whose function_call item went out piece by piece
 
     def start(self) -> bytes:
         skeleton = self.meta.response(status="in_progress", output=[], usage=None)
@@ -230,11 +234,19 @@ class ResponsesStream:
     def add(self, events: list[Event]) -> bytes:
         out = b""
         for event in events:
-            if isinstance(event, ToolCallsEvent):
-                out += self._close()
-                for call in event.calls:
+            if isinstance(event, ToolCallStart):  # a streamed call: its item stays open for its arguments
+                out += self._close() + self._open_function_call(event)
+            elif isinstance(event, ToolCallDelta) and self._open is not None:
+                self._open["arguments"].append(event.arguments)
+                ids = {"item_id": self._open["id"], "output_index": self._open["index"]}
+                out += self._event("response.function_call_arguments.delta", **ids, delta=event.arguments)
+            elif isinstance(event, ToolCallsEvent):  # every call, at the end: send those not streamed
+                unsent = [call for call in event.calls if call.id not in self._streamed]
+                if unsent:
+                    out += self._close()
+                for call in unsent:
                     out += self._function_call(call)
-            elif event.text:
+            elif isinstance(event, TextDelta) and event.text:
                 kind = "reasoning" if event.kind == "reasoning" else "message"
                 item = self._open
                 if item is None or item["type"] != kind:
@@ -322,7 +334,11 @@ class ResponsesStream:
         if item is None:
             return b""
         ids = {"item_id": item["id"], "output_index": item["index"]}
-        if item["type"] == "reasoning":
+        if item["type"] == "function_call":  # a streamed call; cut short unless the response completed
+            call = ToolCall(item["call_id"], item["name"], "".join(item["arguments"]))
+            done = function_call_item(item["id"], call, status)
+            out = self._event("response.function_call_arguments.done", **ids, name=call.name, arguments=call.arguments)
+        elif item["type"] == "reasoning":
             done = reasoning_item(item["id"], self._text, status)
             out = self._event(
                 "response.reasoning_summary_text.done", **ids, summary_index=0, text=self._text
@@ -339,6 +355,17 @@ class ResponsesStream:
             ) + self._event("response.content_part.done", **ids, content_index=0, part=output_text_part(self._text))
         self.output.append(done)
         return out + self._event("response.output_item.done", output_index=item["index"], item=done)
+
+    def _open_function_call(self, start: ToolCallStart) -> bytes:
+        """A function_call item whose arguments follow as function_call_arguments.delta events."""
+        index = len(self.output)
+        call = ToolCall(start.id, start.name, "")
+        item_id = function_item_id(call)
+        self._streamed.add(start.id)
+        self._open = {"type": "function_call", "id": item_id, "index": index, "call_id": start.id, "name": start.name}
+        self._open["arguments"] = []  # the pieces so far
+        added = function_call_item(item_id, call, status="in_progress")
+        return self._event("response.output_item.added", output_index=index, item=added)
 
     def _function_call(self, call: ToolCall) -> bytes:
         index = len(self.output)

@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import secrets
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 
 TextKind = Literal["content", "reasoning"]
 
 
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(4)}"
+
+
 @attrs.frozen
 class ToolCall:
-    """One parsed call in the OpenAI shape; `arguments` is a JSON string, not a dict."""
+    """One parsed call in the OpenAI shape; `arguments` is a JSON string, not a dict (the text
+    its ToolCallDelta events carried, concatenated: see api/pipeline/tools/json_calls.py)."""
 
     id: str
     name: str
     arguments: str
-
-    @classmethod
-    def create(cls, name: str, arguments: Any) -> ToolCall:
-        # ensure_ascii=False keeps non-ASCII arguments readable, as mlx-lm's formatter does.
-        return cls(
-            id=f"call_{secrets.token_hex(4)}",
-            name=name,
-            arguments=json.dumps(arguments, ensure_ascii=False),
-        )
 
 
 @attrs.frozen
@@ -36,10 +31,29 @@ class TextDelta:
 
 
 @attrs.frozen
+class ToolCallStart:
+    """A call's header, as soon as its name is known; its arguments follow as ToolCallDelta.
+    `index`: its place among the completion's calls."""
+
+    index: int
+    id: str
+    name: str
+
+
+@attrs.frozen
+class ToolCallDelta:
+    """More of call `index`'s arguments string."""
+
+    index: int
+    arguments: str
+
+
+@attrs.frozen
 class ToolCallsEvent:
-    """Every call of the completion, emitted once at the end."""
+    """Every call of the completion, emitted once at the end (after their streamed events): what
+    a whole (non-streamed) answer reports. Streams skip the calls they already sent."""
 
     calls: tuple[ToolCall, ...]
 
 
-Event = TextDelta | ToolCallsEvent
+Event = TextDelta | ToolCallStart | ToolCallDelta | ToolCallsEvent

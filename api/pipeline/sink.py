@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallsEvent
+from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart, new_call_id
 from api.pipeline.stop import StopMatcher
 from api.pipeline.think import PassthroughSplitter, ThinkSplitter
 from api.pipeline.tools import make_tool_router
-from api.pipeline.tools.base import RoutedItem
+from api.pipeline.tools.base import CallArgs, CallStart, RoutedItem
 
 FINISH_CAUSES = ("stop", "length", "eos")  # why generation ended: a stop string, the length cap, EOS
 
@@ -24,7 +24,15 @@ class StreamingDetokenizer(Protocol):
 
 
 class CompletionSink:
-    """Turns generated token ids into content / reasoning deltas and, at the end, tool calls.
+    """Turns generated token ids into content / reasoning deltas and tool calls.
+
+    A call streams: its header (ToolCallStart) once the router knows its name, then its arguments
+    (ToolCallDelta) as they are parsed; at the end ToolCallsEvent lists every call, each with the
+    concatenation of its deltas as arguments, so a stream and a whole answer agree exactly. A
+    header cannot be taken back: a call whose arguments the generation cut (max_tokens) or whose
+    markup broke after its header stays a call, with the arguments that were streamed (not valid
+    JSON then), and a cut at max_tokens makes the finish reason "length", not "tool_calls"
+    (vLLM streams such calls the same way). Markup that fails before any header is content.
 
     The caller pushes every generated token except EOS ids (their text would show, as special
     tokens are not skipped), ends the generation as soon as `stopped` turns true, and then calls
@@ -55,7 +63,10 @@ class CompletionSink:
         )
         self._finished = False
         self.stopped = False
-        self.tool_calls: list[ToolCall] = []
+        self.tool_calls: list[ToolCall] = []  # the finished ones
+        self._open_call: ToolCallStart | None = None  # the call being streamed
+        self._open_arguments: list[str] = []  # its arguments so far
+        self._cut_at_end = False  # the generation ended inside a call's arguments
         self.content = ""
         self.reasoning = ""
         self.finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once finished
@@ -90,52 +101,69 @@ class CompletionSink:
         if self._finished:
             raise RuntimeError("finish() called twice")
         self._finished = True
-        deltas: list[TextDelta] = []
+        deltas: list[Event] = []
         if not self.stopped:
             self._detokenizer.finalize()
             deltas += self._route(self._router.feed(self._detokenizer.last_segment))
         if not self.stopped:
-            deltas += self._route(self._router.finish())
+            deltas += self._route(self._router.finish(), at_end=True)
         if not self.stopped:
             deltas += self._splitter.feed(self._stop.flush())
             deltas += self._splitter.flush()
         events: list[Event] = list(self._record(deltas))
         if self.tool_calls:
             events.append(ToolCallsEvent(tuple(self.tool_calls)))
-            self.finish_reason = "tool_calls"
+            self.finish_reason = "length" if reason == "length" and self._cut_at_end else "tool_calls"
         else:
             self.finish_reason = "length" if reason == "length" else "stop"
         return events
 
-    def _route(self, items: list[RoutedItem]) -> list[TextDelta]:
-        deltas: list[TextDelta] = []
+    def _route(self, items: list[RoutedItem], *, at_end: bool = False) -> list[Event]:
+        events: list[Event] = []
         for item in items:
             if self.stopped:
                 break  # calls and prose after a stop match are never reported
-            if isinstance(item, ToolCall):
-                self.tool_calls.append(item)
+            if isinstance(item, str):
+                events += self._splitter.feed(self._stop.feed(item))
+                if self._stop.matched is not None:
+                    self.stopped = True
+                    events += self._splitter.flush()
+            elif isinstance(item, CallStart):
                 # Withheld markup sat between the held tails and the next prose, so those tails
                 # can no longer grow into a stop string or a think tag.
-                deltas += self._splitter.feed(self._stop.flush())
-                deltas += self._splitter.flush()
-                continue
-            deltas += self._splitter.feed(self._stop.feed(item))
-            if self._stop.matched is not None:
-                self.stopped = True
-                deltas += self._splitter.flush()
-        return deltas
+                events += self._splitter.feed(self._stop.flush())
+                events += self._splitter.flush()
+                self._open_call = ToolCallStart(len(self.tool_calls), new_call_id(), item.name)
+                events.append(self._open_call)
+            elif self._open_call is None:
+                raise RuntimeError(f"{item!r} outside a tool call")
+            elif isinstance(item, CallArgs):
+                self._open_arguments.append(item.text)
+                events.append(ToolCallDelta(self._open_call.index, item.text))
+            else:
+                call, self._open_call = self._open_call, None
+                self.tool_calls.append(ToolCall(call.id, call.name, "".join(self._open_arguments)))
+                self._open_arguments = []
+                self._cut_at_end = at_end and item.cut
+        return events
 
-    def _record(self, deltas: list[TextDelta]) -> list[TextDelta]:
-        merged: list[TextDelta] = []
-        for delta in deltas:
-            if not delta.text:
-                continue
-            if delta.kind == "content":
-                self.content += delta.text
-            else:
-                self.reasoning += delta.text
-            if merged and merged[-1].kind == delta.kind:
-                merged[-1] = TextDelta(delta.kind, merged[-1].text + delta.text)
-            else:
-                merged.append(delta)
+    def _record(self, events: list[Event]) -> list[Event]:
+        """Keep the totals; merge adjacent pieces of the same kind (of text, or of one call)."""
+        merged: list[Event] = []
+        for event in events:
+            last = merged[-1] if merged else None
+            if isinstance(event, TextDelta):
+                if not event.text:
+                    continue
+                if event.kind == "content":
+                    self.content += event.text
+                else:
+                    self.reasoning += event.text
+                if isinstance(last, TextDelta) and last.kind == event.kind:
+                    event = TextDelta(event.kind, last.text + event.text)
+                    merged.pop()
+            elif isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta) and last.index == event.index:
+                event = ToolCallDelta(event.index, last.arguments + event.arguments)
+                merged.pop()
+            merged.append(event)
         return merged

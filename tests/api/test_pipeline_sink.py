@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.pipeline.events import TextDelta, ToolCallsEvent
+from api.pipeline.events import TextDelta, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from api.pipeline.sink import CompletionSink
 
 
@@ -51,6 +51,19 @@ def texts(events) -> str:
 
 def calls_of(sink):
     return [(call.name, json.loads(call.arguments)) for call in sink.tool_calls]
+
+
+def streamed_calls(events) -> list[tuple[str, str]]:
+    """(name, arguments) per call as a stream client assembles them from headers and deltas."""
+    calls: list[list[str]] = []
+    for event in events:
+        if isinstance(event, ToolCallStart):
+            assert event.index == len(calls)
+            calls.append([event.name, ""])
+        elif isinstance(event, ToolCallDelta):
+            assert event.index == len(calls) - 1  # only the open call grows
+            calls[event.index][1] += event.arguments
+    return [(name, arguments) for name, arguments in calls]
 
 
 def test_finish_reason_follows_the_cause_and_tool_calls():
@@ -128,6 +141,15 @@ _FRAGMENTS = [
     "</function>",
     "f[ARGS]",
     '{"y": 2}',
+    '{"name": "g", "arguments": ',
+    '"parameters": ',
+    '"s"',
+    "}",
+    ",",
+    '"',
+    "\\",
+    "-1.5",
+    "tru",
     "<",
     "</",
     "think",
@@ -186,7 +208,9 @@ def test_any_token_split_gives_the_unsplit_result(text, cuts, options, reason):
     split, events = _run(pieces, options, reason)
 
     assert (split.content, split.reasoning) == (whole.content, whole.reasoning)
-    assert calls_of(split) == calls_of(whole)
+    raw_calls = [(call.name, call.arguments) for call in split.tool_calls]
+    assert raw_calls == [(call.name, call.arguments) for call in whole.tool_calls]
+    assert streamed_calls(events) == raw_calls  # the stream carried exactly the final calls
     assert (split.matched_stop, split.finish_reason) == (whole.matched_stop, whole.finish_reason)
     assert "".join(e.text for e in events if getattr(e, "kind", "") == "content") == split.content
     assert "".join(e.text for e in events if getattr(e, "kind", "") == "reasoning") == split.reasoning

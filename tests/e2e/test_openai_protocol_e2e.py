@@ -164,7 +164,11 @@ def collect_stream(server: Served, **kw: Any) -> dict[str, Any]:
         delta = choice.delta
         out["content"] += delta.content or ""
         out["reasoning"] += (delta.model_extra or {}).get("reasoning") or ""
-        out["tool_calls"] += delta.tool_calls or []
+        for piece in delta.tool_calls or []:  # a call streams: its header, then argument pieces
+            if piece.index == len(out["tool_calls"]):
+                out["tool_calls"].append(piece.model_copy(deep=True))
+            else:
+                out["tool_calls"][piece.index].function.arguments += piece.function.arguments
         if choice.finish_reason:
             out["finish"].append(choice.finish_reason)
     return out

@@ -1,50 +1,75 @@
-"""Mistral: `[TOOL_CALLS]` then `[{"name", "arguments"}, …]` or `name[ARGS]{json}`; no end marker."""
+"""Mistral: `[TOOL_CALLS]` then `[{"name", "arguments"}, …]` or `name[ARGS]{json}`; no end marker.
+Newer templates repeat the marker before each call (the router starts a new parser there)."""
 
 from __future__ import annotations
 
-import json
 import re
 
-from api.pipeline.events import ToolCall
-from api.pipeline.tools.calls import call_from_json_object
+from api.pipeline.tools.json_calls import JsonCallParser
+from api.pipeline.tools.json_scan import JsonScanner, MarkupError
 from api.pipeline.tools.tagged import TaggedCallRouter
 
 TOOL_CALLS_MARKER = "[TOOL_CALLS]"
-_ARGS_HEADER = re.compile(r"\s*([\w\-.]+)\s*\[ARGS\]\s*")
+ARGS_TAG = "[ARGS]"
+_NAME_CHAR = re.compile(r"[\w\-.]")
 
 
-def parse_mistral_body(body: str) -> list[ToolCall]:
-    # Newer Mistral templates repeat the marker before each call.
-    calls: list[ToolCall] = []
-    for chunk in body.split(TOOL_CALLS_MARKER):
-        if chunk.strip():
-            calls.extend(_parse_chunk(chunk.strip()))
-    if not calls:
-        raise ValueError("no tool call after [TOOL_CALLS]")
-    return calls
+class MistralCallParser(JsonCallParser):
+    """The JSON forms, and `name[ARGS]{…}` calls back to back, whose header goes out at the `{`."""
 
+    def __init__(self) -> None:
+        super().__init__(lists=True)
+        self._tag = 0  # how much of [ARGS] has been read
 
-def _parse_chunk(chunk: str) -> list[ToolCall]:
-    if chunk.startswith("["):
-        payload = json.loads(chunk)
-        if not isinstance(payload, list):
-            raise ValueError("not a list of calls")
-        return [call_from_json_object(item) for item in payload]
-    decoder = json.JSONDecoder()
-    calls = []
-    position = 0
-    while position < len(chunk):
-        header = _ARGS_HEADER.match(chunk, position)
-        if header is None:
-            raise ValueError(f"expected name[ARGS] at {chunk[position:]!r}")
-        arguments, position = decoder.raw_decode(chunk, header.end())
-        if not isinstance(arguments, dict):
-            raise ValueError("tool call arguments are not an object")
-        calls.append(ToolCall.create(header.group(1), arguments))
-        while position < len(chunk) and chunk[position].isspace():
-            position += 1
-    return calls
+    def _end(self, *, closed: bool) -> None:
+        if self._state.startswith("named_"):
+            raise MarkupError("the call breaks off")
+        super()._end(closed=closed)
+
+    def _between_other(self, text: str, i: int) -> int:
+        if not _NAME_CHAR.match(text[i]):
+            return super()._between_other(text, i)
+        self._name, self._tag, self._state = "", 0, "named_name"
+        return i
+
+    def _on_named_name(self, text: str, i: int) -> int:
+        c = text[i]
+        if _NAME_CHAR.match(c):
+            self._name = (self._name or "") + c
+            return i + 1
+        self._state = "named_tag"
+        return i
+
+    def _on_named_tag(self, text: str, i: int) -> int:
+        c = text[i]
+        if self._tag == 0 and c.isspace():
+            return i + 1
+        if c != ARGS_TAG[self._tag]:
+            raise MarkupError(f"expected {ARGS_TAG} after the call's name")
+        self._tag += 1
+        if self._tag == len(ARGS_TAG):
+            self._state = "named_gap"
+        return i + 1
+
+    def _on_named_gap(self, text: str, i: int) -> int:
+        c = text[i]
+        if c.isspace():
+            return i + 1
+        if c != "{":
+            raise MarkupError("a call's arguments must be one object")
+        self._start(self._name or "")
+        self._scanner, self._state = JsonScanner(), "named_arguments"
+        return i
+
+    def _on_named_arguments(self, text: str, i: int) -> int:
+        end = self._scanner.feed(text, i)
+        self._args(text[i:] if end < 0 else text[i:end])
+        if end < 0:
+            return len(text)
+        self._close()
+        self._state = "between"
+        return end
 
 
 def mistral_router() -> TaggedCallRouter:
-    return TaggedCallRouter(TOOL_CALLS_MARKER, None, parse_mistral_body)
+    return TaggedCallRouter(TOOL_CALLS_MARKER, None, MistralCallParser)
