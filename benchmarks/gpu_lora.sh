@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}; M=${MODELS:-/tmp/models}; mkdir -p $OUT $M
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/lora-gpu.txt 2>&1
 # The kernels' own checks, and the engine's adapter tests with the fused kernel on (pytest wheels needed).
-timeout ${TEST_LIMIT:-90} python3 -c "import sys, pytest; from model import lora_delta as d; d.XA = 'fused'; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/model/test_lora_kernel.py', 'tests/model/test_engine_lora.py']))" > $OUT/lora-tests.txt 2>&1
+timeout ${TEST_LIMIT:-90} python3 -c "import sys, pytest; from model import lora_delta as d; d.XA = 'fused'; sys.exit(pytest.main(['-q', '-rf', '--tb=line', '-p', 'no:cacheprovider', 'tests/model/test_lora_kernel.py', 'tests/model/test_engine_lora.py']))" > $OUT/lora-tests.txt 2>&1
 tail -4 $OUT/lora-tests.txt
 [ -d $M/l8-bf16 ] || timeout 90 python3 benchmarks/synth_fast.py $M/l8-bf16 llama3-8b bfloat16 none > $OUT/lora-synth.txt 2>&1
 # Two adapter shapes: rank 16 on every linear of every block (the heavy case), and mlx_lm.lora's

@@ -351,15 +351,9 @@ def step_inputs(model: LanguageModel) -> dict[str, Any]:
     state = installed(model)
     if state is None or state.rows is None:
         return {}
-    top = {path: {k: w[k] for k in (LORA_A, LORA_B)} for path, w in _top_wrappers(model).items()}
+    # (state.top, read at each repack: walking the model's modules here cost 17 ms a step at 32 layers)
+    top = {path: {k: w[k] for k in (LORA_A, LORA_B)} for path, w in state.top.items()}
     return {"mask": state.rows.mask, "scale": state.rows.scale, "top": top}
-
-
-def _top_wrappers(model: LanguageModel) -> dict[str, AdaptedLinear]:
-    """Top-level wrappers holding packed arrays, by path."""
-    return {
-        name: m for name, m in named_modules(model) if isinstance(m, AdaptedLinear) and m.key[0] is None and LORA_A in m
-    }
 
 
 @contextmanager
