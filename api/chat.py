@@ -58,7 +58,7 @@ FALLBACK_TOOL_FORMAT = "hermes"
 class Generation:
     """The generation as it runs: the request's fields over the server's defaults."""
 
-    sampling: SamplingParams  # logprobs / top_logprobs set only when they will be captured
+    sampling: SamplingParams  # logprobs / top_logprobs as asked: the row captures them
     max_tokens: int
     seed: int | None
     stream: bool
@@ -76,16 +76,14 @@ def resolve_generation(
     default_max_tokens: int,
     constraint: ConstraintRequest | None = None,
     tool_format: str | None = None,
-    stream_logprobs: bool = False,
 ) -> Generation:
-    """Request > server defaults (flags over generation_config.json over the fallback).
-    `stream_logprobs`: the protocol's stream carries logprobs (/v1/completions' chunks do)."""
-    # chat streams never carry logprobs
-    capture = (stream_logprobs or not fields.stream) and (fields.logprobs or fields.top_logprobs > 0)
+    """Request > server defaults (flags over generation_config.json over the fallback). Logprobs
+    are captured whenever asked, streamed or not: only the OpenAI routes ask, and their streams
+    carry them."""
     sampling = attrs.evolve(
         fields.sampling.apply(defaults),
-        logprobs=bool(capture and fields.logprobs),
-        top_logprobs=fields.top_logprobs if capture else 0,
+        logprobs=fields.logprobs,
+        top_logprobs=fields.top_logprobs,
         constraint=None if constraint is None else constraint.for_tool_format(tool_format),
     )
     return Generation(
@@ -268,7 +266,6 @@ def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
         defaults=handles.sampling_defaults,
         default_max_tokens=handles.config.max_tokens or TEXT_DEFAULT_MAX_TOKENS,
         constraint=request.constraint,
-        stream_logprobs=True,
     )
     sink = CompletionSink(tokenizer.detokenizer(), stop=request.stop)
     return PreparedChat(prompt, generation, sink)

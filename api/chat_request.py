@@ -49,7 +49,7 @@ class GenerationFields:
     max_tokens: int | None = None  # None: the route's default
     seed: int | None = None  # already reduced to 32 bits
     stream: bool = False
-    logprobs: bool = False  # asked for; a chat stream never captures them
+    logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1  # choices to generate from one prefill (OpenAI's `n`)
     include_usage: bool = False  # a stream ends with a usage chunk (OpenAI's `stream_options`)

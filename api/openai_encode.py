@@ -6,7 +6,8 @@ A request with `n` choices has one actor per choice; they are read in turn (the 
 one batch, so waiting on one holds the others back by a step at most, and every row's channel
 keeps being drained). Usage counts the prompt once and sums the choices' completions. A stream
 carries usage only with `stream_options.include_usage`: then every chunk has `usage: null` and a
-last chunk, with no choices, has the request's usage.
+last chunk, with no choices, has the request's usage. Logprobs stream too: the chunks' pieces
+concatenate to the whole answer's list (`chat_stream`, `text_stream`).
 """
 
 from __future__ import annotations
@@ -94,17 +95,20 @@ async def collect_choices(choices: Choices) -> list[Completion]:
 
 
 def logprobs_block(actor: RequestActor[Event], generation: Generation, tokenizer: Tokenizer) -> dict[str, Any] | None:
-    """Chat's `choices[0].logprobs` in mlx_lm.server's shape (NOT OpenAI's), or None.
+    """Chat's `choices[0].logprobs`: every captured token of the choice (`logprobs_entries`), or
+    None."""
+    if not generation.captures_logprobs or not actor.token_logprobs:
+        return None
+    return {"content": logprobs_entries(actor.token_logprobs, generation, tokenizer)}
+
+
+def logprobs_entries(outs: Sequence[TokenOut], generation: Generation, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+    """Chat's `logprobs.content` entries for these tokens, in mlx_lm.server's shape (NOT OpenAI's).
 
     `top_logprobs > 0`: each entry is the top candidate merged with its top-k list (sorted
     descending, so the entry is the argmax), `token` the raw vocabulary piece; else
     `{id, logprob}` of the sampled token. One entry per generated token, EOS included.
     """
-    if not generation.captures_logprobs:
-        return None
-    outs = actor.token_logprobs
-    if not outs:
-        return None
     if generation.sampling.top_logprobs > 0:
         content = []
         for out in outs:
@@ -113,8 +117,8 @@ def logprobs_block(actor: RequestActor[Event], generation: Generation, tokenizer
                 for t in out.top_logprobs
             ]
             content.append({**top[0], "top_logprobs": top} if top else {})
-        return {"content": content}
-    return {"content": [{"id": out.token, "logprob": _json_float(out.logprob)} for out in outs]}
+        return content
+    return [{"id": out.token, "logprob": _json_float(out.logprob)} for out in outs]
 
 
 def _piece(tokenizer: Tokenizer, token_id: int) -> str:
@@ -203,9 +207,42 @@ def _tool_call(call: ToolCall, *, index: int | None = None) -> dict[str, Any]:
     return {"index": index, **out} if index is not None else out
 
 
-async def chat_stream(choices: Choices, meta: ResponseMeta, *, include_usage: bool = False) -> AsyncIterator[bytes]:
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": index, "delta": delta, "finish_reason": finish}
+def _merged(events: list[Event]) -> list[Event]:
+    """Adjacent pieces of one kind of text, or of one call's arguments, as one (the tokens of a
+    turn then ride with their text in one chunk)."""
+    out: list[Event] = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, TextDelta) and isinstance(last, TextDelta) and last.kind == event.kind:
+            out[-1] = TextDelta(event.kind, last.text + event.text)
+        elif isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta) and last.index == event.index:
+            out[-1] = ToolCallDelta(event.index, last.arguments + event.arguments)
+        else:
+            out.append(event)
+    return out
+
+
+async def chat_stream(
+    started: StartedGeneration, meta: ResponseMeta, tokenizer: Tokenizer, *, include_usage: bool = False
+) -> AsyncIterator[bytes]:
+    """With logprobs, every chunk has `logprobs`: the entries (`logprobs_entries`) of the tokens
+    generated since the previous chunk that carried any, or null. A turn's tokens ride on its
+    first chunk (with its events merged: one chunk per kind of text in the turn); tokens whose
+    text is held back (a partial stop string or tag, tool-call markup) ride on the next chunk;
+    the finishing chunk carries the rest, EOS included. Concatenated, they are the whole
+    answer's `logprobs.content`, reasoning and call tokens included."""
+    choices = started.choices
+    generation = started.generation
+    logprobs = generation.captures_logprobs
+    sent = [0] * len(choices)  # per choice: the captured tokens already sent
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, *, tokens: bool = False) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": delta}
+        if logprobs:
+            outs = choices[index].token_logprobs[sent[index] :] if tokens else []
+            sent[index] += len(outs)
+            choice["logprobs"] = {"content": logprobs_entries(outs, generation, tokenizer)} if outs else None
+        choice["finish_reason"] = finish
         return data_frame(meta.envelope("chat.completion.chunk", [choice], usage_key=include_usage))
 
     try:
@@ -217,11 +254,13 @@ async def chat_stream(choices: Choices, meta: ResponseMeta, *, include_usage: bo
                 events = await choices[index].next_events()
                 if events is None:
                     live.remove(index)
-                    yield chunk(index, {}, choices[index].finish_reason)
+                    yield chunk(index, {}, choices[index].finish_reason, tokens=True)
                     continue
+                if logprobs:
+                    events = _merged(events)
                 deltas = [delta for event in events if (delta := _chat_delta(event, streamed[index])) is not None]
-                if deltas:  # one write for every token that was waiting: one chunk each
-                    yield b"".join([chunk(index, delta) for delta in deltas])
+                if deltas:  # one write for every token that was waiting: one chunk per delta
+                    yield b"".join([chunk(index, delta, tokens=i == 0) for i, delta in enumerate(deltas)])
         if include_usage:
             yield data_frame(meta.envelope("chat.completion.chunk", [], usage(choices), usage_key=True))
         yield DONE_FRAME

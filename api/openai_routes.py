@@ -62,7 +62,8 @@ def blueprint(handles: ServerHandles) -> Blueprint:
             started = await start_chat(handles, request, adapters=adapters)
         meta = openai_encode.ResponseMeta("chatcmpl", model_name(handles, adapters))
         if started.generation.stream:
-            stream = openai_encode.chat_stream(started.choices, meta, include_usage=request.generation.include_usage)
+            usage = request.generation.include_usage
+            stream = openai_encode.chat_stream(started, meta, handles.tokenizer, include_usage=usage)
             return sse_response(stream, unbuffered=False)
         return answer(await openai_encode.chat_whole(started, meta, handles.tokenizer))
 

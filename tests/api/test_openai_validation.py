@@ -402,12 +402,12 @@ async def test_valid_fields_reach_the_row_sampling_params(autojump_clock):
         assert spec.max_tokens == 3  # max_completion_tokens wins over max_tokens
 
 
-async def test_streams_never_capture_logprobs_and_top_k_minus_one_is_off(autojump_clock):
+async def test_streams_capture_logprobs_and_top_k_minus_one_is_off(autojump_clock):
     async with server() as (client, worker, _):
         await (await client.post(CHAT, json=chat(stream=True, logprobs=True, top_logprobs=3, top_k=-1))).get_data()
         await (await client.post(CHAT, json=chat(top_logprobs=-1))).get_data()
         first, second = worker.specs.values()
-        assert (first.sampling.logprobs, first.sampling.top_logprobs, first.sampling.top_k) == (False, 0, 0)
+        assert (first.sampling.logprobs, first.sampling.top_logprobs, first.sampling.top_k) == (True, 3, 0)
         assert (second.sampling.logprobs, second.sampling.top_logprobs) == (False, 0)
 
 

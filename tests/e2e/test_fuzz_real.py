@@ -66,17 +66,28 @@ def short(data: bytes) -> bytes:
 
 
 def without_logprobs(raw: bytes, content_type: str) -> bytes:
-    """A JSON completion with its `logprobs` blocks nulled: chat's are mlx_lm.server's shape, on
-    purpose not OpenAI's (api/openai_encode.py), so the SDK models cannot validate them."""
+    """A JSON completion, or each chunk of an SSE stream, with its `logprobs` blocks nulled: chat's
+    are mlx_lm.server's shape, on purpose not OpenAI's (api/openai_encode.py), so the SDK models
+    cannot validate them."""
+    if content_type == "text/event-stream":
+        frames = raw.decode().split("\n\n")
+        for i, frame in enumerate(frames):
+            if frame.startswith("data: {"):
+                frames[i] = "data: " + _nulled(frame.removeprefix("data: "))
+        return "\n\n".join(frames).encode()
     if content_type != "application/json":
         return raw
-    body = json.loads(raw)
+    return _nulled(raw.decode()).encode()
+
+
+def _nulled(text: str) -> str:
+    body = json.loads(text)
     if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
-        return raw
+        return text
     for choice in body["choices"]:
         if isinstance(choice, dict) and choice.get("logprobs") is not None:
             choice["logprobs"] = None
-    return json.dumps(body).encode()
+    return json.dumps(body)
 
 
 async def post(client: Any, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, str, bytes]:

@@ -290,15 +290,33 @@ def test_logprobs_top_k_form_non_stream(hermes):
         assert all(t["token"] == hermes.tokenizer.id_to_token(t["id"]) for t in top)
 
 
-def test_logprobs_sampled_form_and_streams_carry_none(hermes):
+def test_logprobs_sampled_form(hermes):
     data = hermes.raw("/v1/chat/completions", {"messages": USER, "logprobs": True}).json()
     content = data["choices"][0]["logprobs"]["content"]
     assert [set(e) for e in content] == [{"id", "logprob"}] * len(content)
     assert [e["id"] for e in content] == hermes.ids(HERMES_SCRIPT) + [hermes.eos]
     plain = hermes.raw("/v1/chat/completions", {"messages": USER}).json()
     assert "logprobs" not in plain["choices"][0]
-    frames = hermes.sse("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 3})
+    frames = hermes.sse("/v1/chat/completions", {"messages": USER})
     assert frames[-1] == "[DONE]" and all("logprobs" not in json.loads(f)["choices"][0] for f in frames[:-1])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"top_logprobs": 3}, {"tools": TOOLS}, {"tools": TOOLS, "stop": ["me ch"]}, {"stop": ["user wants"]}],
+)
+def test_stream_logprobs_concatenate_to_the_whole_answers(hermes, fields):
+    whole = chat(hermes, logprobs=True, **fields)
+    expected = [entry.model_dump(exclude_unset=True) for entry in whole.choices[0].logprobs.content]
+    assert len(expected) == whole.usage.completion_tokens
+    got = collect_stream(hermes, logprobs=True, **fields)
+    streamed = []
+    for chunk in got["chunks"]:
+        logprobs = chunk.choices[0].logprobs
+        streamed += [entry.model_dump(exclude_unset=True) for entry in logprobs.content] if logprobs else []
+    assert streamed == expected
+    reasoning_chunks = [c for c in got["chunks"] if (c.choices[0].delta.model_extra or {}).get("reasoning")]
+    assert reasoning_chunks and all(c.choices[0].logprobs.content for c in reasoning_chunks)
 
 
 def test_tool_result_turn_is_templated(hermes):
