@@ -10,7 +10,7 @@ a row that is not opening, a step over a finished row, ...).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -326,6 +326,25 @@ class FakeDetokenizer:
 
     def add_token(self, token_id: int) -> None:
         self._segment = token_text(token_id)
+
+    @property
+    def last_segment(self) -> str:
+        segment, self._segment = self._segment, ""
+        return segment
+
+    def finalize(self) -> None:
+        pass
+
+
+class ScriptDetokenizer:
+    """Token id i is the text `script[i - 1]` (tests that script a reply piece by piece)."""
+
+    def __init__(self, script: Sequence[str]) -> None:
+        self._script = script
+        self._segment = ""
+
+    def add_token(self, token_id: int) -> None:
+        self._segment += self._script[token_id - 1]
 
     @property
     def last_segment(self) -> str:

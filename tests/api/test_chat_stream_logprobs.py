@@ -17,7 +17,7 @@ from actors.options import ServeConfig
 from actors.root import start_actors
 from api.app import create_app
 from model.rows import TokenOut, TopLogprob
-from tests.fakes import FakeTokenizer, FakeWorker
+from tests.fakes import FakeTokenizer, FakeWorker, ScriptDetokenizer
 
 CHAT = "/v1/chat/completions"
 CALL = '{"name": "f", "arguments": {"a": 1}}'
@@ -44,27 +44,11 @@ class LogprobWorker(FakeWorker):
         return TokenOut(out.row_id, out.token, out.finish, logprob=logprob_of(out.token), top_logprobs=top)
 
 
-class ScriptDetokenizer:
-    def __init__(self) -> None:
-        self._segment = ""
-
-    def add_token(self, token_id: int) -> None:
-        self._segment += SCRIPT[token_id - 1]
-
-    @property
-    def last_segment(self) -> str:
-        segment, self._segment = self._segment, ""
-        return segment
-
-    def finalize(self) -> None:
-        pass
-
-
 class ThinkingTokenizer(FakeTokenizer):
     has_thinking = True
 
     def detokenizer(self) -> ScriptDetokenizer:
-        return ScriptDetokenizer()
+        return ScriptDetokenizer(SCRIPT)
 
     def id_to_token(self, token_id: int) -> str:
         return f"<{token_id}>"

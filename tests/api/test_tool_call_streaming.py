@@ -16,7 +16,7 @@ import trio
 from actors.options import ServeConfig
 from actors.root import start_actors
 from api.app import create_app
-from tests.fakes import FakeTokenizer, FakeWorker
+from tests.fakes import FakeTokenizer, FakeWorker, ScriptDetokenizer
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -42,25 +42,9 @@ TOOL_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}, "con
 STEP = 1.0  # virtual seconds a token
 
 
-class ScriptDetokenizer:
-    def __init__(self) -> None:
-        self._segment = ""
-
-    def add_token(self, token_id: int) -> None:
-        self._segment += SCRIPT[token_id - 1]
-
-    @property
-    def last_segment(self) -> str:
-        segment, self._segment = self._segment, ""
-        return segment
-
-    def finalize(self) -> None:
-        pass
-
-
 class ScriptTokenizer(FakeTokenizer):
     def detokenizer(self) -> ScriptDetokenizer:
-        return ScriptDetokenizer()
+        return ScriptDetokenizer(SCRIPT)
 
 
 @asynccontextmanager
