@@ -24,6 +24,7 @@ import trio
 
 from actors.messages import Abort, Admitted, Control, Enqueue, GenerationRequest, Rejected, Submit
 from actors.policy import AdmissionCeiling, BatchMode, SeedSource, fit_rows, over_budget_message, place
+from actors.row_table import rows_enqueued
 from model.rows import RowSpec
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,16 @@ class Admission:
         self.ceiling = ceiling
         self.mode = mode
         self.max_queue = max_queue
-        # The admitted rows that must wait for a slot (`policy.waiting_rows`): rows that start at
-        # once in a free slot are not queued, whatever the scheduler's queue holds for a moment.
+        # The admitted rows that must wait for a slot (`policy.waiting_rows`), `enqueued` counted:
+        # rows that start at once in a free slot are not queued, whatever the scheduler's queue
+        # holds for a moment.
         self._waiting = waiting
         self._scheduler = scheduler
         self._seeds = seeds or SeedSource()
         self._next_row_id = 0
-        self.enqueued = 0  # `Enqueue`s sent to the scheduler, for its count of rows on their way
+        # The rows admitted toward the scheduler (`rows_enqueued`: a request's `n` at its first
+        # choice), for its count of rows on their way.
+        self.enqueued = 0
         self.counters = AdmissionCounters()
         self.closed = False
         self.cutoff = math.inf  # trio time at which in-flight requests are cut
@@ -105,7 +109,6 @@ class Admission:
                 adapters=request.adapters,
                 images=request.images,
             )
-            self.enqueued += 1
             self._scheduler.send_nowait(
                 Enqueue(
                     spec=spec,
@@ -145,12 +148,17 @@ class Admission:
             message = over_budget_message(prompt_tokens, self.ceiling.memory_context(choices), choices=choices)
             return Rejected(400, message, "memory_admission", "context_over_budget")
         max_tokens = fit
-        # One request waits as one: only its first choice meets the queue cap.
-        if (siblings is None or siblings.index == 0) and self._waiting() >= self.max_queue:
+        # One request waits as one: its first choice meets the queue cap for all its rows, counted
+        # as enqueued from here on (its other choices come later, behind other requests' first).
+        rows = rows_enqueued(siblings)
+        self.enqueued += rows
+        if rows and self._waiting() > self.max_queue:
+            self.enqueued -= rows
             self.counters.rejected_queue_full += 1
             return Rejected(
                 503,
-                f"server busy: {self.max_queue} requests are already waiting for a free row; retry later",
+                f"server busy: the wait queue is full (at most {self.max_queue} rows wait for a free batch slot, "
+                "one per choice); retry later",
                 "server_error",
                 "queue_full",
                 RETRY_AFTER_S,

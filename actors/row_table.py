@@ -43,8 +43,9 @@ class Row:
 
     @property
     def width(self) -> int:
-        """Batch slots it takes once admitted: a leader's followers come with it."""
-        return 1 + (len(self.family.followers) if self.family is not None else 0)
+        """Batch slots it takes once admitted: a leader's whole family comes with it, the choices
+        still on their way included (admission counted them when it admitted the leader)."""
+        return self.family.count if self.family is not None else 1
 
 
 @attrs.define(eq=False)
@@ -60,6 +61,16 @@ class Family:
     @property
     def complete(self) -> bool:
         return 1 + len(self.followers) >= self.count
+
+
+def rows_enqueued(siblings: Siblings | None) -> int:
+    """The rows one `Enqueue` adds to the table's count (`RowTable.queued_rows`): a leader its
+    whole family (`Row.width`), a later choice none (its leader's count has it), a lone row one.
+    Admission counts each request's rows by this the moment it admits it, before its other
+    choices are even submitted, so requests arriving together see each other's every row."""
+    if siblings is None or siblings.count <= 1:
+        return 1
+    return siblings.count if siblings.index == 0 else 0
 
 
 class RowTable:
@@ -242,7 +253,7 @@ class RowTable:
 
     @property
     def queued_rows(self) -> int:
-        """Rows not opened yet: the queue, a leader with the choices that have joined its family."""
+        """Rows not opened yet: the queue, a leader with every choice of its family."""
         return sum(row.width for row in self.queue)
 
     @property

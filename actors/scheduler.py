@@ -33,7 +33,7 @@ import attrs
 import trio
 
 from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow
-from actors.row_table import LeaveReason, Row, RowTable
+from actors.row_table import LeaveReason, Row, RowTable, rows_enqueued
 from actors.scheduling import (
     GROUP_MIN_CACHED_TOKENS,
     Action,
@@ -110,6 +110,7 @@ class Scheduler:
         self._inbox = inbox
         self.table = RowTable(capacity)
         self.counters = SchedulerCounters()
+        self._rows_applied = 0  # the rows of the `Enqueue`s applied, counted as admission counts them
         self._kick = trio.Event()
         self._calls = 0  # worker calls made (each one a checkpoint)
         self._leaving: deque[Row] = deque()  # rows taken out of the table, their streams still open
@@ -125,10 +126,11 @@ class Scheduler:
         return self.table.queued_rows + self._inbox.statistics().current_buffer_used
 
     def pending_rows(self, enqueued: int) -> int:
-        """Rows admitted and not opened yet (each choice of a request is one), `enqueued` being
-        the `Enqueue`s ever sent here: those not applied yet are on their way. (The inbox's
-        buffer misses some: one handed to the waiting receiver is in no buffer until it runs.)"""
-        return self.table.queued_rows + enqueued - self.counters.submitted_rows
+        """Rows admitted and not opened yet (each choice of a request is one, counted from its
+        first choice's admission: `rows_enqueued`), `enqueued` being admission's count of the rows
+        it ever sent here: those not applied yet are on their way. (The inbox's buffer misses
+        some: one handed to the waiting receiver is in no buffer until it runs.)"""
+        return self.table.queued_rows + enqueued - self._rows_applied
 
     @property
     def active_rows(self) -> int:
@@ -181,6 +183,7 @@ class Scheduler:
             else:
                 self.table.enqueue(row)
             self.counters.submitted_rows += 1
+            self._rows_applied += rows_enqueued(message.siblings)
         elif isinstance(message, (Abort, StopRow)):
             reason: LeaveReason = "abort" if isinstance(message, Abort) else "stop"
             dropped = self.table.mark_leaving(message.row_id, reason)

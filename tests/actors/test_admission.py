@@ -188,7 +188,7 @@ async def test_choices_over_the_memory_budget_are_told_so():
 
 
 async def test_full_queue_and_closed_gate_are_503():
-    full, _ = make_admission(waiting=4, max_queue=4)
+    full, _ = make_admission(waiting=5, max_queue=4)  # (the rows waiting with this one counted)
     rejected = full.decide(request())
     assert (rejected.status, rejected.code, rejected.retry_after) == (503, "queue_full", 1.0)
     admission, _ = make_admission()
@@ -336,6 +336,37 @@ async def test_each_choice_of_a_request_takes_a_row(autojump_clock):
     assert statuses[:2] == [200, 200] and sorted(statuses[2:]) == [200, 503]
 
 
+async def test_a_burst_counts_every_choice_of_the_requests_already_admitted(autojump_clock):
+    # Requests arriving together: each one's first choice is decided before any request's other
+    # choices are submitted, so those must count from the first. 4 rows, --max-queue 2: n=3 x3
+    # takes 3 + 3 (2 wait), the third would make 5 wait; n=2 x4 takes 4 + 2 (2 wait), the fourth 4.
+    # (Which of them is refused is the order the burst's tasks happen to run in.)
+    assert sorted(await _burst(ServeConfig(batch=4, max_queue=2), [3, 3, 3])) == [200, 200, 503]
+    assert sorted(await _burst(ServeConfig(batch=4, max_queue=2), [2, 2, 2, 2])) == [200, 200, 200, 503]
+    # and a request whose choices would wait past the cap is refused whole (3 + 3 > 4 + 1)
+    assert sorted(await _burst(ServeConfig(batch=4, max_queue=1), [3, 3])) == [200, 503]
+
+
+async def test_a_request_gone_between_its_choices_leaves_no_rows_counted(autojump_clock):
+    # n=3 counts 3 rows from its first choice; its client leaves before the others are submitted.
+    async with trio.open_nursery() as nursery:
+        handles = await start_actors(
+            nursery,
+            FakeWorker(step_cost=10.0),
+            config=ServeConfig(batch=4, max_queue=1),
+            make_tokenizer=lambda info: FakeTokenizer(),
+        )
+        leader = RequestActor(handles.ports, request(5, 5, siblings=Siblings(key=1, index=0, count=3)), _Sink())
+        await leader.admit()
+        await trio.testing.wait_all_tasks_blocked()
+        assert handles.stats()["batch"]["pending_rows"] == 3
+        leader.close()
+        await trio.testing.wait_all_tasks_blocked()
+        batch = handles.stats()["batch"]
+        assert batch["pending_rows"] == 0 and batch["active_rows"] == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_stats_show_the_queued_rows_and_those_that_wait(autojump_clock):
     # 4 rows; requests of n=3, n=3 and 1: 7 rows admitted, 4 open at most, so 3 must wait.
     kept: list[RequestActor] = []
@@ -346,11 +377,15 @@ async def test_stats_show_the_queued_rows_and_those_that_wait(autojump_clock):
             config=ServeConfig(batch=4, max_queue=8),
             make_tokenizer=lambda info: FakeTokenizer(),
         )
-        for key, n in enumerate([3, 3, 1], start=1):
-            for index in range(n):
+
+        async def one(key: int, n: int) -> None:
+            for index in range(n):  # as api/chat.py's `_admitted`: a choice once the one before is
                 siblings = Siblings(key=key, index=index, count=n) if n > 1 else None
                 kept.append(RequestActor(handles.ports, request(5, 5, siblings=siblings), _Sink()))
-                nursery.start_soon(kept[-1].admit)
+                await kept[-1].admit()
+
+        for key, n in enumerate([3, 3, 1], start=1):
+            nursery.start_soon(one, key, n)
         await trio.testing.wait_all_tasks_blocked()
         batch = handles.stats()["batch"]
         assert batch["active_rows"] + batch["pending_rows"] == 7

@@ -12,7 +12,7 @@ import trio
 from actors.admission import Admission
 from actors.messages import Enqueue, GenerationRequest, Lane, Siblings
 from actors.policy import AdmissionCeiling
-from actors.row_table import Row, RowTable
+from actors.row_table import Row, RowTable, rows_enqueued
 from actors.scheduling import Fork, Settings, Stage, Turn, decide, group_at_head
 from model.params import SamplingParams
 from model.rows import RowSpec
@@ -205,7 +205,27 @@ def test_a_sibling_whose_leader_is_gone_is_queued_alone():
     assert table.admissible_head() is table.queue[0]
 
 
-def _admission(max_safe_context: int, max_queue: int = 8) -> tuple[Admission, list]:
+def test_a_leader_counts_its_whole_family_before_its_siblings_arrive():
+    # Admission counts a request's n rows at its first choice (`rows_enqueued`); the table
+    # counts them from the leader's arrival, so the pending rows never dip between choices.
+    assert [rows_enqueued(Siblings(key=1, index=i, count=3)) for i in range(3)] == [3, 0, 0]
+    assert rows_enqueued(None) == 1 and rows_enqueued(Siblings(key=1, index=0, count=1)) == 1
+    table = RowTable(4)
+    table.enqueue_sibling(_row(1), Siblings(key=9, index=0, count=3))
+    assert table.queued_rows == 3
+    table.enqueue_sibling(_row(2), Siblings(key=9, index=1, count=3))
+    assert table.queued_rows == 3
+    assert table.mark_leaving(2, "abort") is not None  # a choice that leaves is no longer counted
+    assert table.queued_rows == 2
+    table.enqueue_sibling(_row(3), Siblings(key=9, index=2, count=3))
+    head = table.admissible_head()
+    assert head is not None and head.row_id == 1 and table.queued_rows == 2
+    table.admit(head)
+    assert table.queued_rows == 0 and table.active_rows == 2
+
+
+def _admission(max_safe_context: int, max_queue: int = 8, free: int = 0) -> tuple[Admission, list]:
+    """Admission in front of `free` idle batch slots; its queue cap reads the rows it admitted."""
     sent: list = []
 
     class Inbox:
@@ -216,7 +236,11 @@ def _admission(max_safe_context: int, max_queue: int = 8) -> tuple[Admission, li
         memory_budget_bytes=0, usable_bytes=0, weights_bytes=0, max_safe_context=max_safe_context
     )
     admission = Admission(
-        ceiling=ceiling, mode="batch", max_queue=max_queue, waiting=lambda: len(sent), scheduler=Inbox()
+        ceiling=ceiling,
+        mode="batch",
+        max_queue=max_queue,
+        waiting=lambda: max(0, admission.enqueued - free),
+        scheduler=Inbox(),
     )
     return admission, sent
 
@@ -232,8 +256,13 @@ def test_admission_fits_every_choice_in_the_safe_context():
 
 
 def test_only_a_requests_first_choice_meets_the_queue_cap():
-    admission, sent = _admission(max_safe_context=4096, max_queue=1)
-    sent.append("a queued request")
+    # One free slot, --max-queue 1: a request of n=2 fits (one row starts, one waits) and is
+    # counted whole at its first choice; the next one would leave 3 waiting.
+    admission, _ = _admission(max_safe_context=4096, max_queue=1, free=1)
     request = GenerationRequest(prompt=(1, 2), sampling=SamplingParams(), max_tokens=4)
-    assert admission.decide(attrs.evolve(request, siblings=Siblings(1, 0, 2))).status == 503
+    assert admission.decide(attrs.evolve(request, siblings=Siblings(1, 0, 2))).max_tokens == 4
+    assert admission.enqueued == 2
+    assert admission.decide(attrs.evolve(request, siblings=Siblings(2, 0, 2))).status == 503
+    # the first request's second choice was counted already: it is neither checked nor counted again
     assert admission.decide(attrs.evolve(request, siblings=Siblings(1, 1, 2))).max_tokens == 4
+    assert admission.enqueued == 2
