@@ -23,7 +23,7 @@ from api.chat_request import CachePoint, ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
 from api.fields import parse_generation, pick, reasoning_options, stop_strings, stream_flag
 from api.images import PLACEHOLDER, ImagePart, from_base64, from_url
-from api.template_messages import media_error, tool_call_id_error
+from api.template_messages import media_error
 
 # Tuples, not sets: a block's "type" may be any JSON value, and `[] in frozenset(...)` raises
 # TypeError (unhashable) where `in` on a tuple compares with ==.
@@ -57,6 +57,7 @@ TOOL_CHOICE_MESSAGE = "tool_choice.type: must be 'auto', 'any', 'tool' or 'none'
 THINKING_TYPES = {"enabled": True, "disabled": False}  # thinking.type → enable_thinking
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl → seconds ("5m" when absent)
 MAX_CACHE_POINTS = 4  # Anthropic's limit on blocks with cache_control
+MAX_USER_ID_CHARS = 256  # metadata.user_id, Anthropic's bound
 
 
 def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRequest:
@@ -70,6 +71,7 @@ def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRe
         raise parsed.unsupported
     if body.get("max_tokens") is None:  # required by the Messages API (count_tokens takes none)
         raise bad_request("max_tokens: Field required", param="max_tokens")
+    _check_metadata(body.get("metadata"))
     fields = pick(body, GENERATION_FIELDS)
     generation = parse_generation(fields, vocab_size=None, stream=stream, max_temperature=MAX_TEMPERATURE)
     forced = structured.forced_tool_call(list(parsed.tools or ()), parsed.tool_choice)
@@ -80,7 +82,22 @@ def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRe
         stop=stop_strings(stops),
         constraint=constraint,
         cache_points=tuple(parsed.cache_points),
+        parallel_tool_calls=parsed.parallel_tool_calls,
     )
+
+
+def _check_metadata(metadata: Any) -> None:
+    """`metadata` holds only `user_id` (a string of at most 256 characters, or null); it is not
+    used, but a malformed one is the client's mistake."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, Mapping):
+        raise bad_request("metadata: must be an object", param="metadata")
+    user_id = metadata.get("user_id")
+    if user_id is not None and (not isinstance(user_id, str) or len(user_id) > MAX_USER_ID_CHARS):
+        raise bad_request(
+            f"metadata.user_id: must be a string of at most {MAX_USER_ID_CHARS} characters", param="metadata"
+        )
 
 
 def count_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatPrompt:
@@ -100,6 +117,7 @@ class _Parsed:
     unsupported: ApiError | None = None  # the first block the server cannot take
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True  # tool_choice.disable_parallel_tool_use: true → False
     template_kwargs: dict[str, Any] = attrs.Factory(dict)
     cache_points: list[CachePoint] = attrs.Factory(list)
     images: list[ImagePart] = attrs.Factory(list)  # in prompt order (api/images.py)
@@ -139,10 +157,13 @@ def _parse(body: Mapping[str, Any], vision: bool) -> _Parsed:
         _translate_message(message, index, parsed)
     tools, tools_ttl = _tools(body.get("tools"))
     parsed.mark(tools_ttl, leading_system)
-    choice = _tool_choice(body.get("tool_choice"), [t["function"]["name"] for t in tools])
+    raw_choice = body.get("tool_choice")
+    choice = _tool_choice(raw_choice, [t["function"]["name"] for t in tools])
     if tools:
         parsed.tools = tuple(tools)
         parsed.tool_choice = choice
+        serial = isinstance(raw_choice, Mapping) and raw_choice.get("disable_parallel_tool_use") is True
+        parsed.parallel_tool_calls = not serial
     parsed.template_kwargs = _template_kwargs(body)
     return parsed
 
@@ -201,6 +222,7 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
         raise bad_request(f"{where}.content: must be a string or an array of content blocks", param="messages")
 
     tool_results: list[dict[str, Any]] = []
+    result_wheres: list[str] = []  # each tool result's block, as a 400 names it
     texts: list[str] = []
     has_image = False
     calls: list[dict[str, Any]] = []
@@ -233,24 +255,28 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
         elif kind == "tool_use":
             calls.append(_tool_call(block, block_where))
         elif kind == "tool_result":
+            if block.get("tool_use_id") in (None, ""):
+                raise bad_request(f"{block_where}.tool_use_id: Field required", param="messages")
             # Its own role:"tool" message, at the point it appears: before the turn's text.
             tool_results.append(
                 {
                     "role": "tool",
-                    "tool_call_id": block.get("tool_use_id"),
+                    "tool_call_id": block["tool_use_id"],
                     "content": _tool_result_text(block.get("content"), block_where),
                 }
             )
+            result_wheres.append(block_where)
         elif kind in AUDIO_BLOCKS:
             raise bad_request(f"{block_where}: audio content blocks are not supported", param="messages")
         else:
             raise bad_request(f"{block_where}: unsupported content block type {kind!r}", param="messages")
 
     before_results = len(parsed.messages)
-    for result in tool_results:
-        call_id = result["tool_call_id"]
-        bad_id = call_id is not None and not isinstance(call_id, str)
-        parsed.add(result, tool_call_id_error(f"messages[{len(parsed.messages)}]") if bad_id else None)
+    for result, result_where in zip(tool_results, result_wheres, strict=True):
+        bad_id = not isinstance(result["tool_call_id"], str)
+        parsed.add(
+            result, bad_request(f"{result_where}.tool_use_id: must be a string", param="messages") if bad_id else None
+        )
     for ttl_s, count in result_marks:
         parsed.mark(ttl_s, parsed.messages[: before_results + count])
     # Text blocks join with a newline (as `system` does); an image is its placeholder's line
@@ -285,11 +311,10 @@ def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     name = block.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}.name: a tool_use block needs a name", param="messages")
-    return {
-        "id": block.get("id") or "",
-        "type": "function",
-        "function": {"name": name, "arguments": block.get("input", {})},
-    }
+    arguments = block.get("input", {})
+    if not isinstance(arguments, Mapping):  # templates iterate the arguments as an object
+        raise bad_request(f"{where}.input: must be an object", param="messages")
+    return {"id": block.get("id") or "", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _tool_result_text(content: Any, where: str) -> str:

@@ -143,7 +143,8 @@ def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
     check_prompt_size(handles, prompt)
     tokens = render_prompt(handles.tokenizer, prompt).tokens
     if prompt.images:  # each image counts its grid's tokens
-        tokens = images.expand(tokens, images.prepare_images(prompt.images, handles.info), handles.info, "messages")[0]
+        inputs = images.prepare_images(prompt.images, handles.info)
+        tokens = images.expand(tokens, inputs, handles.info, prompt.param)[0]
     return len(tokens)
 
 
@@ -153,6 +154,7 @@ def check_prompt_size(handles: ServerHandles, prompt: ChatPrompt) -> None:
         prompt_bounds.message_chars(prompt.messages),
         tokenizer=handles.tokenizer,
         context_length=handles.info.context_length,
+        param=prompt.param,
     )
 
 
@@ -216,7 +218,9 @@ def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
     ):
         fields = attrs.evolve(fields, sampling=attrs.evolve(fields.sampling, temperature=NO_THINK_TEMPERATURE_CAP))
     rendered = render_prompt(tokenizer, request.prompt)
-    prompt_bounds.check_tokens(len(rendered.tokens), context_length=handles.info.context_length, param="messages")
+    prompt_bounds.check_tokens(
+        len(rendered.tokens), context_length=handles.info.context_length, param=request.prompt.param
+    )
     think = bool(getattr(tokenizer, "has_thinking", False))
     # A template that pre-fills `<think>` (Qwen3 thinking, DeepSeek-R1) starts generation inside
     # reasoning.
@@ -236,6 +240,7 @@ def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
         starts_in_reasoning=starts_in_reasoning,
         tool_format=tool_format,
         tools_present=tool_format is not None,
+        parallel_tool_calls=request.parallel_tool_calls,
     )
     snapshot_at = _snapshot_position(handles, request.prompt, rendered)
     return PreparedChat(rendered.tokens, generation, sink, snapshot_at, _retained_positions(handles, request, rendered))

@@ -82,6 +82,7 @@ class ChatPrompt:
     tools: tuple[dict[str, Any], ...] | None = None  # None: no tools (absent, empty or disabled)
     reasoning: ReasoningOptions = ReasoningOptions()
     images: tuple[ImagePart, ...] = ()  # in prompt order, each at a placeholder in the text (api/images.py)
+    param: str = "messages"  # the request field the conversation came in (Responses: "input"), named in a 400
 
 
 @attrs.frozen
@@ -103,6 +104,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     constraint: ConstraintRequest | None = None
     cache_points: tuple[CachePoint, ...] = ()  # retention hints, mapped to prompt positions by the chat core
+    parallel_tool_calls: bool = True  # False: at most one tool call, generation ends after it
 
 
 @attrs.frozen

@@ -2,7 +2,8 @@
 
 The Anthropic and Responses translators hand over the fields they accept under the same names
 as OpenAI's, so every protocol answers the same 400 (mlx_lm.server's wording where it has one)
-for the same bad value. Nothing here reads the server's defaults: see api/chat.py.
+for the same bad value; a field a protocol spells differently is named its way (Responses'
+`reasoning.effort`: `reasoning_options`'s `effort_param`). Nothing here reads the server's defaults: see api/chat.py.
 
 Every number is bounded as the OpenAI / Anthropic references document it (temperature 0..2, or
 0..1 for Anthropic; top_p and min_p 0..1; presence / frequency penalties -2..2; logit biases
@@ -206,6 +207,13 @@ def stream_flag(value: Any, message: str) -> bool:
     return bool(value)
 
 
+def flag(value: Any, name: str) -> bool | None:
+    """A boolean field (`parallel_tool_calls`, `store`); None when absent or null."""
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean", param=name)
+    return value
+
+
 def stop_strings(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -216,9 +224,10 @@ def stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(s for s in value if s)  # empty strings dropped
 
 
-def reasoning_options(template_kwargs: Any, effort: Any) -> ReasoningOptions:
+def reasoning_options(template_kwargs: Any, effort: Any, *, effort_param: str = "reasoning_effort") -> ReasoningOptions:
     """`chat_template_kwargs` and `reasoning_effort`: explicit enable_thinking > the effort
-    ("none" = off, any level = on) > the template's default."""
+    ("none" = off, any level = on) > the template's default. `effort_param`: the effort's name
+    in the request's protocol (Responses: `reasoning.effort`), as its 400 names it."""
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
     switches: dict[str, bool] = {}
@@ -230,7 +239,8 @@ def reasoning_options(template_kwargs: Any, effort: Any) -> ReasoningOptions:
             raise bad_request(f"chat_template_kwargs.{name} must be a boolean", param="chat_template_kwargs")
         switches[name] = value
     if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
-        raise bad_request(REASONING_EFFORT_MESSAGE, param="reasoning_effort")
+        message = REASONING_EFFORT_MESSAGE.replace("reasoning_effort", effort_param, 1)
+        raise bad_request(message, param=effort_param)
     thinking = switches.get("enable_thinking")
     if thinking is None and effort is not None:
         thinking = effort != "none"

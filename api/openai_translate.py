@@ -15,7 +15,7 @@ import attrs
 from api import structured
 from api.chat_request import ChatPrompt, ChatRequest, TextRequest
 from api.errors import bad_request
-from api.fields import MAX_TOP_LOGPROBS, integer, parse_generation, pick, reasoning_options, stop_strings
+from api.fields import MAX_INT, MAX_TOP_LOGPROBS, flag, integer, parse_generation, pick, reasoning_options, stop_strings
 from api.images import PLACEHOLDER, ImagePart, from_url
 from api.template_messages import MEDIA_PARTS, media_error, template_arguments, tool_call_id_error
 
@@ -48,7 +48,13 @@ def chat_request(body: Mapping[str, Any], *, vocab_size: int | None, vision: boo
     reasoning = reasoning_options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
     tools_on = None if disabled or not tools else tuple(tools)
     prompt = ChatPrompt(messages=messages, tools=tools_on, reasoning=reasoning, images=tuple(images))
-    return ChatRequest(prompt=prompt, generation=generation, stop=stop, constraint=constraint)
+    return ChatRequest(
+        prompt=prompt,
+        generation=generation,
+        stop=stop,
+        constraint=constraint,
+        parallel_tool_calls=flag(body.get("parallel_tool_calls"), "parallel_tool_calls") is not False,
+    )
 
 
 def text_request(body: Mapping[str, Any], *, vocab_size: int | None) -> TextRequest:
@@ -57,6 +63,7 @@ def text_request(body: Mapping[str, Any], *, vocab_size: int | None) -> TextRequ
     prompt = _text_prompt(body.get("prompt"), vocab_size)
     chat_fields = pick(body, ("logprobs", "top_logprobs"))
     generation = parse_generation({k: v for k, v in body.items() if k not in chat_fields}, vocab_size=vocab_size)
+    _check_unsupported_completion_fields(body, generation.n)
     alternatives = completion_logprobs(body)
     generation = attrs.evolve(
         generation,
@@ -68,6 +75,21 @@ def text_request(body: Mapping[str, Any], *, vocab_size: int | None) -> TextRequ
         raise bad_request("echo with logprobs is not supported: the server does not score prompt tokens", param="echo")
     constraint = structured.body_constraint(body)
     return TextRequest(prompt=prompt, generation=generation, stop=stop_strings(body.get("stop")), constraint=constraint)
+
+
+def _check_unsupported_completion_fields(body: Mapping[str, Any], n: int) -> None:
+    """`suffix` (insertion) and `best_of` (ranking candidates) would change the answer, so a
+    request that needs them is refused rather than answered without them (vLLM refuses suffix)."""
+    suffix = body.get("suffix")
+    if suffix is not None and suffix != "":
+        raise bad_request("suffix is not supported: the server only appends to the prompt", param="suffix")
+    best_of = integer(body.get("best_of"), "best_of", minimum=1, what=f"a positive integer (at most {MAX_INT})")
+    if best_of is not None and best_of not in (1, n):
+        raise bad_request(
+            f"best_of is not supported: the server does not rank candidate completions (omit it, or set it to "
+            f"1 or to n = {n})",
+            param="best_of",
+        )
 
 
 def completion_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -167,7 +189,9 @@ def _chat_message(message: Any, where: str, images: list[ImagePart] | None) -> d
     # null content (an assistant turn that only called tools) stays absent for the template;
     # anywhere else it is an empty string, as in mlx_lm.server.
     out["content"] = None if content is None and out.get("tool_calls") else (content or "")
-    if role == "tool" and message.get("tool_call_id") is not None and not isinstance(message["tool_call_id"], str):
+    if role == "tool" and message.get("tool_call_id") is None:
+        raise bad_request(f"{where}.tool_call_id is required (the id of the call it answers)", param="messages")
+    if role == "tool" and not isinstance(message["tool_call_id"], str):
         raise tool_call_id_error(where)
     return out
 

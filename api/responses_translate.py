@@ -19,9 +19,9 @@ import attrs
 from api import structured
 from api.chat_request import ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
-from api.fields import parse_generation, pick, reasoning_options, stream_flag, token_count
+from api.fields import flag, parse_generation, pick, reasoning_options, stream_flag, token_count
 from api.images import PLACEHOLDER, ImagePart, from_url
-from api.template_messages import media_error, template_arguments, tool_call_id_error
+from api.template_messages import media_error, template_arguments
 from api.wire import new_id
 
 GENERATION_FIELDS = (
@@ -51,6 +51,18 @@ SYSTEM_ROLES = ("system", "developer")
 TEXT_FORMATS = ("text", "json_object", "json_schema")
 # OpenAI's metadata bounds: at most 16 pairs, keys up to 64 characters, values up to 512.
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+# OpenAI's documented `include` values: accepted (none adds anything here), any other is a 400.
+INCLUDE_VALUES = (
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "reasoning.encrypted_content",
+    "code_interpreter_call.outputs",
+    "message.output_text.logprobs",
+    "web_search_call.action.sources",
+)
+# Shared code names chat's fields; a 400 from it names Responses' own.
+PARAMS = {"response_format": "text.format"}
 METADATA_MESSAGE = (
     f"metadata must be an object of at most {METADATA_PAIRS} string keys (at most {METADATA_KEY_CHARS} characters)"
     f" with string values (at most {METADATA_VALUE_CHARS} characters)"
@@ -177,6 +189,12 @@ def responses_request(
     for index, item in enumerate(items):
         turns.add_item(item, index)
     messages = turns.messages()
+    if not messages and turns.reference is not None:
+        raise bad_request(
+            f"{turns.reference}: item_reference items are not supported: the server keeps no items to refer to "
+            "(send the items themselves, or previous_response_id)",
+            param="input",
+        )
     if not messages:
         raise bad_request("input: at least one input item is required", param="input")
 
@@ -189,10 +207,15 @@ def responses_request(
     tools = _tools(body.get("tools"))
     choice = _tool_choice(body["tool_choice"]) if "tool_choice" in body else None
     reasoning = body.get("reasoning")
-    effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
+    if reasoning is not None and not isinstance(reasoning, Mapping):
+        raise bad_request("reasoning must be an object", param="reasoning")
+    effort = reasoning.get("effort") if reasoning is not None else None
     response_format = _response_format(body.get("text"))
     stream = stream_flag(body.get("stream", False), "stream must be a boolean")
     _check_metadata(body.get("metadata"))
+    flag(body.get("store"), "store")  # read by the route
+    parallel = flag(body.get("parallel_tool_calls"), "parallel_tool_calls") is not False
+    _check_include(body.get("include"))
     unsupported = turns.unsupported()
     if unsupported is not None:
         raise unsupported
@@ -201,17 +224,35 @@ def responses_request(
     if isinstance(choice, str) and choice not in TOOL_CHOICES:
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice")
     _check_tool_choice(choice, tools)
-    constraint = structured.request_constraint(
-        structured.ConstraintFields(response_format=response_format),
-        structured.forced_tool_call(tools, choice),
-    )
+    try:
+        constraint = structured.request_constraint(
+            structured.ConstraintFields(response_format=response_format),
+            structured.forced_tool_call(tools, choice),
+        )
+    except ApiError as error:
+        error.param = PARAMS.get(error.param or "", error.param)
+        raise
+    if constraint is not None and constraint.param in PARAMS:  # named again if it cannot compile
+        constraint = attrs.evolve(constraint, param=PARAMS[constraint.param])
     prompt = ChatPrompt(
         messages=messages,
         tools=None if choice == "none" or not tools else tuple(tools),
-        reasoning=reasoning_options(body.get("chat_template_kwargs"), effort),
+        reasoning=reasoning_options(body.get("chat_template_kwargs"), effort, effort_param="reasoning.effort"),
         images=tuple(turns.images),
+        param="input",
     )
-    return ChatRequest(prompt=prompt, generation=generation, constraint=constraint)
+    return ChatRequest(prompt=prompt, generation=generation, constraint=constraint, parallel_tool_calls=parallel)
+
+
+def _check_include(include: Any) -> None:
+    if include is None:
+        return
+    if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
+        raise bad_request("include must be an array of strings", param="include")
+    unknown = [value for value in include if value not in INCLUDE_VALUES]
+    if unknown:
+        known = ", ".join(repr(value) for value in INCLUDE_VALUES)
+        raise bad_request(f"include: unknown value {unknown[0]!r} (known: {known})", param="include")
 
 
 @attrs.define
@@ -220,9 +261,10 @@ class _Turns:
 
     system: list[str]
     turns: list[dict[str, Any]] = attrs.Factory(list)
-    # The first turn the server cannot take: (its index, its media part type, or None for a
+    # The first item the server cannot take: (where it is, its media part type, or None for a
     # call id that is not a string).
-    problem: tuple[int, str | None] | None = None
+    problem: tuple[str, str | None] | None = None
+    reference: str | None = None  # where the first item_reference is (dropped: nothing is kept to resolve it)
     images: list[ImagePart] = attrs.Factory(list)  # in prompt order (api/images.py)
     vision: bool = False  # the model takes images (else an image part is a 400)
 
@@ -234,14 +276,18 @@ class _Turns:
     def unsupported(self) -> ApiError | None:
         if self.problem is None:
             return None
-        index, media = self.problem
+        where, media = self.problem
         if media is not None:
-            return media_error(media)
-        return tool_call_id_error(f"messages[{index + bool(self.system)}]")
+            error = media_error(media)
+            error.param = "input"
+            return error
+        return bad_request(f"{where}.call_id must be a string", param="input")
 
-    def _append(self, message: dict[str, Any], *, unsupported: bool = False, media: str | None = None) -> None:
+    def _append(
+        self, message: dict[str, Any], where: str, *, unsupported: bool = False, media: str | None = None
+    ) -> None:
         if self.problem is None and (unsupported or media is not None):
-            self.problem = (len(self.turns), media)
+            self.problem = (where, media)
         self.turns.append(message)
 
     def add_item(self, item: Mapping[str, Any], index: int) -> None:
@@ -255,11 +301,17 @@ class _Turns:
             output = item.get("output", "")
             if not isinstance(output, str):
                 output = _only_text(_content(output, where), where) if isinstance(output, list) else json.dumps(output)
-            call_id = item.get("call_id") or ""
+            call_id = item.get("call_id")
+            if call_id is None or call_id == "":
+                raise bad_request(
+                    f"{where}.call_id: required (the call_id of the function_call it answers)", param="input"
+                )
             message = {"role": "tool", "tool_call_id": call_id, "content": output}
-            self._append(message, unsupported=not isinstance(call_id, str))
-        elif kind in ("reasoning", "item_reference"):
-            return  # reasoning is never re-fed; references point at server-side items we do not keep
+            self._append(message, where, unsupported=not isinstance(call_id, str))
+        elif kind == "reasoning":
+            return  # never re-fed
+        elif kind == "item_reference":
+            self.reference = self.reference or where  # points at a server-side item we do not keep
         else:
             raise bad_request(f"{where}: unsupported input item type {kind!r}", param="input")
 
@@ -280,9 +332,9 @@ class _Turns:
             ):
                 previous["content"] += text  # consecutive assistant text is one turn
                 return
-            self._append({"role": "assistant", "content": text}, media=media)
+            self._append({"role": "assistant", "content": text}, where, media=media)
         else:  # user, and any unknown role
-            self._append({"role": "user", "content": text}, media=media)
+            self._append({"role": "user", "content": text}, where, media=media)
 
     def _add_call(self, item: Mapping[str, Any], where: str) -> None:
         name = item.get("name")
@@ -297,7 +349,7 @@ class _Turns:
         if self.turns and self.turns[-1]["role"] == "assistant":
             self.turns[-1].setdefault("tool_calls", []).append(call)
         else:
-            self._append({"role": "assistant", "content": "", "tool_calls": [call]})
+            self._append({"role": "assistant", "content": "", "tool_calls": [call]}, where)
 
 
 def _content(content: Any, where: str, images: list[ImagePart] | None = None) -> tuple[str, str | None]:
@@ -316,10 +368,11 @@ def _content(content: Any, where: str, images: list[ImagePart] | None = None) ->
         if not isinstance(part, Mapping):
             raise bad_request(f"{where}.content: every part must be an object", param="input")
         kind = part.get("type")
-        if kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+        if kind in TEXT_PART_TYPES or kind == "refusal":
+            field = "refusal" if kind == "refusal" else "text"
+            if not isinstance(part.get(field), str):
+                raise bad_request(f"{where}.content: {kind} parts need a string {field!r}", param="input")
+            texts.append(part[field])
         elif kind == "input_image" and images is not None:
             images.append(from_url(part.get("image_url"), "image_url", f"{where}.content", "input"))
             texts.append(PLACEHOLDER)
@@ -421,7 +474,11 @@ def _response_format(text: Any) -> dict[str, Any] | None:
         raise bad_request("text.format.schema must be a JSON schema object", param="text.format")
     if "strict" in fmt and fmt["strict"] is not None and not isinstance(fmt["strict"], bool):
         raise bad_request("text.format.strict must be a boolean", param="text.format")
-    schema = {"name": fmt.get("name") or "response", "schema": fmt.get("schema") or {}}
+    if "schema" not in fmt:  # both required by OpenAI's json_schema format
+        raise bad_request("text.format.schema is required for type 'json_schema'", param="text.format")
+    if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+        raise bad_request("text.format.name is required for type 'json_schema' (a string)", param="text.format")
+    schema = {"name": fmt["name"], "schema": fmt["schema"]}
     if fmt.get("strict") is not None:
         schema["strict"] = fmt["strict"]
     return {"type": "json_schema", "json_schema": schema}

@@ -50,10 +50,12 @@ class CompletionSink:
         starts_in_reasoning: bool = False,
         tool_format: str | None = None,
         tools_present: bool = False,
+        parallel_tool_calls: bool = True,
     ) -> None:
         self._detokenizer = detokenizer
         # Another choice of the same request (`n`) gets a sink configured as this one.
-        self._options = (tuple(stop), think, starts_in_reasoning, tool_format, tools_present)
+        self._options = (tuple(stop), think, starts_in_reasoning, tool_format, tools_present, parallel_tool_calls)
+        self._single_call = not parallel_tool_calls  # the first finished call stops generation
         self._router = make_tool_router(tool_format, tools_present=tools_present)
         self._stop = StopMatcher(stop)
         self._splitter = (
@@ -73,7 +75,7 @@ class CompletionSink:
 
     def fresh(self, detokenizer: StreamingDetokenizer) -> CompletionSink:
         """A new sink configured as this one was, reading `detokenizer` (another choice)."""
-        stop, think, starts_in_reasoning, tool_format, tools_present = self._options
+        stop, think, starts_in_reasoning, tool_format, tools_present, parallel = self._options
         return CompletionSink(
             detokenizer,
             stop=stop,
@@ -81,6 +83,7 @@ class CompletionSink:
             starts_in_reasoning=starts_in_reasoning,
             tool_format=tool_format,
             tools_present=tools_present,
+            parallel_tool_calls=parallel,
         )
 
     @property
@@ -145,6 +148,9 @@ class CompletionSink:
                 self.tool_calls.append(ToolCall(call.id, call.name, "".join(self._open_arguments)))
                 self._open_arguments = []
                 self._cut_at_end = at_end and item.cut
+                # `parallel_tool_calls: false` (vLLM keeps the first call too): nothing after it
+                # is reported, and the caller ends the generation (as after a stop string).
+                self.stopped = self.stopped or self._single_call
         return events
 
     def _record(self, events: list[Event]) -> list[Event]:

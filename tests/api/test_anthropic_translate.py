@@ -232,11 +232,22 @@ def test_an_image_is_reported_after_the_shape_and_before_the_generation_fields()
     assert info.value.message == IMAGE_MESSAGE
 
 
-def test_a_tool_result_id_must_be_a_string():
+def test_a_tool_result_id_must_be_a_string_named_as_anthropic_names_it():
     body = {"system": "s", "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 5}]}]}
     with pytest.raises(ApiError) as info:
         messages_request(body)
-    assert info.value.message == "messages[1].tool_call_id must be a string"  # its place in the template's list
+    assert (info.value.message, info.value.param) == ("messages.0.content.0.tool_use_id: must be a string", "messages")
+
+
+def test_disable_parallel_tool_use_keeps_one_call():
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "tools": tools}
+    assert messages_request(body).parallel_tool_calls is True
+    for kind in ("auto", "any"):
+        serial = {**body, "tool_choice": {"type": kind, "disable_parallel_tool_use": True}}
+        assert messages_request(serial).parallel_tool_calls is False
+    parallel = {**body, "tool_choice": {"type": "auto", "disable_parallel_tool_use": False}}
+    assert messages_request(parallel).parallel_tool_calls is True
 
 
 @pytest.mark.parametrize(
@@ -253,6 +264,35 @@ def test_a_tool_result_id_must_be_a_string():
         ({"messages": [{"role": "user", "content": 7}]}, "content"),
         ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"}, "stop_sequences"),
         ({"messages": [{"role": "user", "content": "x"}], "system": 5}, "system"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}
+                ]
+            },
+            "messages.0.content.0.input: must be an object",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": None}]}
+                ]
+            },
+            "messages.0.content.0.input: must be an object",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+            "messages.0.content.0.tool_use_id: Field required",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "metadata": "u"}, "metadata: must be"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "metadata": {"user_id": 42}},
+            "metadata.user_id: must be a string",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "metadata": {"user_id": "u" * 257}},
+            "metadata.user_id: must be a string of at most 256",
+        ),
     ],
 )
 def test_bad_requests_are_400(request_body, message):
@@ -344,3 +384,9 @@ def test_empty_stream_still_has_one_text_block():
         "message_delta",
         "message_stop",
     ]
+
+
+def test_metadata_with_a_string_or_null_user_id_passes():
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
+    for metadata in (None, {}, {"user_id": None}, {"user_id": "u" * 256}):
+        messages_request({**body, "metadata": metadata})

@@ -28,6 +28,7 @@ CHAT, TEXT, MESSAGES, COUNT, RESPONSES = (
     "/v1/responses",
 )
 CONTEXT = 512
+PROMPT_PARAM = {CHAT: "messages", TEXT: "prompt", RESPONSES: "input"}  # the field a too-long prompt names
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -183,6 +184,7 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_templating(path):  # r
             assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
         else:
             assert payload["error"]["code"] == "context_length_exceeded"
+            assert payload["error"]["param"] == PROMPT_PARAM[path]  # the protocol's own field
         assert worker.specs == {}
 
 
@@ -208,6 +210,7 @@ async def test_a_prompt_over_the_window_is_context_length_exceeded_not_a_memory_
             assert payload["type"] == "error" and error["type"] == "invalid_request_error"
         else:
             assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded")
+            assert error["param"] == PROMPT_PARAM[path]
         assert worker.specs == {}
 
 

@@ -271,6 +271,19 @@ INVALID = [
         "messages[1].tool_call_id must be a string",
         "messages",
     ),
+    (
+        CHAT,
+        chat(messages=[*USER, {"role": "tool", "content": "x"}]),
+        "messages[1].tool_call_id is required",
+        "messages",
+    ),
+    (
+        CHAT,
+        chat(messages=[*USER, {"role": "tool", "tool_call_id": None, "content": "x"}]),
+        "messages[1].tool_call_id is required",
+        "messages",
+    ),
+    (CHAT, chat(parallel_tool_calls="no"), "parallel_tool_calls must be a boolean", "parallel_tool_calls"),
     (CHAT, chat(messages=[{"role": "user", "content": "RAISE"}]), "prompt build failed", None),
     # /v1/completions prompt
     (TEXT, {"prompt": ""}, "prompt (a non-empty string)", "prompt"),
@@ -281,6 +294,13 @@ INVALID = [
     (TEXT, {"prompt": [1, True]}, "prompt (a non-empty string)", "prompt"),
     (TEXT, {"prompt": 42}, "prompt (a non-empty string)", "prompt"),
     (TEXT, {"prompt": [5, VOCAB]}, f"prompt token id {VOCAB} is out of range", "prompt"),
+    # /v1/completions fields the server cannot honour
+    (TEXT, {"prompt": "x", "suffix": "end"}, "suffix is not supported", "suffix"),
+    (TEXT, {"prompt": "x", "suffix": 5}, "suffix is not supported", "suffix"),
+    (TEXT, {"prompt": "x", "best_of": 2}, "best_of is not supported", "best_of"),
+    (TEXT, {"prompt": "x", "best_of": 3, "n": 2}, "best_of is not supported", "best_of"),
+    (TEXT, {"prompt": "x", "best_of": 0}, "best_of must be a positive integer", "best_of"),
+    (TEXT, {"prompt": "x", "best_of": "2"}, "best_of must be a positive integer", "best_of"),
 ]
 
 
@@ -578,7 +598,14 @@ async def test_loose_but_valid_chat_bodies_still_pass(autojump_clock):
     tools = [{"type": "function", "function": {"name": "f"}}]
     async with server() as (client, _, _):
         for body in (
-            chat(messages=[*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "1"}]),
+            chat(
+                messages=[
+                    *USER,
+                    {"role": "assistant", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+                ],
+                parallel_tool_calls=False,
+            ),
             chat(messages=[{"role": "user", "content": None}]),  # null is empty text (mlx_lm.server)
             chat(stop=["", "x"]),
             chat(tools=tools, tool_choice="required"),
@@ -588,3 +615,9 @@ async def test_loose_but_valid_chat_bodies_still_pass(autojump_clock):
         ):
             response = await client.post(CHAT, json=body)
             assert response.status_code == 200, (body, await response.get_data())
+        for text_body in (
+            {"prompt": "x", "max_tokens": 2, "suffix": None, "best_of": None},
+            {"prompt": "x", "max_tokens": 2, "suffix": "", "best_of": 1},  # nothing to insert, one candidate
+        ):
+            response = await client.post(TEXT, json=text_body)
+            assert response.status_code == 200, (text_body, await response.get_data())

@@ -219,3 +219,39 @@ def test_any_token_split_gives_the_unsplit_result(text, cuts, options, reason):
     if set(options) == {"stop"}:
         # With think tags or tool markup removed, text that was apart in the raw stream can meet.
         assert not any(stop in split.content for stop in options["stop"])
+
+
+TWO_CALLS = [
+    "<tool_call>",
+    '{"name": "f", "arguments": {"a": 1}}',
+    "</tool_call>",
+    "\n<tool_call>",
+    '{"name": "g", "arguments": {}}',
+    "</tool_call>",
+]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_and_stops_after_it():
+    both, _ = stream(TWO_CALLS, tool_format="hermes", tools_present=True)
+    both.finish(reason="eos")
+    assert [name for name, _ in calls_of(both)] == ["f", "g"]
+
+    sink, per_push = stream(TWO_CALLS, tool_format="hermes", tools_present=True, parallel_tool_calls=False)
+    assert sink.stopped and len(per_push) == 2  # stopped once the first call is whole: generation ends
+    events = [e for push in per_push for e in push] + sink.finish(reason="stop")
+    assert calls_of(sink) == [("f", {"a": 1})] and sink.finish_reason == "tool_calls"
+    assert streamed_calls(events) == [("f", '{"a": 1}')]
+    assert [e.calls for e in events if isinstance(e, ToolCallsEvent)] == [tuple(sink.tool_calls)]
+    # another choice of the same request is configured the same way
+    other = sink.fresh(FakeDetokenizer(TWO_CALLS))
+    for token_id in range(len(TWO_CALLS)):
+        other.push(token_id)
+    other.finish(reason="stop")
+    assert [call.name for call in other.tool_calls] == ["f"]
+
+
+def test_a_single_call_cut_at_the_end_is_still_reported():
+    pieces = ["<tool_call>", '{"name": "f", "arguments": {"a": 1']
+    sink, _ = stream(pieces, tool_format="hermes", tools_present=True, parallel_tool_calls=False)
+    sink.finish(reason="length")
+    assert [call.name for call in sink.tool_calls] == ["f"] and sink.finish_reason == "length"

@@ -11,7 +11,14 @@ from api.chat_request import ChatRequest, ReasoningOptions
 from api.errors import ApiError
 from api.pipeline.events import TextDelta, ToolCall, ToolCallsEvent
 from api.responses_encode import ResponseMeta, ResponsesStream, reasoning_token_estimate
-from api.responses_translate import METADATA_MESSAGE, input_items, output_to_input, responses_request, stored_input
+from api.responses_translate import (
+    INCLUDE_VALUES,
+    METADATA_MESSAGE,
+    input_items,
+    output_to_input,
+    responses_request,
+    stored_input,
+)
 from api.structured import ForcedToolCall
 from model import grammar
 from model.params import Constraint
@@ -210,6 +217,17 @@ def test_vision_input_image_is_stored_as_openai_lists_it():
         ({"input": [{"type": "function_call", "arguments": "{}"}]}, "name"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input_file"),
         ({"input": "x", "stream": "yes"}, "stream"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id: required"),
+        ({"input": [{"type": "function_call_output", "call_id": "", "output": "x"}]}, "input[0].call_id: required"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "input[0].content: input_text parts need a string 'text'",
+        ),
+        (
+            {"input": [{"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]}]},
+            "refusal parts need a string 'refusal'",
+        ),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]: item_reference items are not supported"),
     ],
 )
 def test_bad_input_is_400(body, message):
@@ -234,6 +252,15 @@ F_TOOLS = [{"type": "function", "name": "f"}]
         ({"text": "json"}, "text", "text must be an object"),
         ({"text": {"format": {"type": "json_schema", "schema": "{}"}}}, "text.format", "schema must be"),
         ({"text": {"format": {"type": "json_schema", "strict": "yes"}}}, "text.format", "strict must be a boolean"),
+        ({"text": {"format": {"type": "json_schema", "name": "out"}}}, "text.format", "text.format.schema is required"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format", "text.format.name is required"),
+        ({"text": {"format": {"type": "json_schema", "name": "", "schema": {}}}}, "text.format", "name is required"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning.effort", "reasoning.effort must be one of 'none'"),
+        ({"reasoning": "high"}, "reasoning", "reasoning must be an object"),
+        ({"store": "no"}, "store", "store must be a boolean"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "parallel_tool_calls must be a boolean"),
+        ({"include": "reasoning.encrypted_content"}, "include", "include must be an array of strings"),
+        ({"include": ["message.output_text.logprobs", "secrets"]}, "include", "unknown value 'secrets'"),
         ({"metadata": {"k": 1}}, "metadata", METADATA_MESSAGE),
         ({"metadata": {"k": None}}, "metadata", METADATA_MESSAGE),
         ({"metadata": ["k"]}, "metadata", METADATA_MESSAGE),
@@ -251,6 +278,24 @@ def test_fields_responses_does_not_take_are_a_400_naming_them(fields, param, mes
     with pytest.raises(ApiError) as info:
         chat_of({"input": "x", **fields})
     assert (info.value.status, info.value.param) == (400, param) and message in info.value.message
+
+
+def test_known_include_values_store_and_parallel_tool_calls_pass():
+    everything = list(INCLUDE_VALUES)
+    assert chat_of({"input": "x", "include": everything, "store": False}).parallel_tool_calls is True
+    assert chat_of({"input": "x", "include": None, "store": None, "parallel_tool_calls": None}).parallel_tool_calls
+    assert chat_of({"input": "x", "parallel_tool_calls": False}).parallel_tool_calls is False
+
+
+def test_a_reference_beside_real_items_is_still_dropped():
+    reference = {"type": "item_reference", "id": "msg_1"}
+    assert chat_of({"input": [reference, {"role": "user", "content": "hi"}]}).prompt.messages == (
+        {"role": "user", "content": "hi"},
+    )
+
+
+def test_the_prompt_is_named_input_in_its_400s():
+    assert chat_of({"input": "x"}).prompt.param == "input"  # the chat core's context-length 400 names it
 
 
 def test_valid_metadata_text_formats_and_tool_choices_pass():
@@ -272,7 +317,7 @@ def test_media_and_call_ids_are_a_400_after_the_request_shape_checks():
         info.value.message
         == "image_url content parts are not supported: this server has no image input (text-only model)"
     )
-    assert (info.value.status, info.value.param, info.value.code) == (400, "messages", "unsupported_content_type")
+    assert (info.value.status, info.value.param, info.value.code) == (400, "input", "unsupported_content_type")
     with pytest.raises(ApiError, match="input_audio content parts are not supported"):
         chat_of({"input": [{"role": "assistant", "content": [{"type": "input_audio"}]}]})
     with pytest.raises(ApiError, match="stream must be a boolean"):  # the request's own shape first
@@ -281,7 +326,7 @@ def test_media_and_call_ids_are_a_400_after_the_request_shape_checks():
         chat_of({"input": [image], "temperature": "hot"})
     with pytest.raises(ApiError) as info:
         chat_of({"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]}, "sys")
-    assert info.value.message == "messages[1].tool_call_id must be a string"  # its place after the system message
+    assert (info.value.message, info.value.param) == ("input[0].call_id must be a string", "input")  # Responses' names
 
 
 def test_reasoning_token_estimate():
