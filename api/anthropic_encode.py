@@ -1,14 +1,18 @@
 """An admitted generation's text events → an Anthropic `message` object or its native SSE event
-stream (message_start, content blocks, message_delta, message_stop).
+stream (message_start, content blocks, message_delta, message_stop), both built by one
+AnthropicStream from the same events, so a whole answer holds what its stream accumulates to.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import secrets
+import string
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from api.completion import Completion
+from api.partial_json import partial_object
 from api.pipeline.events import Event, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from api.wire import sse_event
 
@@ -44,53 +48,58 @@ def usage(openai_usage: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the `input` object; unparseable ones are kept as `{"_raw": ...}`."""
-    try:
-        value = json.loads(arguments)
-    except (TypeError, ValueError):
-        return {"_raw": arguments}
-    return value if isinstance(value, dict) else {"_raw": arguments}
+    """A call's arguments as the `input` object: what the anthropic SDK rebuilds from them sent as
+    input_json_delta pieces (the object so far of arguments a cut left unfinished; {} if none)."""
+    return partial_object(arguments)
 
 
-def message_object(completion: Completion, *, message_id: str, model: str) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    if completion.reasoning:
-        content.append({"type": "thinking", "thinking": completion.reasoning, "signature": ""})
-    if completion.content or not completion.calls:
-        content.append({"type": "text", "text": completion.content})
-    for call in completion.calls:
-        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call.arguments)})
-    reason, sequence = stop_reason(completion.finish_reason, completion.matched_stop)
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": content,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": usage(completion.usage),
-    }
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_tool_use_id() -> str:
+    """An id in Anthropic's shape (`toolu_01` and 22 letters or digits), not the pipeline's `call_…`."""
+    return "toolu_01" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(22))
+
+
+def message_object(events: Iterable[Event], completion: Completion, *, message_id: str, model: str) -> dict[str, Any]:
+    """The whole message of a completion's events (what AnthropicStream would stream of them)."""
+    builder = AnthropicStream(message_id=message_id, model=model, input_tokens=0, frames=False)
+    builder.add(list(events))
+    return builder.message(completion)
 
 
 class AnthropicStream:
-    """The native Messages event stream, built from the completion's text events.
+    """The Messages answer built from the completion's text events, in generation order: its
+    native event stream (`start`, `add`, `finish`) and, from the same blocks, the whole message
+    (`message`; with `frames=False` no frame is encoded). Both hold the same content: blocks open
+    and close as the events come (text, calls, more text: as generated), and a tool_use `input` is
+    what the anthropic SDK rebuilds from its input_json_delta pieces (`tool_input`).
 
     `input_tokens` is the whole prompt, `cached_tokens` its part restored from the prompt cache and
     `cache_created_tokens` the part stored at its breakpoints (both known once the row opened):
     message_start reports the same split as message_delta."""
 
     def __init__(
-        self, *, message_id: str, model: str, input_tokens: int, cached_tokens: int = 0, cache_created_tokens: int = 0
+        self,
+        *,
+        message_id: str,
+        model: str,
+        input_tokens: int,
+        cached_tokens: int = 0,
+        cache_created_tokens: int = 0,
+        frames: bool = True,
     ) -> None:
         self.message_id = message_id
         self.model = model
         self.input_tokens = input_tokens
         self.cached_tokens = cached_tokens
         self.cache_created_tokens = cache_created_tokens
+        self.content: list[dict[str, Any]] = []  # the closed blocks, as a client accumulates them
+        self._frames = frames
         self._index = -1
-        self._open: str | None = None  # "thinking" | "text" | "tool_use"
-        self._streamed: set[str] = set()  # the calls whose tool_use block went out piece by piece
+        self._open: dict[str, Any] | None = None  # the open block (its text or arguments still to come)
+        self._pieces: list[str] = []  # the open block's text, thinking or arguments so far
+        self._ids: dict[str, str] = {}  # the pipeline's call id → its tool_use id
 
     def start(self) -> bytes:
         message: dict[str, Any] = {
@@ -111,7 +120,7 @@ class AnthropicStream:
                 }
             ),
         }
-        return sse_event("message_start", {"type": "message_start", "message": message}) + self.ping()
+        return self._frame("message_start", {"type": "message_start", "message": message}) + self.ping()
 
     @staticmethod
     def ping() -> bytes:
@@ -121,19 +130,23 @@ class AnthropicStream:
         out = b""
         for event in events:
             if isinstance(event, ToolCallStart):  # a streamed call: its block stays open for its input
-                out += self._close() + self._open_tool_use(event)
+                out += self._close() + self._open_block(self._tool_use_block(event.id, event.name))
             elif isinstance(event, ToolCallDelta):
-                out += self._delta({"type": "input_json_delta", "partial_json": event.arguments})
+                if self._open is not None and self._open["type"] == "tool_use":
+                    self._pieces.append(event.arguments)
+                    out += self._delta({"type": "input_json_delta", "partial_json": event.arguments})
             elif isinstance(event, ToolCallsEvent):  # every call, at the end: send those not streamed
-                unsent = [call for call in event.calls if call.id not in self._streamed]
-                if unsent:
-                    out += self._close()
-                for call in unsent:
-                    out += self._tool_use(call)
+                for call in event.calls:
+                    if call.id not in self._ids:
+                        out += self._close() + self._tool_use(call)
             elif event.text:
                 kind = "thinking" if event.kind == "reasoning" else "text"
-                if self._open != kind:
-                    out += self._close() + self._open_block(kind)
+                if self._open is None or self._open["type"] != kind:
+                    thinking = {"type": "thinking", "thinking": "", "signature": ""}
+                    out += self._close() + self._open_block(
+                        thinking if kind == "thinking" else {"type": "text", "text": ""}
+                    )
+                self._pieces.append(event.text)
                 delta = (
                     {"type": "thinking_delta", "thinking": event.text}
                     if kind == "thinking"
@@ -143,11 +156,9 @@ class AnthropicStream:
         return out
 
     def finish(self, *, finish_reason: str | None, matched_stop: str | None, openai_usage: Mapping[str, Any]) -> bytes:
-        out = self._close()
-        if self._index < 0:  # an empty generation still has one (empty) text block
-            out += self._open_block("text") + self._close()
+        out = self._end_blocks()
         reason, sequence = stop_reason(finish_reason, matched_stop)
-        out += sse_event(
+        out += self._frame(
             "message_delta",
             {
                 "type": "message_delta",
@@ -155,54 +166,68 @@ class AnthropicStream:
                 "usage": usage(openai_usage),
             },
         )
-        return out + sse_event("message_stop", {"type": "message_stop"})
+        return out + self._frame("message_stop", {"type": "message_stop"})
+
+    def message(self, completion: Completion) -> dict[str, Any]:
+        """The whole message: the blocks of every event added, then how the completion ended."""
+        self._end_blocks()
+        reason, sequence = stop_reason(completion.finish_reason, completion.matched_stop)
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": list(self.content),
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage(completion.usage),
+        }
 
     def error(self, message: str, *, error_type: str = "api_error") -> bytes:
         return sse_event("error", {"type": "error", "error": {"type": error_type, "message": message}})
 
-    def _open_block(self, kind: str) -> bytes:
+    def _end_blocks(self) -> bytes:
+        out = self._close()
+        if self._index < 0:  # an empty generation still has one (empty) text block
+            out += self._open_block({"type": "text", "text": ""}) + self._close()
+        return out
+
+    def _tool_use_block(self, call_id: str, name: str) -> dict[str, Any]:
+        tool_use_id = self._ids[call_id] = new_tool_use_id()
+        return {"type": "tool_use", "id": tool_use_id, "name": name, "input": {}}
+
+    def _open_block(self, block: dict[str, Any]) -> bytes:
         self._index += 1
-        self._open = kind
-        block = (
-            {"type": "thinking", "thinking": "", "signature": ""}
-            if kind == "thinking"
-            else {"type": "text", "text": ""}
-        )
-        return sse_event(
+        self._open = block
+        self._pieces = []
+        return self._frame(
             "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
         )
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+        return self._frame("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
 
     def _close(self) -> bytes:
-        if self._open is None:
+        block, self._open = self._open, None
+        if block is None:
             return b""
         out = b""
-        if self._open == "thinking":  # a thinking block ends with its (empty) signature
+        text = "".join(self._pieces)
+        if block["type"] == "thinking":  # a thinking block ends with its (empty) signature
             out += self._delta({"type": "signature_delta", "signature": ""})
-        self._open = None
-        return out + sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
-
-    def _open_tool_use(self, start: ToolCallStart) -> bytes:
-        """A tool_use block whose input follows as input_json_delta pieces of the arguments text
-        (concatenated, they are the arguments the whole answer's `input` is parsed from)."""
-        self._index += 1
-        self._open = "tool_use"
-        self._streamed.add(start.id)
-        block = {"type": "tool_use", "id": start.id, "name": start.name, "input": {}}
-        return sse_event(
-            "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
-        )
+            self.content.append({**block, "thinking": text})
+        elif block["type"] == "text":
+            self.content.append({**block, "text": text})
+        else:
+            self.content.append({**block, "input": tool_input(text)})
+        return out + self._frame("content_block_stop", {"type": "content_block_stop", "index": self._index})
 
     def _tool_use(self, call: ToolCall) -> bytes:
-        self._index += 1
-        block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+        """A call not streamed piece by piece: its block whole, its input in one piece."""
+        out = self._open_block(self._tool_use_block(call.id, call.name))
         partial = json.dumps(tool_input(call.arguments), ensure_ascii=False)
-        return (
-            sse_event(
-                "content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}
-            )
-            + self._delta({"type": "input_json_delta", "partial_json": partial})
-            + sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
-        )
+        self._pieces.append(partial)
+        return out + self._delta({"type": "input_json_delta", "partial_json": partial}) + self._close()
+
+    def _frame(self, name: str, data: dict[str, Any]) -> bytes:
+        return sse_event(name, data) if self._frames else b""

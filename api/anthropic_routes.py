@@ -15,7 +15,7 @@ from quart import Blueprint, Response
 from actors.handles import ServerHandles
 from actors.request import GenerationFailed, RequestActor
 from api import offload
-from api.anthropic_encode import AnthropicStream, message_object
+from api.anthropic_encode import AnthropicStream
 from api.anthropic_translate import count_request, messages_request
 from api.chat import prompt_token_count, start_chat
 from api.completion import (
@@ -47,19 +47,19 @@ def blueprint(handles: ServerHandles) -> Blueprint:
             started = await start_chat(handles, request, adapters=adapters)
         message_id = new_id("msg")
         model = model_name(handles, adapters)
-        if started.generation.stream:
-            stream = AnthropicStream(
-                message_id=message_id,
-                model=model,
-                input_tokens=len(started.prompt),
-                cached_tokens=started.actor.cached_tokens,  # known: the row opened before start_chat returned
-                cache_created_tokens=started.actor.cache_created_tokens,
-            )
-            return sse_response(_stream(started.actor, stream))
-        completion = await collect(started.actor)
-        return json_response(
-            message_object(completion, message_id=message_id, model=model), headers={"request-id": new_id("req")}
+        stream = AnthropicStream(
+            message_id=message_id,
+            model=model,
+            input_tokens=len(started.prompt),
+            cached_tokens=started.actor.cached_tokens,  # known: the row opened before start_chat returned
+            cache_created_tokens=started.actor.cache_created_tokens,
+            frames=started.generation.stream,
         )
+        if started.generation.stream:
+            return sse_response(_stream(started.actor, stream))
+        # The whole answer is the blocks its stream would have sent, from the same events.
+        completion = await collect(started.actor, on_events=stream.add)
+        return json_response(stream.message(completion), headers={"request-id": new_id("req")})
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:

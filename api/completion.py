@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
@@ -59,13 +60,16 @@ def finish(completion: Completion, actor: RequestActor[Event]) -> Completion:
     return completion
 
 
-async def collect(actor: RequestActor[Event]) -> Completion:
+async def collect(actor: RequestActor[Event], on_events: Callable[[list[Event]], object] | None = None) -> Completion:
     """Run an admitted generation to its end; closes the actor. A failure → ApiError with its
-    status (500 from the engine, 400 for an output constraint that failed)."""
+    status (500 from the engine, 400 for an output constraint that failed). `on_events` sees
+    every batch of events too (an encoder building the answer in generation order)."""
     completion = Completion()
     try:
         while (events := await actor.next_events()) is not None:
             add_events(completion, events)
+            if on_events is not None:
+                on_events(events)
     except GenerationFailed as exc:
         raise ApiError(exc.status, str(exc)) from exc
     finally:

@@ -1,5 +1,6 @@
 """An admitted generation's text events → a Responses API `response` object or its native SSE
-event stream, whose final object is what the response store keeps.
+event stream, whose final object is what the response store keeps; one ResponsesStream builds
+both from the same events, so a whole answer lists the items its stream would send.
 """
 
 from __future__ import annotations
@@ -196,29 +197,14 @@ def function_item_id(call: ToolCall) -> str:
     return f"fc_{suffix}" if suffix else new_id("fc")
 
 
-def response_object(completion: Completion, meta: ResponseMeta) -> dict[str, Any]:
-    status, incomplete = status_of(completion.finish_reason)
-    cut = item_status(status)  # the answer (or the reasoning it never left) was cut short
-    output: list[dict[str, Any]] = []
-    calls = completion.calls
-    if completion.reasoning:
-        output.append(
-            reasoning_item(new_id("rs"), completion.reasoning, "completed" if completion.content or calls else cut)
-        )
-    if completion.content or not calls:
-        output.append(message_item(new_id("msg"), completion.content, "completed" if calls else cut))
-    for n, call in enumerate(calls):  # only the last can be cut short: max_output_tokens in its arguments
-        output.append(function_call_item(function_item_id(call), call, cut if n == len(calls) - 1 else "completed"))
-    return meta.response(
-        status=status, output=output, usage=usage(completion.usage, completion.reasoning), incomplete=incomplete
-    )
-
-
 class ResponsesStream:
-    """The native Responses event stream, built from the completion's text events."""
+    """The Responses answer built from the completion's text events, in generation order: its
+    native event stream (`start`, `add`, `finish`) and the final object, whose output is the items
+    the stream sent (a whole answer is `response`; with `frames=False` no event is encoded)."""
 
-    def __init__(self, meta: ResponseMeta) -> None:
+    def __init__(self, meta: ResponseMeta, *, frames: bool = True) -> None:
         self.meta = meta
+        self._frames = frames
         self.output: list[dict[str, Any]] = []  # finished items, as the final object lists them
         self._seq = 0
         self._open: dict[str, Any] | None = None  # the item being streamed
@@ -277,6 +263,13 @@ class ResponsesStream:
             error={"code": "server_error", "message": error} if error is not None else None,
         )
         return out + self._event(f"response.{status}", response=final), final
+
+    def response(self, completion: Completion) -> dict[str, Any]:
+        """The final object of a completion whose every event was added: what `finish` announces."""
+        _, final = self.finish(
+            finish_reason=completion.finish_reason, openai_usage=completion.usage, reasoning=completion.reasoning
+        )
+        return final
 
     def error(self, message: str) -> bytes:
         return self._event("error", code="server_error", message=message, param=None)
@@ -385,6 +378,7 @@ class ResponsesStream:
         )
 
     def _event(self, event_type: str, **fields: Any) -> bytes:
-        payload = {"type": event_type, "sequence_number": self._seq, **fields}
         self._seq += 1
-        return sse_event(event_type, payload)
+        if not self._frames:
+            return b""
+        return sse_event(event_type, {"type": event_type, "sequence_number": self._seq - 1, **fields})

@@ -26,7 +26,7 @@ from api.errors import ApiError, bad_request
 from api.model_names import check_requested_model, model_name
 from api.pipeline.events import Event
 from api.response_store import ResponseStore, StoredResponse
-from api.responses_encode import ResponseMeta, ResponsesStream, response_object
+from api.responses_encode import ResponseMeta, ResponsesStream
 from api.responses_translate import input_items, output_to_input, responses_request, stored_input
 from api.wire import json_body, json_response, sse_response
 
@@ -86,7 +86,9 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
 
         if started.generation.stream:
             return sse_response(_stream(started.actor, ResponsesStream(meta), remember))
-        final = response_object(await collect(started.actor), meta)
+        # The whole answer is the items its stream would have sent, from the same events.
+        builder = ResponsesStream(meta, frames=False)
+        final = builder.response(await collect(started.actor, on_events=builder.add))
         remember(final)
         return json_response(final)
 

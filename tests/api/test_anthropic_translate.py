@@ -11,7 +11,7 @@ from api.anthropic_translate import count_request, messages_request
 from api.chat_request import ReasoningOptions
 from api.completion import Completion
 from api.errors import ApiError
-from api.pipeline.events import TextDelta, ToolCall, ToolCallsEvent
+from api.pipeline.events import TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from api.structured import ForcedToolCall
 from model import grammar
 
@@ -312,29 +312,35 @@ def test_stop_reason_and_usage_mapping():
     assert usage(cached) == {"input_tokens": 2, "output_tokens": 3, "cache_read_input_tokens": 8}
 
 
-def test_unparseable_tool_arguments_are_kept_raw():
+def test_tool_input_is_the_object_the_arguments_describe_so_far():
     assert tool_input('{"a": 1}') == {"a": 1}
-    assert tool_input("{oops") == {"_raw": "{oops"}
-    assert tool_input("[1]") == {"_raw": "[1]"}
+    assert tool_input('{"city": "Paris", "unit": "cel') == {"city": "Paris"}  # a cut call: no invented key
+    assert tool_input("{oops") == {}
+    assert tool_input("[1]") == {}
 
 
-def test_message_object_content_order():
+def test_message_object_content_in_generation_order():
     call = ToolCall("call_1", "f", '{"a": 1}')
-    completion = Completion(
-        content="Sure.",
-        reasoning="think",
-        calls=[call],
-        finish_reason="tool_calls",
-        usage={"prompt_tokens": 4, "completion_tokens": 2},
-    )
-    message = message_object(completion, message_id="msg_x", model="m")
+    events = [
+        TextDelta("reasoning", "think"),
+        TextDelta("content", "Sure."),
+        ToolCallStart(0, "call_1", "f"),
+        ToolCallDelta(0, '{"a": 1}'),
+        TextDelta("content", "Done."),
+        ToolCallsEvent((call,)),
+    ]
+    completion = Completion(finish_reason="tool_calls", usage={"prompt_tokens": 4, "completion_tokens": 2})
+    message = message_object(events, completion, message_id="msg_x", model="m")
+    [use] = [block for block in message["content"] if block["type"] == "tool_use"]
+    assert use["id"].startswith("toolu_01") and len(use["id"]) == len("toolu_01") + 22 and use["id"].isascii()
     assert message["content"] == [
         {"type": "thinking", "thinking": "think", "signature": ""},
         {"type": "text", "text": "Sure."},
-        {"type": "tool_use", "id": "call_1", "name": "f", "input": {"a": 1}},
+        {"type": "tool_use", "id": use["id"], "name": "f", "input": {"a": 1}},
+        {"type": "text", "text": "Done."},
     ]
     assert message["stop_reason"] == "tool_use"
-    empty = message_object(Completion(finish_reason="stop", usage={}), message_id="msg_y", model="m")
+    empty = message_object([], Completion(finish_reason="stop", usage={}), message_id="msg_y", model="m")
     assert empty["content"] == [{"type": "text", "text": ""}]
 
 

@@ -135,7 +135,7 @@ async def test_anthropic_streams_input_json_deltas(autojump_clock):
         (at, d) for at, name, d in frames if name == "content_block_start" and d["content_block"]["type"] == "tool_use"
     ]
     block = start[1]["content_block"]
-    assert block["name"] == "write_file" and block["input"] == {} and block["id"].startswith("call_")
+    assert block["name"] == "write_file" and block["input"] == {} and block["id"].startswith("toolu_01")
     index = start[1]["index"]
     pieces = [
         (at, d["delta"]["partial_json"])
