@@ -12,8 +12,9 @@ already admitted. Until then the worker still holds the id: mounting it again fr
 (weights unchanged) keeps it, cancelling the unmount; from anywhere else it is a conflict
 (`AdapterDraining`, 409) until those rows finish.
 
-Which adapters a row may stack is decided here too (`stack_problem`), from the kinds the worker
-reported on mount, so a request naming a stack the engine cannot run is the route's 400.
+Which adapters a row may stack is checked here too (model/adapter_stack.py `stack_problem`, the
+engine's own rule), from the kinds the worker reported on mount, so a request naming a stack the
+engine cannot run is the route's 400.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import trio
 from actors.policy import AdmissionCeiling, admission_ceiling
 from actors.startup import StartupFailed
 from actors.worker_api import AdapterNotMounted, AdapterReport, ModelInfo
+from model.adapter_stack import stack_problem
 from model.rows import RowSpec
 
 if TYPE_CHECKING:  # MLX: only ever on the worker's thread
@@ -49,23 +51,6 @@ class AdapterDraining(AdapterConflict):
 class AdapterNotStackable(AdapterNotMounted):
     """A row stacks adapters the engine cannot run together (the scheduler answers any
     `AdapterNotMounted` as that request's 400, as for an adapter unmounted after the route's check)."""
-
-
-class AdapterKind(Protocol):
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def fine_tune_type(self) -> str: ...
-
-
-def stack_problem(adapters: Sequence[AdapterKind]) -> str | None:
-    """Why these adapters cannot run stacked on one row, or None. DoRA rescales its layers' whole
-    outputs (model/lora.py), so a DoRA adapter runs alone."""
-    dora = [a.id for a in adapters if a.fine_tune_type == "dora"]
-    if len(adapters) > 1 and dora:
-        return f"adapter {dora[0]!r} is a DoRA adapter, which cannot be stacked with another: select it alone"
-    return None
 
 
 class AdapterMissing(KeyError):

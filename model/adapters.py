@@ -22,6 +22,7 @@ import attrs
 
 from model import lora
 from model.adapter_ids import adapter_id_problem
+from model.adapter_stack import stack_problem
 from model.language_model import LanguageModel
 
 FINGERPRINT_BYTES = 1 << 20  # of the weights file hashed (with its size): cheap, and enough
@@ -122,9 +123,8 @@ class AdapterSet:
         for aid in adapter_ids:
             if aid not in self._mounted or aid in self._leaving:
                 raise ValueError(f"adapter {aid!r} is not mounted")
-        dora = [aid for aid in adapter_ids if self._mounted[aid][1].fine_tune_type == "dora"]
-        if dora and len(adapter_ids) > 1:  # (before counting users: lora.select would refuse it)
-            raise ValueError(f"adapter {dora[0]!r} is a DoRA adapter, which cannot be stacked with another")
+        if problem := stack_problem([self._mounted[aid][1] for aid in adapter_ids]):
+            raise ValueError(problem)  # (before counting users: lora.select would refuse it)
         self._users.update(adapter_ids)
         return tuple(self._mounted[aid][0] for aid in adapter_ids)
 

@@ -32,6 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from model import lora_pack
+from model.adapter_stack import stack_problem
 from model.fused_projections import fusion_groups
 from model.language_model import LanguageModel
 from model.lora_delta import LORA_A, LORA_B, STATE_ATTR, RowMask, with_delta
@@ -286,7 +287,8 @@ def select(model: LanguageModel, rows: Sequence[Selection]) -> None:
 
     `rows[i]` is a tuple of mounted indices: () the base model, (a,) one adapter, (a, b) both
     deltas summed in that order. An empty `rows` (or all ()) selects the base model for any batch.
-    A DoRA adapter rescales its layers' outputs, so it cannot be stacked with another."""
+    A DoRA adapter rescales its layers' outputs, so it cannot be stacked with another
+    (model/adapter_stack.py, the rule the API and the registry check too)."""
     state = installed(model)
     rows = tuple(tuple(r) for r in rows)
     if state is None:
@@ -299,8 +301,8 @@ def select(model: LanguageModel, rows: Sequence[Selection]) -> None:
                 raise ValueError(f"adapter index {i} is not mounted")
         if len(set(selection)) != len(selection):
             raise ValueError(f"adapter selection {selection} names an adapter twice")
-        if len(selection) > 1 and any(state.adapters[i].is_dora for i in selection):
-            raise ValueError(f"adapter selection {selection}: a DoRA adapter cannot be stacked with another")
+        if problem := stack_problem([state.adapters[i] for i in selection]):
+            raise ValueError(problem)
     current = version(model)
     if rows == state.plan.rows and state.plan.version == current:
         return  # (decode selects every step: the same batch keeps its mask)

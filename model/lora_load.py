@@ -23,6 +23,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from model.adapter_stack import DORA
 from model.language_model import LanguageModel
 
 CONFIG_FILE = "adapter_config.json"
@@ -67,7 +68,7 @@ class Adapter:
 
     @property
     def is_dora(self) -> bool:
-        return self.fine_tune_type == "dora"
+        return self.fine_tune_type == DORA
 
     @property
     def nbytes(self) -> int:
