@@ -220,14 +220,6 @@ def over_budget_message(prompt_tokens: int, max_safe_context: int, *, choices: i
     )
 
 
-def clamp_max_tokens(prompt_tokens: int, requested: int, max_safe_context: int) -> int | None:
-    """max_tokens is a ceiling, not a promise: clamp to the room left; None = no room at all."""
-    available = max_safe_context - prompt_tokens
-    if available < 1:
-        return None
-    return min(requested, available)
-
-
 def fit_rows(
     ceiling: AdmissionCeiling, *, prompt_tokens: int, max_tokens: int, rows: int = 1
 ) -> int | Literal["window", "memory"]:

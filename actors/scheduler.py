@@ -120,11 +120,6 @@ class Scheduler:
 
     # -- views for admission and /stats
 
-    @property
-    def waiting(self) -> int:
-        """Rows waiting to be opened, counting enqueues still in the inbox's buffer."""
-        return self.table.queued_rows + self._inbox.statistics().current_buffer_used
-
     def pending_rows(self, enqueued: int) -> int:
         """Rows admitted and not opened yet (each choice of a request is one, counted from its
         first choice's admission: `rows_enqueued`), `enqueued` being admission's count of the rows

@@ -5,15 +5,14 @@ AnthropicStream from the same events, so a whole answer holds what its stream ac
 
 from __future__ import annotations
 
-import json
 import secrets
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from api.completion import Completion
-from api.partial_json import partial_object
-from api.pipeline.events import Event, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
+from api.partial_json import json_object
+from api.pipeline.events import Event, TextDelta, ToolCallDelta, ToolCallStart
 from api.wire import sse_event
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -49,8 +48,9 @@ def usage(openai_usage: Mapping[str, Any]) -> dict[str, Any]:
 
 def tool_input(arguments: str) -> dict[str, Any]:
     """A call's arguments as the `input` object: what the anthropic SDK rebuilds from them sent as
-    input_json_delta pieces (the object so far of arguments a cut left unfinished; {} if none)."""
-    return partial_object(arguments)
+    input_json_delta pieces (the object so far of arguments a cut left unfinished; {} if none),
+    always one `json.dumps` can encode (api/partial_json.py `json_object`)."""
+    return json_object(arguments)
 
 
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -61,19 +61,13 @@ def new_tool_use_id() -> str:
     return "toolu_01" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(22))
 
 
-def message_object(events: Iterable[Event], completion: Completion, *, message_id: str, model: str) -> dict[str, Any]:
-    """The whole message of a completion's events (what AnthropicStream would stream of them)."""
-    builder = AnthropicStream(message_id=message_id, model=model, input_tokens=0, frames=False)
-    builder.add(list(events))
-    return builder.message(completion)
-
-
 class AnthropicStream:
     """The Messages answer built from the completion's text events, in generation order: its
     native event stream (`start`, `add`, `finish`) and, from the same blocks, the whole message
     (`message`; with `frames=False` no frame is encoded). Both hold the same content: blocks open
     and close as the events come (text, calls, more text: as generated), and a tool_use `input` is
-    what the anthropic SDK rebuilds from its input_json_delta pieces (`tool_input`).
+    what the anthropic SDK rebuilds from its input_json_delta pieces (`tool_input`, computed only
+    by `message`: a stream sends the pieces, never the object).
 
     `input_tokens` is the whole prompt, `cached_tokens` its part restored from the prompt cache and
     `cache_created_tokens` the part stored at its breakpoints (both known once the row opened):
@@ -94,12 +88,11 @@ class AnthropicStream:
         self.input_tokens = input_tokens
         self.cached_tokens = cached_tokens
         self.cache_created_tokens = cache_created_tokens
-        self.content: list[dict[str, Any]] = []  # the closed blocks, as a client accumulates them
+        self._closed: list[tuple[dict[str, Any], str]] = []  # the closed blocks, with their text
         self._frames = frames
         self._index = -1
         self._open: dict[str, Any] | None = None  # the open block (its text or arguments still to come)
         self._pieces: list[str] = []  # the open block's text, thinking or arguments so far
-        self._ids: dict[str, str] = {}  # the pipeline's call id → its tool_use id
 
     def start(self) -> bytes:
         message: dict[str, Any] = {
@@ -129,17 +122,13 @@ class AnthropicStream:
     def add(self, events: list[Event]) -> bytes:
         out = b""
         for event in events:
-            if isinstance(event, ToolCallStart):  # a streamed call: its block stays open for its input
-                out += self._close() + self._open_block(self._tool_use_block(event.id, event.name))
+            if isinstance(event, ToolCallStart):  # every call streams: its block stays open for its input
+                out += self._close() + self._open_block(self._tool_use_block(event.name))
             elif isinstance(event, ToolCallDelta):
                 if self._open is not None and self._open["type"] == "tool_use":
                     self._pieces.append(event.arguments)
                     out += self._delta({"type": "input_json_delta", "partial_json": event.arguments})
-            elif isinstance(event, ToolCallsEvent):  # every call, at the end: send those not streamed
-                for call in event.calls:
-                    if call.id not in self._ids:
-                        out += self._close() + self._tool_use(call)
-            elif event.text:
+            elif isinstance(event, TextDelta) and event.text:  # (ToolCallsEvent: calls already streamed)
                 kind = "thinking" if event.kind == "reasoning" else "text"
                 if self._open is None or self._open["type"] != kind:
                     thinking = {"type": "thinking", "thinking": "", "signature": ""}
@@ -177,7 +166,7 @@ class AnthropicStream:
             "type": "message",
             "role": "assistant",
             "model": self.model,
-            "content": list(self.content),
+            "content": [self._content_block(block, text) for block, text in self._closed],
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": usage(completion.usage),
@@ -192,9 +181,9 @@ class AnthropicStream:
             out += self._open_block({"type": "text", "text": ""}) + self._close()
         return out
 
-    def _tool_use_block(self, call_id: str, name: str) -> dict[str, Any]:
-        tool_use_id = self._ids[call_id] = new_tool_use_id()
-        return {"type": "tool_use", "id": tool_use_id, "name": name, "input": {}}
+    @staticmethod
+    def _tool_use_block(name: str) -> dict[str, Any]:
+        return {"type": "tool_use", "id": new_tool_use_id(), "name": name, "input": {}}
 
     def _open_block(self, block: dict[str, Any]) -> bytes:
         self._index += 1
@@ -212,22 +201,19 @@ class AnthropicStream:
         if block is None:
             return b""
         out = b""
-        text = "".join(self._pieces)
         if block["type"] == "thinking":  # a thinking block ends with its (empty) signature
             out += self._delta({"type": "signature_delta", "signature": ""})
-            self.content.append({**block, "thinking": text})
-        elif block["type"] == "text":
-            self.content.append({**block, "text": text})
-        else:
-            self.content.append({**block, "input": tool_input(text)})
+        self._closed.append((block, "".join(self._pieces)))
         return out + self._frame("content_block_stop", {"type": "content_block_stop", "index": self._index})
 
-    def _tool_use(self, call: ToolCall) -> bytes:
-        """A call not streamed piece by piece: its block whole, its input in one piece."""
-        out = self._open_block(self._tool_use_block(call.id, call.name))
-        partial = json.dumps(tool_input(call.arguments), ensure_ascii=False)
-        self._pieces.append(partial)
-        return out + self._delta({"type": "input_json_delta", "partial_json": partial}) + self._close()
+    @staticmethod
+    def _content_block(block: dict[str, Any], text: str) -> dict[str, Any]:
+        """A closed block as the whole message holds it (as a client accumulates it)."""
+        if block["type"] == "thinking":
+            return {**block, "thinking": text}
+        if block["type"] == "text":
+            return {**block, "text": text}
+        return {**block, "input": tool_input(text)}
 
     def _frame(self, name: str, data: dict[str, Any]) -> bytes:
         return sse_event(name, data) if self._frames else b""

@@ -78,8 +78,8 @@ def resolve_generation(
     tool_format: str | None = None,
 ) -> Generation:
     """Request > server defaults (flags over generation_config.json over the fallback). Logprobs
-    are captured whenever asked, streamed or not: only the OpenAI routes ask, and their streams
-    carry them."""
+    are captured whenever asked, streamed or not: only chat and completions ask (their answers
+    and streams carry them); Messages and Responses never pass them."""
     sampling = attrs.evolve(
         fields.sampling.apply(defaults),
         logprobs=fields.logprobs,

@@ -186,25 +186,22 @@ def _failure_frames(exc: BaseException) -> bytes:
     return error + DONE_FRAME
 
 
-def _chat_delta(event: Event, streamed: set[str]) -> dict[str, Any] | None:
+def _chat_delta(event: Event) -> dict[str, Any] | None:
     """A chunk's delta; None for nothing to send. A call streams as vLLM's and OpenAI's do: a
-    header (index, id, type, name, arguments "") then `function.arguments` pieces; `streamed`
-    holds the ids of headers sent, whose calls the closing ToolCallsEvent must not repeat."""
+    header (index, id, type, name, arguments "") then `function.arguments` pieces; the closing
+    ToolCallsEvent repeats calls every one of which streamed, so it sends nothing."""
     if isinstance(event, ToolCallStart):
-        streamed.add(event.id)
         function = {"name": event.name, "arguments": ""}
         return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function", "function": function}]}
     if isinstance(event, ToolCallDelta):
         return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
     if isinstance(event, ToolCallsEvent):
-        calls = [_tool_call(call, index=i) for i, call in enumerate(event.calls) if call.id not in streamed]
-        return {"tool_calls": calls} if calls else None
+        return None
     return {event.kind: event.text}  # "content" | "reasoning"
 
 
-def _tool_call(call: ToolCall, *, index: int | None = None) -> dict[str, Any]:
-    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    return {"index": index, **out} if index is not None else out
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _merged(events: list[Event]) -> list[Event]:
@@ -248,7 +245,6 @@ async def chat_stream(
     try:
         yield b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(choices)))
         live = list(range(len(choices)))
-        streamed: list[set[str]] = [set() for _ in choices]  # per choice: the calls whose header went out
         while live:
             for index in list(live):
                 events = await choices[index].next_events()
@@ -258,7 +254,7 @@ async def chat_stream(
                     continue
                 if logprobs:
                     events = _merged(events)
-                deltas = [delta for event in events if (delta := _chat_delta(event, streamed[index])) is not None]
+                deltas = [delta for event in events if (delta := _chat_delta(event)) is not None]
                 if deltas:  # one write for every token that was waiting: one chunk per delta
                     yield b"".join([chunk(index, delta, tokens=i == 0) for i, delta in enumerate(deltas)])
         if include_usage:

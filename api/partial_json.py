@@ -5,21 +5,30 @@ A Messages answer's tool_use `input` is an object, never text, so a call cut by 
 whose markup broke after its header) needs one: the whole answer gives the object its streamed
 pieces already describe, which is what the SDK rebuilds from the stream. Open objects and
 arrays are closed; a string, number or literal the text ends inside is dropped, and with it the
-key it belonged to (as is a key still waiting for its value). Iterative: a deep nesting the
-model wrote cannot exhaust the stack.
+key it belonged to (as is a key still waiting for its value). Iterative, and nothing deeper
+than MAX_DEPTH is rebuilt (what lies above it is kept): a deep nesting the model wrote can
+exhaust neither this stack nor `json.dumps`'s.
+
+`json_object` is the reading for a whole answer: `json.loads` (C) when the text is whole JSON,
+the partial reading only when it is not, so a long finished call costs a parse, not a Python
+walk of every character.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
+
+MAX_DEPTH = 256  # nesting rebuilt at most: far beyond real arguments, far below the recursion limit
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 _NUMBER_CHARS = re.compile(r"[-+.eE0-9]*")
 _LITERALS = {"true": True, "false": False, "null": None}
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class _Cut(Exception):
@@ -34,6 +43,58 @@ def partial_object(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """`partial_object(text)`, parsed by `json.loads` when `text` is whole JSON; never what
+    JSON cannot encode: NaN / Infinity (and 1e400) are not read as numbers, nesting deeper than
+    MAX_DEPTH is cut there, and a lone UTF-16 surrogate (`\\ud800`) becomes U+FFFD."""
+    try:
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
+    except (ValueError, RecursionError):  # cut, broken, NaN / 1e400, a huge integer, too deep for json
+        value = partial_object(text)
+    else:
+        if not isinstance(value, dict):
+            return {}
+        if not _within_depth(text, value):
+            value = partial_object(text)  # (rebuilds only down to MAX_DEPTH)
+    return _without_lone_surrogates(value) if _SURROGATE_ESCAPE.search(text) else value
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if math.isinf(value):  # 1e400: JSON's grammar, but it would encode as Infinity
+        raise ValueError(f"number {token[:32]} is out of range")
+    return value
+
+
+def _within_depth(text: str, value: Any) -> bool:
+    if text.count("{") + text.count("[") <= MAX_DEPTH:  # (C-speed: no walk for usual arguments)
+        return True
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return False
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return True
+
+
+def _without_lone_surrogates(value: Any) -> Any:
+    """`value` with every lone surrogate in its strings replaced (they cannot be UTF-8 encoded).
+    Recursive: `value` is at most MAX_DEPTH deep."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_lone_surrogates(item) for item in value]
+    return value
 
 
 def _read(text: str) -> Any:
@@ -84,6 +145,8 @@ def _read(text: str) -> Any:
                     raise ValueError(f"unexpected {c!r} where ':' belongs")
                 expect, i = "value", i + 1
             elif c in "{[":
+                if len(stack) >= MAX_DEPTH:
+                    break  # deeper than is rebuilt: the value stops here, as if cut
                 container: dict[str, Any] | list[Any] = {} if c == "{" else []
                 add(container)  # an open container counts with what it holds so far
                 stack.append(container)
@@ -130,4 +193,4 @@ def _number(text: str, i: int) -> tuple[int | float, int]:
             raise _Cut  # "-", "1.", "1e+": a number the text ends inside
         raise ValueError("not a JSON number")
     token = match.group()
-    return (float(token) if match.group(1) or match.group(2) else int(token)), end
+    return (_finite_float(token) if match.group(1) or match.group(2) else int(token)), end

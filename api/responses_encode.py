@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.completion import Completion
-from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
+from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallStart
 from api.wire import new_id, sse_event
 
 
@@ -126,6 +126,12 @@ def _get(body: Mapping[str, Any], outer: str, inner: str) -> Any:
     return value.get(inner) if isinstance(value, Mapping) else None
 
 
+def error_code(status: int) -> str:
+    """A stream failure's code: the request's own output constraint failing (a 4xx before the
+    headers) is the client's `invalid_request_error`, anything else `server_error`."""
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
 def status_of(finish_reason: str | None) -> tuple[str, str | None]:
     """(status, incomplete reason): length → incomplete, everything else completed."""
     if finish_reason == "length":
@@ -178,15 +184,13 @@ def output_text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def function_call_item(
-    item_id: str, call: ToolCall, status: str = "completed", arguments: str | None = None
-) -> dict[str, Any]:
+def function_call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "function_call",
         "call_id": call.id,
         "name": call.name,
-        "arguments": call.arguments if arguments is None else arguments,
+        "arguments": call.arguments,
         "status": status,
     }
 
@@ -209,7 +213,6 @@ class ResponsesStream:
         self._seq = 0
         self._open: dict[str, Any] | None = None  # the item being streamed
         self._text = ""
-        self._streamed: set[str] = set()  # the calls whose function_call item went out piece by piece
 
     def start(self) -> bytes:
         skeleton = self.meta.response(status="in_progress", output=[], usage=None)
@@ -220,19 +223,13 @@ class ResponsesStream:
     def add(self, events: list[Event]) -> bytes:
         out = b""
         for event in events:
-            if isinstance(event, ToolCallStart):  # a streamed call: its item stays open for its arguments
+            if isinstance(event, ToolCallStart):  # every call streams: its item stays open for its arguments
                 out += self._close() + self._open_function_call(event)
             elif isinstance(event, ToolCallDelta) and self._open is not None:
                 self._open["arguments"].append(event.arguments)
                 ids = {"item_id": self._open["id"], "output_index": self._open["index"]}
                 out += self._event("response.function_call_arguments.delta", **ids, delta=event.arguments)
-            elif isinstance(event, ToolCallsEvent):  # every call, at the end: send those not streamed
-                unsent = [call for call in event.calls if call.id not in self._streamed]
-                if unsent:
-                    out += self._close()
-                for call in unsent:
-                    out += self._function_call(call)
-            elif isinstance(event, TextDelta) and event.text:
+            elif isinstance(event, TextDelta) and event.text:  # (ToolCallsEvent: calls already streamed)
                 kind = "reasoning" if event.kind == "reasoning" else "message"
                 item = self._open
                 if item is None or item["type"] != kind:
@@ -244,10 +241,17 @@ class ResponsesStream:
         return out
 
     def finish(
-        self, *, finish_reason: str | None, openai_usage: Mapping[str, Any], reasoning: str, error: str | None = None
+        self,
+        *,
+        finish_reason: str | None,
+        openai_usage: Mapping[str, Any],
+        reasoning: str,
+        error: str | None = None,
+        error_status: int = 500,
     ) -> tuple[bytes, dict[str, Any]]:
         """The closing frames and the final Response object (what the store keeps), announced
-        by the event its status names: response.completed, .incomplete or .failed."""
+        by the event its status names: response.completed, .incomplete or .failed (`error`, with
+        the HTTP status the failure would have had: `error_code`)."""
         if error is not None:
             status, incomplete = "failed", None
         else:
@@ -260,7 +264,7 @@ class ResponsesStream:
             output=list(self.output),
             usage=usage(openai_usage, reasoning),
             incomplete=incomplete,
-            error={"code": "server_error", "message": error} if error is not None else None,
+            error={"code": error_code(error_status), "message": error} if error is not None else None,
         )
         return out + self._event(f"response.{status}", response=final), final
 
@@ -271,8 +275,8 @@ class ResponsesStream:
         )
         return final
 
-    def error(self, message: str) -> bytes:
-        return self._event("error", code="server_error", message=message, param=None)
+    def error(self, message: str, *, status: int = 500) -> bytes:
+        return self._event("error", code=error_code(status), message=message, param=None)
 
     # -- items
 
@@ -354,28 +358,10 @@ class ResponsesStream:
         index = len(self.output)
         call = ToolCall(start.id, start.name, "")
         item_id = function_item_id(call)
-        self._streamed.add(start.id)
         self._open = {"type": "function_call", "id": item_id, "index": index, "call_id": start.id, "name": start.name}
         self._open["arguments"] = []  # the pieces so far
         added = function_call_item(item_id, call, status="in_progress")
         return self._event("response.output_item.added", output_index=index, item=added)
-
-    def _function_call(self, call: ToolCall) -> bytes:
-        index = len(self.output)
-        item_id = function_item_id(call)
-        ids = {"item_id": item_id, "output_index": index}
-        done = function_call_item(item_id, call)
-        self.output.append(done)
-        return (
-            self._event(
-                "response.output_item.added",
-                output_index=index,
-                item=function_call_item(item_id, call, status="in_progress", arguments=""),
-            )
-            + self._event("response.function_call_arguments.delta", **ids, delta=call.arguments)
-            + self._event("response.function_call_arguments.done", **ids, name=call.name, arguments=call.arguments)
-            + self._event("response.output_item.done", output_index=index, item=done)
-        )
 
     def _event(self, event_type: str, **fields: Any) -> bytes:
         self._seq += 1

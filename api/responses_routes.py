@@ -18,7 +18,7 @@ from typing import Any
 from quart import Blueprint, Response, request
 
 from actors.handles import ServerHandles
-from actors.request import RequestActor
+from actors.request import GenerationFailed, RequestActor
 from api import offload
 from api.chat import start_chat, vocab_size
 from api.completion import Completion, add_events, collect, finish, log_stream_failure
@@ -168,9 +168,14 @@ async def _stream(
     except Exception as exc:  # after the headers an exception would only truncate the body
         log_stream_failure(exc, "responses")
         message = str(exc) or type(exc).__name__
-        error = stream.error(message)  # the protocol's error event, then its normal closing frames
+        status = exc.status if isinstance(exc, GenerationFailed) else 500  # 400: the request's own constraint
+        error = stream.error(message, status=status)  # the protocol's error event, then its normal closing frames
         closing, _ = stream.finish(
-            finish_reason="stop", openai_usage=actor.usage(), reasoning=completion.reasoning, error=message
+            finish_reason="stop",
+            openai_usage=actor.usage(),
+            reasoning=completion.reasoning,
+            error=message,
+            error_status=status,
         )
         yield error + closing
     finally:

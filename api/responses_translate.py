@@ -39,9 +39,7 @@ GENERATION_FIELDS = (
     "presence_context_size",
     "frequency_penalty",
     "frequency_context_size",
-    "logprobs",
-    "top_logprobs",
-)
+)  # not logprobs / top_logprobs: output_text parts carry no logprobs here, so none are captured
 TOOL_CHOICES = ("none", "auto", "required")
 # Tuples, not sets: a part's "type" or an item's "role" may be any JSON value, and
 # `[] in frozenset(...)` raises TypeError (unhashable) where a tuple compares with ==.

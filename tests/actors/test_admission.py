@@ -16,7 +16,6 @@ from actors.policy import (
     SeedSource,
     admission_ceiling,
     batch_mode,
-    clamp_max_tokens,
     fit_rows,
     memory_budget_bytes,
     place,
@@ -72,12 +71,6 @@ def test_budget_is_decimal_gb_or_three_quarters_of_memory():
     assert memory_budget_bytes(1.5) == 1_500_000_000
     assert memory_budget_bytes(None, device_memory_bytes=8_000_000_000) == 6_000_000_000
     assert memory_budget_bytes(None) > 0  # system RAM
-
-
-def test_max_tokens_is_clamped_to_the_room_left_and_none_when_no_room():
-    assert clamp_max_tokens(10, 100, 50) == 40
-    assert clamp_max_tokens(10, 5, 50) == 5
-    assert clamp_max_tokens(50, 5, 50) is None
 
 
 def test_only_the_rows_beyond_the_free_slots_wait():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from api.anthropic_encode import AnthropicStream, message_object, stop_reason, tool_input, usage
+from api.anthropic_encode import AnthropicStream, stop_reason, tool_input, usage
 from api.anthropic_translate import count_request, messages_request
 from api.chat_request import ReasoningOptions
 from api.completion import Completion
@@ -319,7 +319,14 @@ def test_tool_input_is_the_object_the_arguments_describe_so_far():
     assert tool_input("[1]") == {}
 
 
-def test_message_object_content_in_generation_order():
+def whole_message(events: list, completion: Completion) -> dict:
+    """The whole answer as the route builds it: the stream's encoder without frames."""
+    builder = AnthropicStream(message_id="msg_x", model="m", input_tokens=0, frames=False)
+    assert builder.add(events) == b""
+    return builder.message(completion)
+
+
+def test_whole_message_content_in_generation_order():
     call = ToolCall("call_1", "f", '{"a": 1}')
     events = [
         TextDelta("reasoning", "think"),
@@ -330,7 +337,7 @@ def test_message_object_content_in_generation_order():
         ToolCallsEvent((call,)),
     ]
     completion = Completion(finish_reason="tool_calls", usage={"prompt_tokens": 4, "completion_tokens": 2})
-    message = message_object(events, completion, message_id="msg_x", model="m")
+    message = whole_message(events, completion)
     [use] = [block for block in message["content"] if block["type"] == "tool_use"]
     assert use["id"].startswith("toolu_01") and len(use["id"]) == len("toolu_01") + 22 and use["id"].isascii()
     assert message["content"] == [
@@ -340,19 +347,37 @@ def test_message_object_content_in_generation_order():
         {"type": "text", "text": "Done."},
     ]
     assert message["stop_reason"] == "tool_use"
-    empty = message_object([], Completion(finish_reason="stop", usage={}), message_id="msg_y", model="m")
+    empty = whole_message([], Completion(finish_reason="stop", usage={}))
     assert empty["content"] == [{"type": "text", "text": ""}]
+
+
+def test_a_stream_never_builds_tool_use_inputs(monkeypatch):
+    """A stream sends the input as its pieces: the object (a parse of the whole arguments) is
+    only the whole answer's."""
+
+    def no_input(arguments: str) -> dict:
+        raise AssertionError("a stream built a tool_use input")
+
+    monkeypatch.setattr("api.anthropic_encode.tool_input", no_input)
+    stream = AnthropicStream(message_id="msg_x", model="m", input_tokens=5)
+    arguments = json.dumps({"rows": list(range(10_000))})
+    data = stream.start() + stream.add([ToolCallStart(0, "call_1", "f"), ToolCallDelta(0, arguments)])
+    data += stream.add([TextDelta("content", "after"), ToolCallsEvent((ToolCall("call_1", "f", arguments),))])
+    data += stream.finish(finish_reason="tool_calls", matched_stop=None, openai_usage={})
+    deltas = [e["delta"] for e in frames(data) if e["type"] == "content_block_delta"]
+    assert deltas[0] == {"type": "input_json_delta", "partial_json": arguments}
 
 
 def frames(data: bytes) -> list[dict]:
     return [json.loads(f.split("data: ", 1)[1]) for f in data.decode().split("\n\n") if f.strip()]
 
 
-def test_stream_switches_blocks_and_emits_tools_whole():
+def test_stream_switches_blocks_and_streams_tools():
     stream = AnthropicStream(message_id="msg_x", model="m", input_tokens=5)
     data = stream.start()
     data += stream.add([TextDelta("reasoning", "a"), TextDelta("reasoning", "b")])
-    data += stream.add([TextDelta("content", "c"), ToolCallsEvent((ToolCall("call_1", "f", '{"a": 1}'),))])
+    data += stream.add([TextDelta("content", "c"), ToolCallStart(0, "call_1", "f"), ToolCallDelta(0, '{"a": 1}')])
+    data += stream.add([ToolCallsEvent((ToolCall("call_1", "f", '{"a": 1}'),))])  # (every call already streamed)
     data += stream.finish(
         finish_reason="tool_calls", matched_stop=None, openai_usage={"prompt_tokens": 5, "completion_tokens": 4}
     )

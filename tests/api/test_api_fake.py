@@ -232,7 +232,7 @@ async def test_full_queue_is_503_with_retry_after(autojump_clock):
             await trio.sleep(0.5)
             nursery.start_soon(stream, "queued")
             await trio.sleep(0.5)
-            assert handles.scheduler.waiting == 1
+            assert handles.admission.waiting_rows == 1  # what --max-queue bounds
             refused = await client.post("/v1/completions", json={"prompt": "go"})
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         assert (await error_of(refused))["code"] == "queue_full"

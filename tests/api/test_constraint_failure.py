@@ -131,3 +131,7 @@ async def test_responses_whole_and_stream(autojump_clock):
         stream = await client.post("/v1/responses", json={"input": "x", "max_output_tokens": 10, "stream": True})
         text = (await stream.get_data()).decode()
     assert "event: error" in text and "response.failed" in text and "response.completed" not in text
+    events = {e["type"]: e for e in (json.loads(f.split("data: ", 1)[1]) for f in text.split("\n\n") if f.strip())}
+    # The request's own constraint failed: the client's error, as chat and Anthropic report it.
+    assert (events["error"]["code"], events["error"]["message"]) == ("invalid_request_error", MESSAGE)
+    assert events["response.failed"]["response"]["error"] == {"code": "invalid_request_error", "message": MESSAGE}

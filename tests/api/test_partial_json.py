@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.partial_json import partial_object
+from api.partial_json import MAX_DEPTH, json_object, partial_object
 
 jiter = pytest.importorskip("jiter")
 
@@ -63,9 +63,53 @@ def test_examples(text, expected):
     assert partial_object(text) == expected
 
 
+def depth_of(value: object) -> int:
+    depth = 0
+    while isinstance(value, (dict, list)) and value:
+        depth, value = depth + 1, next(iter(value.values())) if isinstance(value, dict) else value[0]
+    return depth + 1
+
+
 def test_deep_nesting_does_not_exhaust_the_stack():
     value = partial_object('{"a": ' + "[" * 100_000)  # a model may write that; no RecursionError
-    depth, inner = 0, value["a"]
-    while inner:
-        depth, inner = depth + 1, inner[0]
-    assert depth == 100_000 - 1
+    assert depth_of(value) == MAX_DEPTH  # nothing deeper is rebuilt: json.dumps can encode it
+    json.dumps(value)
+
+
+@pytest.mark.parametrize("text", ['{"a": ' + "[" * 2_000, '{"a": ' + "[" * 600 + "]" * 600 + "}"])
+def test_json_object_is_never_deeper_than_json_dumps_can_go(text):
+    value = json_object(text)
+    assert depth_of(value) == MAX_DEPTH
+    assert json.loads(json.dumps(value)) == value
+
+
+def test_json_object_of_whole_json_is_json_loads(monkeypatch):
+    big = {"rows": [{"id": i, "name": f"row {i}", "tags": ["a", "b"], "score": i / 7} for i in range(4_000)]}
+    text = json.dumps(big)
+    assert len(text) > 200_000
+
+    def no_partial_reading(text: str) -> dict:
+        raise AssertionError("whole JSON is parsed by json.loads, not walked character by character")
+
+    monkeypatch.setattr("api.partial_json.partial_object", no_partial_reading)
+    assert json_object(text) == json.loads(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"city": "Paris", "unit": "cel', {"city": "Paris"}),  # cut: the partial reading
+        ('{"a": 1} trailing', {"a": 1}),
+        ("[1]", {}),
+        ('{"a": NaN}', {}),  # not JSON: never a NaN that would encode as invalid JSON
+        ('{"a": 1, "b": Infinity}', {}),
+        ('{"a": 1e400}', {}),  # would encode as Infinity
+        ('{"a": 1, "b": 1e400', {}),  # the partial reading too
+        ('{"a": "x\\ud800y", "\\udc00": ["\\ud83d\\ude00"]}', {"a": "x\ufffdy", "\ufffd": ["\U0001f600"]}),
+        ('{"a": "x\\ud800', {}),
+    ],
+)
+def test_json_object_examples(text, expected):
+    value = json_object(text)
+    assert value == expected
+    json.dumps(value, ensure_ascii=False).encode()  # always encodable, as UTF-8 too

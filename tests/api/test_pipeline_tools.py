@@ -95,6 +95,43 @@ def test_arguments_keep_non_ascii_and_string_arguments_are_decoded():
     assert sink.tool_calls[0].arguments == '{"city": "東京"}'
 
 
+@pytest.mark.parametrize(
+    ("arguments", "is_call"),
+    [
+        ('{"city": "Paris", "deep": ' + "[" * 1_500 + "]" * 1_500 + "}", True),  # deeper than json.loads goes
+        ('{"a": NaN}', False),  # not JSON: it would not re-encode as JSON
+        ('{"a": -Infinity}', False),
+        ("[1]", False),
+        ('{"a": 1} x', False),
+        (" ", True),  # blank: "{}"
+    ],
+)
+def test_string_arguments_must_hold_one_json_object(arguments, is_call):
+    body = json.dumps({"name": "f", "arguments": arguments})
+    sink, _, _ = run([f"<tool_call>{body}</tool_call>"], "hermes")
+    assert [call.arguments for call in sink.tool_calls] == ([arguments.strip() or "{}"] if is_call else [])
+
+
+def test_string_arguments_are_checked_in_one_parse_not_a_character_scan(monkeypatch):
+    """A decoded arguments string is whole at once: json.loads checks it (C), never the
+    per-character scanner (~0.5 s a megabyte on the event loop)."""
+    from api.pipeline.tools import json_calls
+
+    arguments = json.dumps({"rows": [{"id": i, "v": [i, i / 2, None, True]} for i in range(2_000)]})
+    fed: list[str] = []
+
+    class Recording(json_calls.JsonScanner):
+        def feed(self, text: str, position: int = 0) -> int:
+            fed.append(text[position:])
+            return super().feed(text, position)
+
+    monkeypatch.setattr(json_calls, "JsonScanner", Recording)
+    body = json.dumps({"name": "f", "arguments": arguments})
+    sink, _, _ = run([f"<tool_call>{body}</tool_call>"], "hermes")
+    assert [call.arguments for call in sink.tool_calls] == [arguments]
+    assert arguments not in fed
+
+
 def test_tool_call_inside_reasoning_is_extracted():
     # mlx-lm's TextStateMachine lets a call start from the reasoning state; so do we.
     text = f"<think>I need the weather<tool_call>{WEATHER}</tool_call></think>ok"

@@ -9,7 +9,7 @@ import pytest
 
 from api.chat_request import ChatRequest, ReasoningOptions
 from api.errors import ApiError
-from api.pipeline.events import TextDelta, ToolCall, ToolCallsEvent
+from api.pipeline.events import TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from api.responses_encode import ResponseMeta, ResponsesStream, reasoning_token_estimate
 from api.responses_translate import (
     INCLUDE_VALUES,
@@ -287,6 +287,14 @@ def test_known_include_values_store_and_parallel_tool_calls_pass():
     assert chat_of({"input": "x", "parallel_tool_calls": False}).parallel_tool_calls is False
 
 
+def test_logprobs_are_not_captured():
+    """Output_text parts carry no logprobs here (always []), so asking captures none: the row
+    would compute them for nothing."""
+    body = {"input": "x", "logprobs": True, "top_logprobs": 5, "include": ["message.output_text.logprobs"]}
+    generation = chat_of(body).generation
+    assert (generation.logprobs, generation.top_logprobs) == (False, 0)
+
+
 def test_a_reference_beside_real_items_is_still_dropped():
     reference = {"type": "item_reference", "id": "msg_1"}
     assert chat_of({"input": [reference, {"role": "user", "content": "hi"}]}).prompt.messages == (
@@ -344,7 +352,8 @@ def test_stream_items_in_order():
     stream = ResponsesStream(meta)
     data = stream.start()
     data += stream.add([TextDelta("reasoning", "think"), TextDelta("content", "Hi")])
-    data += stream.add([ToolCallsEvent((ToolCall("call_ab12", "f", '{"a": 1}'),))])
+    data += stream.add([ToolCallStart(0, "call_ab12", "f"), ToolCallDelta(0, '{"a": 1}')])
+    data += stream.add([ToolCallsEvent((ToolCall("call_ab12", "f", '{"a": 1}'),))])  # (every call already streamed)
     closing, final = stream.finish(
         finish_reason="tool_calls", openai_usage={"prompt_tokens": 3, "completion_tokens": 5}, reasoning="think"
     )

@@ -22,6 +22,7 @@ import trio
 from actors.options import ServeConfig
 from actors.root import start_actors
 from api.app import create_app
+from api.partial_json import MAX_DEPTH
 from tests.fakes import FakeTokenizer, FakeWorker, ScriptDetokenizer
 
 anthropic = pytest.importorskip("anthropic")
@@ -187,6 +188,68 @@ async def test_anthropic_call_broken_after_its_header_reads_the_same_both_ways(a
     whole, streamed = await anthropic_pair(BROKEN_CALL, 100)
     assert whole == streamed
     assert [(b["type"], b.get("input")) for b in whole["content"]] == [("tool_use", {"city": "Paris"})]
+
+
+def call_script(arguments: str) -> list[str]:
+    return ["<tool_call>", '\n{"name": "get_weather", "arguments": ', arguments, "}\n", "</tool_call>"]
+
+
+async def test_anthropic_deeply_nested_cut_call_is_still_an_answer(autojump_clock):
+    """A call cut 2,000 arrays deep: its input is rebuilt only to a depth JSON encoding takes
+    (never a RecursionError, a 500), whole or streamed."""
+    body = {
+        "model": "fake-model",
+        "max_tokens": 3,  # the cut: inside the arguments
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"name": "get_weather", "input_schema": SCHEMA}],
+    }
+    async with server(call_script('{"city": "Paris", "deep": ' + "[" * 2_000)) as client:
+        response = await client.post("/v1/messages", json=body)
+        assert response.status_code == 200
+        message = await response.get_json()
+        streamed = await client.post("/v1/messages", json={**body, "stream": True})
+        assert streamed.status_code == 200 and b"event: message_stop" in await streamed.get_data()
+    [use] = message["content"]
+    assert use["input"]["city"] == "Paris" and message["stop_reason"] == "max_tokens"
+    depth, inner = 1, use["input"]["deep"]
+    while inner:
+        depth, inner = depth + 1, inner[0]
+    assert depth == MAX_DEPTH - 1  # counting the object: the array at MAX_DEPTH is the (empty) last
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ('{"city": "Pa\\ud800ris"}', {"city": "Pa\ufffdris"}),  # a lone surrogate cannot be UTF-8
+        ('{"city": "Paris", "n": 1e400}', {}),  # would encode as Infinity, which is not JSON
+    ],
+)
+async def test_anthropic_whole_answer_input_is_always_encodable(autojump_clock, arguments, expected):
+    body = {
+        "model": "fake-model",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"name": "get_weather", "input_schema": SCHEMA}],
+    }
+    async with server(call_script(arguments)) as client:
+        response = await client.post("/v1/messages", json=body)
+        assert response.status_code == 200
+        [use] = (await response.get_json())["content"]
+    assert use["input"] == expected
+
+
+async def test_anthropic_big_whole_call_input_is_its_json(autojump_clock):
+    arguments = json.dumps({"city": "Paris", "rows": [{"id": i, "note": f"n{i}", "x": i / 3} for i in range(3_000)]})
+    body = {
+        "model": "fake-model",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"name": "get_weather", "input_schema": SCHEMA}],
+    }
+    async with server(call_script(arguments)) as client:
+        message = await (await client.post("/v1/messages", json=body)).get_json()
+    [use] = message["content"]
+    assert use["input"] == json.loads(arguments) and message["stop_reason"] == "tool_use"
 
 
 async def test_anthropic_tool_use_ids_are_anthropic_shaped(autojump_clock):

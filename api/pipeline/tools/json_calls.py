@@ -221,7 +221,26 @@ class JsonCallParser(CallParser):
 
 
 def is_json_object(text: str) -> bool:
-    """Whether `text` is exactly one JSON object (surrounding whitespace aside)."""
+    """Whether `text` is exactly one JSON object (surrounding whitespace aside), NaN / Infinity
+    not being JSON. One C parse: the whole string is at hand, so no per-character scan."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, _NotJson):
+        return False
+    except (RecursionError, ValueError):  # nested past json's recursion limit, or a too-long integer
+        return _scanned_object(text)  # (still JSON: the scanner has neither limit)
+    return isinstance(value, dict)
+
+
+class _NotJson(Exception):
+    pass
+
+
+def _reject_constant(name: str) -> None:
+    raise _NotJson(name)
+
+
+def _scanned_object(text: str) -> bool:
     scanner = JsonScanner()
     try:
         end = scanner.feed(text)
