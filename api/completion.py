@@ -34,12 +34,21 @@ TIMED_OUT = _Wait.TIMED_OUT
 class Completion:
     """One finished completion, accumulated from the actor's text events."""
 
-    content: str = ""
-    reasoning: str = ""
+    # The text as pieces (`+=` on an attribute copies the whole string every event).
+    content_parts: list[str] = attrs.Factory(list)
+    reasoning_parts: list[str] = attrs.Factory(list)
     calls: list[ToolCall] = attrs.Factory(list)
     finish_reason: str | None = None
     usage: dict[str, Any] = attrs.Factory(dict)
     matched_stop: str | None = None
+
+    @property
+    def content(self) -> str:
+        return "".join(self.content_parts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
 
 
 def add_events(completion: Completion, events: list[Event]) -> None:
@@ -47,9 +56,9 @@ def add_events(completion: Completion, events: list[Event]) -> None:
         if isinstance(event, ToolCallsEvent):
             completion.calls.extend(event.calls)
         elif isinstance(event, TextDelta) and event.kind == "reasoning":
-            completion.reasoning += event.text
+            completion.reasoning_parts.append(event.text)
         elif isinstance(event, TextDelta):
-            completion.content += event.text
+            completion.content_parts.append(event.text)
 
 
 def finish(completion: Completion, actor: RequestActor[Event]) -> Completion:

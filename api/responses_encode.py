@@ -212,7 +212,7 @@ class ResponsesStream:
         self.output: list[dict[str, Any]] = []  # finished items, as the final object lists them
         self._seq = 0
         self._open: dict[str, Any] | None = None  # the item being streamed
-        self._text = ""
+        self._parts: list[str] = []  # the open item's text (`+=` would copy it every token)
 
     def start(self) -> bytes:
         skeleton = self.meta.response(status="in_progress", output=[], usage=None)
@@ -236,7 +236,7 @@ class ResponsesStream:
                     out += self._close()
                     frames, item = self._open_item(kind)
                     out += frames
-                self._text += event.text
+                self._parts.append(event.text)
                 out += self._text_delta(item, event.text)
         return out
 
@@ -283,7 +283,7 @@ class ResponsesStream:
     def _open_item(self, kind: str) -> tuple[bytes, dict[str, Any]]:
         """The frames that open a reasoning or message item, and the item (now `_open`)."""
         index = len(self.output)
-        self._text = ""
+        self._parts = []
         if kind == "reasoning":
             item_id = new_id("rs")
             self._open = {"type": "reasoning", "id": item_id, "index": index}
@@ -331,25 +331,24 @@ class ResponsesStream:
         if item is None:
             return b""
         ids = {"item_id": item["id"], "output_index": item["index"]}
+        text = "".join(self._parts)
         if item["type"] == "function_call":  # a streamed call; cut short unless the response completed
             call = ToolCall(item["call_id"], item["name"], "".join(item["arguments"]))
             done = function_call_item(item["id"], call, status)
             out = self._event("response.function_call_arguments.done", **ids, name=call.name, arguments=call.arguments)
         elif item["type"] == "reasoning":
-            done = reasoning_item(item["id"], self._text, status)
-            out = self._event(
-                "response.reasoning_summary_text.done", **ids, summary_index=0, text=self._text
-            ) + self._event(
+            done = reasoning_item(item["id"], text, status)
+            out = self._event("response.reasoning_summary_text.done", **ids, summary_index=0, text=text) + self._event(
                 "response.reasoning_summary_part.done",
                 **ids,
                 summary_index=0,
-                part={"type": "summary_text", "text": self._text},
+                part={"type": "summary_text", "text": text},
             )
         else:
-            done = message_item(item["id"], self._text, status)
+            done = message_item(item["id"], text, status)
             out = self._event(
-                "response.output_text.done", **ids, content_index=0, text=self._text, logprobs=[]
-            ) + self._event("response.content_part.done", **ids, content_index=0, part=output_text_part(self._text))
+                "response.output_text.done", **ids, content_index=0, text=text, logprobs=[]
+            ) + self._event("response.content_part.done", **ids, content_index=0, part=output_text_part(text))
         self.output.append(done)
         return out + self._event("response.output_item.done", output_index=item["index"], item=done)
 

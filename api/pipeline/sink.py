@@ -69,9 +69,18 @@ class CompletionSink:
         self._open_call: ToolCallStart | None = None  # the call being streamed
         self._open_arguments: list[str] = []  # its arguments so far
         self._cut_at_end = False  # the generation ended inside a call's arguments
-        self.content = ""
-        self.reasoning = ""
+        # The text so far, as pieces: `+=` on an attribute copies the whole string every token.
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
         self.finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once finished
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
 
     def fresh(self, detokenizer: StreamingDetokenizer) -> CompletionSink:
         """A new sink configured as this one was, reading `detokenizer` (another choice)."""
@@ -161,10 +170,7 @@ class CompletionSink:
             if isinstance(event, TextDelta):
                 if not event.text:
                     continue
-                if event.kind == "content":
-                    self.content += event.text
-                else:
-                    self.reasoning += event.text
+                (self._content if event.kind == "content" else self._reasoning).append(event.text)
                 if isinstance(last, TextDelta) and last.kind == event.kind:
                     event = TextDelta(event.kind, last.text + event.text)
                     merged.pop()
