@@ -12,7 +12,7 @@ from model import lora
 from model.decoder import DecoderLayer, DecoderModel
 from model.fused_projections import fuse_projections
 from model.kv_cache import LayerCache
-from model.lora_delta import LORA_A, LORA_B
+from model.lora_delta import PACKED_KEYS
 
 # What a compiled stage takes per layer: {"p": its parameters, "h": its hidden arrays (fused
 # weights: `_`-named, so not parameters) and "l": its packed adapter arrays, by (module path, key)}.
@@ -30,7 +30,11 @@ def _structure(layer: nn.Module) -> tuple[Any, ...]:
             for k, v in vars(module).items()
             if k not in skip and isinstance(v, (bool, int, float, str, type(None), tuple))
         )
-        hidden = sorted(k for k, v in module.items() if k.startswith("_") and isinstance(v, mx.array))
+        hidden = sorted(
+            k
+            for k, v in module.items()
+            if k.startswith("_") and isinstance(v, mx.array) and not k.endswith(PACKED_KEYS)
+        )
         out.append((name, type(module).__name__, tuple(plain), tuple(hidden)))
     return tuple(out)
 
@@ -41,7 +45,7 @@ def _layer_inputs(layer: DecoderLayer) -> LayerInputs:
     for name, module in layer.named_modules():
         for key, value in module.items():
             if key.startswith("_") and isinstance(value, mx.array):
-                (adapters if key.endswith((LORA_A, LORA_B)) else hidden)[(name, key)] = value
+                (adapters if key.endswith(PACKED_KEYS) else hidden)[(name, key)] = value
     return {"p": layer.parameters(), "h": hidden, "l": adapters}
 
 
@@ -66,7 +70,8 @@ class CompiledDecode:
 
     LoRA adapters (model/lora.py): the rows' adapter mask (and the LM head's packed arrays) are
     inputs of every stage, and the layers' packed arrays are layer inputs like the weights, given
-    only while some row has a delta; so mounting or unmounting re-reads the layers (`ready`) but
+    only while some row has a delta (layers adapters do not reach have none: a stage is traced
+    per pair of layer shapes it meets); so mounting or unmounting re-reads the layers (`ready`) but
     keeps every trace whose shapes still hold (base-only steps keep theirs). A selection only the
     eager wrappers run (DoRA) makes `ready` False.
     """
@@ -89,6 +94,7 @@ class CompiledDecode:
         self._version = lora.version(self.model)
         self._params = [_layer_inputs(layer) for layer in layers]
         self._base_params = [{**p, "l": {}} for p in self._params]  # (steps with no delta)
+        self._packed = {where for p in self._params for where in p["l"]}
         self._template = layers[0] if layers else None
         self._modules = dict(self._template.named_modules()) if self._template is not None else {}
 
@@ -104,6 +110,8 @@ class CompiledDecode:
         t.update(params["p"])
         for (name, key), value in (params["h"] | params["l"]).items():
             self._modules[name][key] = value
+        for name, key in self._packed - params["l"].keys():  # (layers differ in which products adapters reach)
+            self._modules[name].pop(key, None)
         return t
 
     def _restore(self) -> None:

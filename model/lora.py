@@ -35,7 +35,7 @@ from model import lora_pack
 from model.adapter_stack import stack_problem
 from model.fused_projections import fusion_groups
 from model.language_model import LanguageModel
-from model.lora_delta import LORA_A, LORA_B, STATE_ATTR, RowMask, with_delta
+from model.lora_delta import LORA_B, PACKED_KEYS, STATE_ATTR, RowMask, with_delta
 from model.lora_load import (
     LINEAR_TYPES,
     Adapter,
@@ -125,8 +125,7 @@ class AdaptedLinear(nn.Module):
         plan = state.plan
         if plan.packed:
             y = self.base(x)
-            a, rows = self.get(LORA_A), state.rows
-            return y if a is None or rows is None else with_delta(y, x, a, self[LORA_B], rows)
+            return y if state.rows is None else with_delta(y, x, self, "", state.rows)
         if plan.uniform is not None:
             return self._apply(x, self._deltas(plan.uniform))
         if x.shape[0] != len(plan.rows):
@@ -236,7 +235,7 @@ def version(model: LanguageModel) -> int:
 def _repack(model: LanguageModel, state: LoraState) -> None:
     state.packing = lora_pack.pack(model, state.adapters)
     state.top = {
-        name: m for name, m in named_modules(model) if isinstance(m, AdaptedLinear) and m.key[0] is None and LORA_A in m
+        name: m for name, m in named_modules(model) if isinstance(m, AdaptedLinear) and m.key[0] is None and LORA_B in m
     }
     state.plan, state.rows = Plan(version=-1), None  # (select again before a forward)
     _bump(model)
@@ -354,7 +353,7 @@ def step_inputs(model: LanguageModel) -> dict[str, Any]:
     if state is None or state.rows is None:
         return {}
     # (state.top, read at each repack: walking the model's modules here cost 17 ms a step at 32 layers)
-    top = {path: {k: w[k] for k in (LORA_A, LORA_B)} for path, w in state.top.items()}
+    top = {path: _packed(w) for path, w in state.top.items()}
     return {"mask": state.rows.mask, "scale": state.rows.scale, "top": top}
 
 
@@ -367,7 +366,7 @@ def bound(model: LanguageModel, inputs: dict[str, Any]) -> Iterator[None]:
         return
     saved_rows = state.rows
     state.rows = RowMask(inputs["mask"], inputs["scale"]) if inputs else None
-    saved = {path: {k: w[k] for k in (LORA_A, LORA_B)} for path, w in state.top.items()}
+    saved = {path: _packed(w) for path, w in state.top.items()}
     for path, arrays in inputs.get("top", {}).items():
         for key, value in arrays.items():
             state.top[path][key] = value
@@ -378,3 +377,7 @@ def bound(model: LanguageModel, inputs: dict[str, Any]) -> Iterator[None]:
         for path, arrays in saved.items():
             for key, value in arrays.items():
                 state.top[path][key] = value
+
+
+def _packed(wrapper: AdaptedLinear) -> dict[str, mx.array]:
+    return {k: wrapper[k] for k in PACKED_KEYS if k in wrapper}

@@ -25,8 +25,12 @@ import mlx.nn as nn
 from model import lora_kernel
 
 # Where packed arrays live: on a wrapped linear, and beside a fused product's weights (its key + these).
+# A is [in, R] (`LORA_A`), or transposed, [R, in] (`LORA_AT`), where the CUDA kernels run the
+# delta (model/lora_kernel.py reads each column of A contiguously).
 LORA_A = "_lora_a"
+LORA_AT = "_lora_at"
 LORA_B = "_lora_b"
+PACKED_KEYS = (LORA_A, LORA_AT, LORA_B)
 # The model's adapter state, as a plain attribute of each module owning a fused product.
 STATE_ATTR = "_lora_state"
 
@@ -37,14 +41,20 @@ class RowMask:
     scale: mx.array  # [rows or 1, 1]
 
 
-def packed_delta(x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.array:
-    """Every row's delta for input `x` [rows, ..., in]: the module docstring's expression, less y."""
+def a_key() -> str:
+    """Under which key (so in which layout) packing stores A on this device."""
+    return LORA_AT if lora_kernel.available() else LORA_A
+
+
+def packed_delta(x: mx.array, a: mx.array, b: mx.array, rows: RowMask, *, transposed: bool = False) -> mx.array:
+    """Every row's delta for input `x` [rows, ..., in]: the module docstring's expression, less y
+    (`a` [R, in] when `transposed`)."""
     n = rows.mask.shape[0]
     if n not in (1, x.shape[0]):
         raise ValueError(f"LoRA selection has {n} rows, the forward {x.shape[0]}")
     lead = (n,) + (1,) * (x.ndim - 2)
     width = rows.mask.shape[-1]
-    z = _times_a(x, a)
+    z = x @ (a.T if transposed else a)
     if z.shape[-1] == width:
         z = z * rows.mask.reshape(*lead, width)
     else:  # a fused product's A: its members' columns side by side, each masked alike
@@ -52,30 +62,24 @@ def packed_delta(x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.arr
     return (rows.scale.reshape(*lead, 1) * (z @ b)).astype(x.dtype)
 
 
-def with_delta(y: mx.array, x: mx.array, a: mx.array, b: mx.array, rows: RowMask) -> mx.array:
-    """`y` (the base product of `x`) plus every row's delta."""
-    if XA == "fused" and lora_kernel.usable(x, a) and rows.mask.shape[0] in (1, x.size // a.shape[0]):
-        return lora_kernel.add_delta(y, x, a, b, rows.mask, rows.scale)
-    return y + packed_delta(x, a, b, rows)
+def with_delta(y: mx.array, x: mx.array, owner: nn.Module, prefix: str, rows: RowMask) -> mx.array:
+    """`y` (the base product of `x`) plus every row's delta, from the packed arrays `owner` holds
+    under `prefix` + the keys above; `y` as it is where it holds none."""
+    b = owner.get(prefix + LORA_B)
+    if b is None:
+        return y
+    at = owner.get(prefix + LORA_AT)
+    if at is None:
+        return y + packed_delta(x, owner[prefix + LORA_A], b, rows)
+    if XA == "fused" and lora_kernel.usable(x, at, b) and rows.mask.shape[0] in (1, x.size // at.shape[1]):
+        return lora_kernel.add_delta(y, x, at, b, rows.mask, rows.scale)
+    return y + packed_delta(x, at, b, rows, transposed=True)
 
 
-# Bench-only A/B switch (benchmarks/lora_bench.py --xa), until a GPU run picks the winner: how a
-# decode step's x @ A (few rows, long K, few columns: little parallelism) runs: "matmul", "split16"
-# (16 partial products over slices of K, then summed), "kernel" (model/lora_kernel.py, CUDA) or
-# "fused" (that kernel, then one more adding each row's masked, scaled delta times B to y).
+# Bench-only A/B switch (benchmarks/lora_bench.py --xa), until a GPU run picks the winner: where A is
+# stored transposed (CUDA), whether a decode step's delta runs as "matmul" (the expression above)
+# or "fused" (model/lora_kernel.py's two kernels).
 XA = "matmul"
-SPLIT_MAX_ROWS = 8
-
-
-def _times_a(x: mx.array, a: mx.array) -> mx.array:
-    if XA in ("kernel", "fused") and lora_kernel.usable(x, a):
-        return lora_kernel.times_a(x, a)
-    k = a.shape[0]
-    split = 16 if XA == "split16" else 0
-    if not split or k % split or x.size // k > SPLIT_MAX_ROWS:
-        return x @ a
-    parts = x.reshape(-1, split, k // split).transpose(1, 0, 2) @ a.reshape(split, k // split, -1)
-    return parts.sum(axis=0).reshape(*x.shape[:-1], -1)
 
 
 def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.array | None:
@@ -91,7 +95,5 @@ def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.
     if not state.plan.packed:
         return None
     y = x @ fused.T
-    a, rows = owner.get(key + LORA_A), state.rows
-    if a is None or rows is None:
-        return y
-    return with_delta(y, x, a, owner[key + LORA_B], rows)
+    rows = state.rows
+    return y if rows is None else with_delta(y, x, owner, key, rows)

@@ -1,11 +1,13 @@
 """Mounted LoRA adapters packed side by side per product, so a batch mixing them costs as one does.
 
 `pack(model, adapters)` gives each wrapped linear that a mounted plain-LoRA adapter adapts the
-packed `A` [in, R] and `B` [R, out] of model/lora_delta.py (adapter k in its own columns, zeros
-where it leaves a module alone). A module path adapted in any layer gets the arrays in every
-layer, so all layers keep one structure (the compiled decode runs every layer through one graph).
-Each fused product (q/k/v, gate/up: model/fused_projections.py) whose members are packed gets its
-own pair: the members' A side by side [in, g*R] and their B block-diagonal [g*R, out_1 + ...].
+packed `A` [in, R] (transposed, [R, in], where model/lora_kernel.py runs) and `B` [R, out] of
+model/lora_delta.py (adapter k in its own columns, zeros where it leaves a module alone). Modules
+no adapter touches get none, so a block no adapter reaches costs what the base costs (the
+compiled decode traces each pair of layer shapes it meets). Each fused product (q/k/v, gate/up:
+model/fused_projections.py) whose members are packed gets its own pair: the members' A side by
+side [in, g*R] and their B block-diagonal [g*R, out_1 + ...]; one packed member packs its
+partners too (zeros), since a fused product adds all its members' deltas or none.
 DoRA adapters are not packed: they rescale whole outputs, so the wrappers run them per group.
 """
 
@@ -17,7 +19,7 @@ import mlx.nn as nn
 
 from model.fused_projections import fusion_groups
 from model.language_model import LanguageModel
-from model.lora_delta import LORA_A, LORA_B
+from model.lora_delta import LORA_AT, LORA_B, PACKED_KEYS, a_key
 from model.lora_load import Adapter, ModuleKey, is_wrapper, linear_dims, named_modules
 
 
@@ -35,7 +37,7 @@ class Packing:
 def clear(model: LanguageModel) -> None:
     """Remove every packed array `pack` added."""
     for _, module in model.named_modules():
-        for key in [k for k in module if k.endswith((LORA_A, LORA_B))]:
+        for key in [k for k in module if k.endswith(PACKED_KEYS)]:
             del module[key]
 
 
@@ -53,26 +55,23 @@ def pack(model: LanguageModel, adapters: dict[int, Adapter]) -> Packing | None:
         start += rank
     dtypes = {d.lora_a.dtype for a in plain.values() for d in a.modules.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else mx.float32
-    in_layers = _with_fusion_partners(
-        model, {key[1] for a in plain.values() for key in a.modules if key[0] is not None}
-    )
+    adapted = _with_fusion_partners(model, {key for a in plain.values() for key in a.modules})
+    transposed = a_key() == LORA_AT
     created: list[mx.array] = []
     for _, wrapper in named_modules(model):
-        if not is_wrapper(wrapper):
-            continue
-        key: ModuleKey = wrapper.key
-        adapted = key[1] in in_layers if key[0] is not None else any(key in a.modules for a in plain.values())
-        if adapted:
-            wrapper[LORA_A], wrapper[LORA_B] = _stack(wrapper, plain, columns, start, dtype)
-            created += [wrapper[LORA_A], wrapper[LORA_B]]
+        if is_wrapper(wrapper) and wrapper.key in adapted:
+            a, b = _stack(wrapper, plain, columns, start, dtype)
+            wrapper[a_key()], wrapper[LORA_B] = (_transposed(a) if transposed else a), b
+            created += [wrapper[a_key()], wrapper[LORA_B]]
     for layer in model.layers:
         for owner, fused_key, names in fusion_groups(layer):
             members = [owner[n] for n in names if n in owner]
-            if owner.get(fused_key) is None or len(members) < len(names) or not all(LORA_A in m for m in members):
+            if owner.get(fused_key) is None or len(members) < len(names) or not all(LORA_B in m for m in members):
                 continue
-            owner[fused_key + LORA_A] = mx.concatenate([m[LORA_A] for m in members], axis=1)
+            parts = [m[a_key()] for m in members]
+            owner[fused_key + a_key()] = mx.concatenate(parts, axis=0 if transposed else 1)
             owner[fused_key + LORA_B] = _block_diagonal([m[LORA_B] for m in members])
-            created += [owner[fused_key + LORA_A], owner[fused_key + LORA_B]]
+            created += [owner[fused_key + a_key()], owner[fused_key + LORA_B]]
     mx.eval(created)
     return Packing(
         columns=columns,
@@ -83,17 +82,22 @@ def pack(model: LanguageModel, adapters: dict[int, Adapter]) -> Packing | None:
     )
 
 
-def _with_fusion_partners(model: LanguageModel, names: set[str]) -> set[str]:
-    """`names` (module paths inside a layer) plus the other members of any fused product one of
-    them belongs to: a fused product adds its members' deltas only if every member has arrays."""
-    out = set(names)
-    for layer in model.layers:
+def _with_fusion_partners(model: LanguageModel, keys: set[ModuleKey]) -> set[ModuleKey]:
+    """`keys` plus, in the same layer, the other members of any fused product one of them belongs
+    to: a fused product adds its members' deltas only if every member has arrays."""
+    out = set(keys)
+    for i, layer in enumerate(model.layers):
         paths = {id(m): name for name, m in layer.named_modules()}
         for owner, _, members in fusion_groups(layer):
-            group = {f"{paths[id(owner)]}.{m}" for m in members}
-            if group & names:
+            group = {(i, f"{paths[id(owner)]}.{m}") for m in members}
+            if group & keys:
                 out |= group
     return out
+
+
+def _transposed(a: mx.array) -> mx.array:
+    """`a.T` as an array of its own (the kernels read it row by row)."""
+    return mx.contiguous(a.T)
 
 
 def _stack(

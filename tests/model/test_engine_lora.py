@@ -13,6 +13,7 @@ from model.compiled_decode import CompiledDecode
 from model.engine import Engine
 from model.fused_projections import fuse_projections
 from model.loader import load_model
+from model.lora_delta import LORA_B, a_key
 from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
@@ -224,7 +225,8 @@ def test_fused_decode_products_carry_the_adapters(tiny_model_factory, tmp_path):
     for aid, path in paths.items():
         engine.mount_adapter(aid, path)
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
-    assert attn["_qkv_lora_a"].shape[1] == 3 * attn.q_proj["_lora_a"].shape[1]
+    width = 1 if a_key() == "_lora_a" else 0  # (A's columns: its second axis, or its first transposed)
+    assert attn["_qkv" + a_key()].shape[width] == 3 * attn.q_proj[a_key()].shape[width]
     assert mlp["_gate_up_lora_b"].shape[1] == mlp["_gate_up"].shape[0]
     assert generate_tokens(engine, specs) == alone
     assert engine._compiled is not None and engine._compiled.ready()
@@ -303,5 +305,31 @@ def test_an_adapter_on_one_member_of_a_fused_product(tiny_model_factory, tmp_pat
     assert fuse_projections(model)
     engine = Engine(model, eos_token_ids=[])
     engine.mount_adapter("a", paths["a"])
-    assert "_qkv_lora_a" in model.layers[0].self_attn and "_gate_up_lora_a" in model.layers[0].mlp
+    assert "_qkv" + a_key() in model.layers[0].self_attn and "_gate_up" + a_key() in model.layers[0].mlp
     assert generate_tokens(engine, specs) == alone
+
+
+def test_blocks_no_adapter_reaches_carry_no_delta(tiny_model_factory, tmp_path):
+    """mlx_lm.lora adapts the last blocks only: the others get no packed arrays (they cost what the
+    base costs), the compiled decode still runs every layer, traced per pair of layer shapes, and
+    a mixed batch equals its rows' solo runs on an eager engine."""
+    model_dir = tiny_model_factory("qwen3", dtype="bfloat16", num_hidden_layers=3)
+    paths = {
+        "a": str(write_adapter(tmp_path / "a", model_dir, seed=51, dtype="bfloat16", num_layers=1)),
+        "b": str(write_adapter(tmp_path / "b", model_dir, seed=52, dtype="bfloat16", num_layers=2)),
+    }
+    eager = engine_with(model_dir, paths, options=EngineOptions(compile_decode=False))
+    choices = [(), ("a",), ("b",), ("a", "b"), ("b",), ()]
+    specs = [spec(i, PROMPTS[i % len(PROMPTS)], choices[i]) for i in range(len(choices))]
+    alone = {s.row_id: generate_tokens(eager, [s])[s.row_id] for s in specs}
+    assert alone[0] != alone[1] != alone[2] != alone[3]
+    model = load_model(model_dir).model
+    assert fuse_projections(model)
+    engine = Engine(model, eos_token_ids=[])
+    for aid, path in paths.items():
+        engine.mount_adapter(aid, path)
+    first, middle, last = (layer.self_attn for layer in model.layers)
+    assert not any(k.startswith("_qkv_lora") for k in first) and LORA_B not in first.o_proj
+    assert "_qkv" + a_key() in middle and "_qkv" + a_key() in last
+    assert generate_tokens(engine, specs) == alone
+    assert engine._compiled is not None and engine._compiled.ready()
