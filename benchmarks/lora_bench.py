@@ -91,9 +91,12 @@ def main() -> None:
     loaded = load_model(model_dir)
     model_dtype = {2: "bfloat16", 4: "float32"}.get(loaded.kv_dtype.size, "float32")
     engine = Engine(loaded.model, eos_token_ids=[])
-    none = [()] * args.rows
+    none: list[tuple[str, ...]] = [()] * args.rows
     run(engine, args.rows, none, args.prompt_tokens, 8)  # warm-up: this batch size's shapes
-    cases = {"one adapter": [("a0",)] * args.rows, "four adapters": [(f"a{i % 4}",) for i in range(args.rows)]}
+    cases: dict[str, list[tuple[str, ...]]] = {
+        "one adapter": [("a0",)] * args.rows,
+        "four adapters": [(f"a{i % 4}",) for i in range(args.rows)],
+    }
     splits = [mode for mode in args.xa.split(",") if works(mode)]
     samples: dict[str, list[float]] = {}
 

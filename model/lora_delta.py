@@ -11,7 +11,8 @@ holds, is then two products and two element-wise ops:
     y + (scale * (((x @ A) * mask) @ B)).astype(x.dtype)
 
 which for a row on one adapter is mlx-lm's LoRALinear expression (the other adapters' columns
-add exact zeros), and for a row on none adds exactly zero.
+add exact zeros), and for a row on none adds exactly zero. On a CUDA GPU a decode step's delta
+can instead run as two kernels (model/lora_kernel.py: the same sums in float32, rounded once).
 """
 
 from __future__ import annotations
