@@ -57,6 +57,8 @@ def pack(model: LanguageModel, adapters: dict[int, Adapter]) -> Packing | None:
     dtype = dtypes.pop() if len(dtypes) == 1 else mx.float32
     adapted = _with_fusion_partners(model, {key for a in plain.values() for key in a.modules})
     transposed = a_key() == LORA_AT
+    if transposed:  # whole groups of 8 columns: a fused product's members then sum in the kernels' order
+        start = -(-start // 8) * 8
     created: list[mx.array] = []
     for _, wrapper in named_modules(model):
         if is_wrapper(wrapper) and wrapper.key in adapted:
@@ -115,6 +117,10 @@ def _stack(
         pad = hi - lo - delta.lora_a.shape[1]  # a module of lower rank than its adapter's widest
         a_parts.append(mx.pad(delta.lora_a.astype(dtype), [(0, 0), (0, pad)]))
         b_parts.append(mx.pad(delta.lora_b.astype(dtype), [(0, pad), (0, 0)]))
+    used = max(hi for _, hi in columns.values())
+    if width > used:  # (padding columns no row selects)
+        a_parts.append(mx.zeros((n_in, width - used), dtype))
+        b_parts.append(mx.zeros((width - used, n_out), dtype))
     a, b = mx.concatenate(a_parts, axis=1), mx.concatenate(b_parts, axis=0)
     assert a.shape == (n_in, width) and b.shape == (width, n_out)
     return a, b

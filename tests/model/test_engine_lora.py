@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from cache.prompt_cache import PromptCache
-from model import lora
+from model import lora, lora_pack
 from model.adapters import AdapterStillLeaving
 from model.compiled_decode import CompiledDecode
 from model.engine import Engine
 from model.fused_projections import fuse_projections
 from model.loader import load_model
-from model.lora_delta import LORA_B, a_key
+from model.lora_delta import LORA_AT, LORA_B, a_key
 from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
@@ -333,3 +333,22 @@ def test_blocks_no_adapter_reaches_carry_no_delta(tiny_model_factory, tmp_path):
     assert "_qkv" + a_key() in middle and "_qkv" + a_key() in last
     assert generate_tokens(engine, specs) == alone
     assert engine._compiled is not None and engine._compiled.ready()
+
+
+def test_the_transposed_layout_of_the_cuda_kernels(tiny_model_factory, tmp_path, monkeypatch):
+    """Where the kernels run, A is packed transposed and the width padded to whole groups of 8;
+    the generic products on that layout (what larger batches use there) keep every row of a
+    mixed batch equal to its solo run, here on the CPU."""
+    monkeypatch.setattr(lora_pack, "a_key", lambda: LORA_AT)
+    model_dir = tiny_model_factory("qwen3")
+    paths = {
+        "a": str(write_adapter(tmp_path / "a", model_dir, seed=61, rank=4)),
+        "b": str(write_adapter(tmp_path / "b", model_dir, seed=62, rank=6)),
+    }
+    engine = engine_with(model_dir, paths)
+    q = engine.model.layers[0].self_attn.q_proj
+    assert q[LORA_AT].shape == (16, q.base.weight.shape[1]) and q[LORA_B].shape[0] == 16  # 4 + 6 -> 16
+    specs = [spec(i, PROMPTS[i % len(PROMPTS)], c) for i, c in enumerate([(), ("a",), ("b",), ("a", "b")])]
+    alone = {s.row_id: generate_tokens(engine, [s])[s.row_id] for s in specs}
+    assert alone[0] != alone[1] != alone[2] != alone[3]
+    assert generate_tokens(engine, specs) == alone
