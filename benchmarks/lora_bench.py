@@ -2,7 +2,7 @@
 and on four different adapters (one per pair of rows), random rank-R adapters on every linear.
 
     python benchmarks/lora_bench.py --model DIR [--rank 16] [--num-layers -1] [--rows 8] [--steps 128] [--rounds 3]
-        [--adapter-dtypes model,float32] [--xa matmul,fused]
+        [--adapter-dtypes model,float32]
 
 Each round measures the base with no adapter mounted, then mounts the adapters and measures base
 rows, one adapter and four; rounds interleave so a drifting device hits every case alike. Prints
@@ -24,7 +24,6 @@ import mlx.core as mx
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import lora_delta, lora_kernel  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
@@ -61,19 +60,6 @@ def run(engine: Engine, rows: int, choices: list[tuple[str, ...]], prompt_tokens
     return tokens / seconds
 
 
-def works(mode: str) -> bool:
-    """Whether an XA mode runs here (a kernel that fails to compile drops its mode, not the run)."""
-    if mode != "fused":
-        return True
-    try:
-        x, at, b = mx.ones((8, 4096), mx.bfloat16), mx.ones((16, 4096), mx.bfloat16), mx.ones((16, 64), mx.bfloat16)
-        mx.eval(lora_kernel.add_delta(x[:, :64], x, at, b, b[:1, :16], b[:1, :1]))
-        return True
-    except Exception as e:  # noqa: BLE001
-        print(f"x @ A mode {mode}: {e!r}; dropped", flush=True)
-        return False
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -82,7 +68,6 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--xa", default="matmul", help="comma-separated model/lora_delta.py XA modes to compare")
     p.add_argument("--rounds", type=int, default=1, help="measure none / one / four this many times, interleaved")
     p.add_argument("--adapter-dtypes", default="model", help="comma-separated: model (the base's dtype) and/or float32")
     p.add_argument("--out")
@@ -97,7 +82,6 @@ def main() -> None:
         "one adapter": [("a0",)] * args.rows,
         "four adapters": [(f"a{i % 4}",) for i in range(args.rows)],
     }
-    splits = [mode for mode in args.xa.split(",") if works(mode)]
     samples: dict[str, list[float]] = {}
 
     def measure(key: str, choices: list[tuple[str, ...]]) -> None:
@@ -124,23 +108,18 @@ def main() -> None:
                 )
                 for i in range(4)
             ]
-            for split in splits:  # warm every case's shapes once
-                lora_delta.XA = split
-                remount(paths)
-                for choices in cases.values():
-                    run(engine, args.rows, choices, args.prompt_tokens, 8)
+            remount(paths)  # warm every case's shapes once
+            for choices in cases.values():
+                run(engine, args.rows, choices, args.prompt_tokens, 8)
             # Interleaved rounds, slow drifts of the device hitting every case alike; the base-only
             # reference with no adapter mounted in each round.
             for _ in range(args.rounds):
                 remount([])
                 measure("none", none)
-                for split in splits:
-                    lora_delta.XA = split
-                    remount(paths)
-                    tag = f", x @ A: {split}" if len(splits) > 1 else ""
-                    measure("none, adapters mounted", none)
-                    for name, choices in cases.items():
-                        measure(f"{name} [{dtype} adapters{tag}]", choices)
+                remount(paths)
+                measure("none, adapters mounted", none)
+                for name, choices in cases.items():
+                    measure(f"{name} [{dtype} adapters]", choices)
     results = {name: statistics.median(values) for name, values in samples.items()}
     base = results["none"]
     layers = "all" if args.num_layers <= 0 else f"last {args.num_layers}"

@@ -1,6 +1,7 @@
 """The packed LoRA deltas' own cost in a decode-like chain (GPU): the 8B shape's four products per
 layer (fused q/k/v, o, fused gate/up, down) over L layers, compiled, 8 rows, with no delta and with
-each model/lora_delta.py XA mode, for one adapter and for four (A stored as packing stores it here).
+the generic products and with the shipped path (the CUDA kernels where they run), for one adapter
+and for four (A stored as packing stores it here).
 
     python benchmarks/lora_delta_micro.py [--layers 32] [--rank 16] [--iters 40]
 """
@@ -18,8 +19,7 @@ import mlx.core as mx
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import lora_delta  # noqa: E402
-from model.lora_delta import LORA_AT, LORA_B, RowMask, a_key, with_delta  # noqa: E402
+from model.lora_delta import LORA_AT, LORA_B, RowMask, a_key, packed_delta, with_delta  # noqa: E402
 
 HIDDEN, Q, KV, INTER, ROWS = 4096, 4096, 1024, 14336, 8
 
@@ -62,14 +62,20 @@ def weights(layers: int, width: int) -> list[dict[str, mx.array]]:
     return out
 
 
-def chain(layers: list[dict[str, mx.array]], x: mx.array, mask: mx.array | None, scale: mx.array | None) -> mx.array:
+def chain(
+    layers: list[dict[str, mx.array]], x: mx.array, mask: mx.array | None, scale: mx.array | None, mode: str = ""
+) -> mx.array:
     rows = None if mask is None or scale is None else RowMask(mask, scale)
 
     def product(w: dict[str, mx.array], key: str, h: mx.array) -> mx.array:
         y = h @ w[key].T
-        if rows is not None:
-            y = with_delta(y, h, w, key, rows)  # type: ignore[arg-type]  # (a dict stands in for the module)
-        return y
+        if rows is None:
+            return y
+        if mode == "matmul":  # the generic products, on the layout packing stores here
+            at = w.get(key + LORA_AT)
+            a = at if at is not None else w[key + a_key()]
+            return y + packed_delta(h, a, w[key + LORA_B], rows, transposed=at is not None)
+        return with_delta(y, h, w, key, rows)  # type: ignore[arg-type]  # (a dict stands in for the module)
 
     for w in layers:
         h = x * mx.rsqrt(mx.mean(x.astype(mx.float32) ** 2, axis=-1, keepdims=True) + 1e-5).astype(x.dtype)
@@ -97,7 +103,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--modes", default="matmul,fused")
+    p.add_argument("--modes", default="matmul,shipped", help="matmul: the generic products; shipped: with_delta")
     args = p.parse_args()
     x = mx.random.normal((ROWS, HIDDEN)).astype(mx.bfloat16)
     for adapters in (1, 4):
@@ -112,8 +118,7 @@ def main() -> None:
         scale = mx.full((ROWS, 1), 2.0, mx.bfloat16)
         reference = None
         for mode in args.modes.split(","):
-            lora_delta.XA = mode
-            fn = mx.compile(partial(chain, layers))
+            fn = mx.compile(partial(chain, layers, mode=mode))
             ms = timed(fn, x, mask, scale, iters=args.iters)
             out = fn(x, mask, scale).astype(mx.float32)
             if reference is None:
@@ -124,7 +129,6 @@ def main() -> None:
                 f"output vs {args.modes.split(',')[0]}: max rel diff {drift:.1e}",
                 flush=True,
             )
-        lora_delta.XA = "matmul"
 
 
 if __name__ == "__main__":

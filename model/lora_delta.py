@@ -12,7 +12,9 @@ holds, is then two products and two element-wise ops:
 
 which for a row on one adapter is mlx-lm's LoRALinear expression (the other adapters' columns
 add exact zeros), and for a row on none adds exactly zero. On a CUDA GPU a decode step's delta
-can instead run as two kernels (model/lora_kernel.py: the same sums in float32, rounded once).
+runs as two kernels instead (model/lora_kernel.py: the same sums in float32, rounded once, and
+columns no row of the batch selects are never read, so its cost follows the adapters in use,
+not the adapters mounted).
 """
 
 from __future__ import annotations
@@ -72,15 +74,9 @@ def with_delta(y: mx.array, x: mx.array, owner: nn.Module, prefix: str, rows: Ro
     at = owner.get(prefix + LORA_AT)
     if at is None:
         return y + packed_delta(x, owner[prefix + LORA_A], b, rows)
-    if XA == "fused" and lora_kernel.usable(x, at, b) and rows.mask.shape[0] in (1, x.size // at.shape[1]):
+    if lora_kernel.usable(x, at, b) and rows.mask.shape[0] in (1, x.size // at.shape[1]):
         return lora_kernel.add_delta(y, x, at, b, rows.mask, rows.scale)
     return y + packed_delta(x, at, b, rows, transposed=True)
-
-
-# Bench-only A/B switch (benchmarks/lora_bench.py --xa), until a GPU run picks the winner: where A is
-# stored transposed (CUDA), whether a decode step's delta runs as "matmul" (the expression above)
-# or "fused" (model/lora_kernel.py's two kernels).
-XA = "matmul"
 
 
 def fused_product(owner: nn.Module, key: str, x: mx.array, max_rows: int) -> mx.array | None:
