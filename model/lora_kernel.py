@@ -147,23 +147,20 @@ _EXPAND = """
     }
 """
 
+# name -> (inputs, outputs, body); each compiled on first use.
+_SOURCES = {
+    "shrink": (["x", "at", "mask"], ["z"], _SHRINK),
+    "expand": (["z", "b", "y", "mask", "scale"], ["out"], _EXPAND),
+}
 _kernels: dict[str, Any] = {}
 
 
 def _kernel(name: str) -> Any:
     if name not in _kernels:
-        if name == "shrink":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="lora_shrink", input_names=["x", "at", "mask"], output_names=["z"], source=_SHRINK, header=_HEADER
-            )
-        else:
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="lora_expand",
-                input_names=["z", "b", "y", "mask", "scale"],
-                output_names=["out"],
-                source=_EXPAND,
-                header=_HEADER,
-            )
+        inputs, outputs, source = _SOURCES[name]
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=f"lora_{name}", input_names=inputs, output_names=outputs, source=source, header=_HEADER
+        )
     return _kernels[name]
 
 

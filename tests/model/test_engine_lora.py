@@ -51,6 +51,23 @@ def spec(row_id, prompt, adapters=(), n=N_TOKENS):
     return RowSpec(row_id, tuple(prompt), SamplingParams(), n, adapters=tuple(adapters))
 
 
+def eager_solo_runs(model_dir, paths, choices):
+    """Each row's solo tokens on an eager, unfused engine (the reference for compiled batches)."""
+    eager = engine_with(model_dir, paths, options=EngineOptions(compile_decode=False))
+    specs = [spec(i, PROMPTS[i % len(PROMPTS)], c) for i, c in enumerate(choices)]
+    return specs, {s.row_id: generate_tokens(eager, [s])[s.row_id] for s in specs}
+
+
+def fused_engine(model_dir, paths):
+    """A compiled engine on a model whose decode products are fused (the CUDA default)."""
+    model = load_model(model_dir).model
+    assert fuse_projections(model)
+    engine = Engine(model, eos_token_ids=[])
+    for aid, path in paths.items():
+        engine.mount_adapter(aid, path)
+    return engine
+
+
 CHOICES = [(), ("a",), ("b",), ("a", "b"), ("a",), (), ("b",), ("a",)]  # 8 rows: two adapters, stacked, none
 
 
@@ -213,17 +230,10 @@ def test_fused_decode_products_carry_the_adapters(tiny_model_factory, tmp_path):
         "a": str(write_adapter(tmp_path / "a", model_dir, seed=11, dtype="bfloat16")),
         "b": str(write_adapter(tmp_path / "b", model_dir, seed=12, dtype="bfloat16", keys=["self_attn.v_proj"])),
     }
-    eager = engine_with(model_dir, paths, options=EngineOptions(compile_decode=False))
-    choices = [(), ("a",), ("b",), ("a", "b"), ("a",), ()]
-    specs = [spec(i, PROMPTS[i % len(PROMPTS)], choices[i]) for i in range(len(choices))]
-    alone = {s.row_id: generate_tokens(eager, [s])[s.row_id] for s in specs}
+    specs, alone = eager_solo_runs(model_dir, paths, [(), ("a",), ("b",), ("a", "b"), ("a",), ()])
     assert alone[0] != alone[1] != alone[2] != alone[3]
-
-    model = load_model(model_dir).model
-    assert fuse_projections(model)
-    engine = Engine(model, eos_token_ids=[])
-    for aid, path in paths.items():
-        engine.mount_adapter(aid, path)
+    engine = fused_engine(model_dir, paths)
+    model = engine.model
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
     width = 1 if a_key() == "_lora_a" else 0  # (A's columns: its second axis, or its first transposed)
     assert attn["_qkv" + a_key()].shape[width] == 3 * attn.q_proj[a_key()].shape[width]
@@ -302,10 +312,8 @@ def test_an_adapter_on_one_member_of_a_fused_product(tiny_model_factory, tmp_pat
     specs = [spec(i, PROMPTS[i], c) for i, c in enumerate([(), ("a",), ("a",), ()])]
     alone = {s.row_id: generate_tokens(eager, [s])[s.row_id] for s in specs}
     assert alone[1] != generate_tokens(eager, [spec(1, PROMPTS[1])])[1]
-    model = load_model(model_dir).model
-    assert fuse_projections(model)
-    engine = Engine(model, eos_token_ids=[])
-    engine.mount_adapter("a", paths["a"])
+    engine = fused_engine(model_dir, paths)
+    model = engine.model
     assert "_qkv" + a_key() in model.layers[0].self_attn and "_gate_up" + a_key() in model.layers[0].mlp
     assert generate_tokens(engine, specs) == alone
 
@@ -319,17 +327,10 @@ def test_blocks_no_adapter_reaches_carry_no_delta(tiny_model_factory, tmp_path):
         "a": str(write_adapter(tmp_path / "a", model_dir, seed=51, dtype="bfloat16", num_layers=1)),
         "b": str(write_adapter(tmp_path / "b", model_dir, seed=52, dtype="bfloat16", num_layers=2)),
     }
-    eager = engine_with(model_dir, paths, options=EngineOptions(compile_decode=False))
-    choices = [(), ("a",), ("b",), ("a", "b"), ("b",), ()]
-    specs = [spec(i, PROMPTS[i % len(PROMPTS)], choices[i]) for i in range(len(choices))]
-    alone = {s.row_id: generate_tokens(eager, [s])[s.row_id] for s in specs}
+    specs, alone = eager_solo_runs(model_dir, paths, [(), ("a",), ("b",), ("a", "b"), ("b",), ()])
     assert alone[0] != alone[1] != alone[2] != alone[3]
-    model = load_model(model_dir).model
-    assert fuse_projections(model)
-    engine = Engine(model, eos_token_ids=[])
-    for aid, path in paths.items():
-        engine.mount_adapter(aid, path)
-    first, middle, last = (layer.self_attn for layer in model.layers)
+    engine = fused_engine(model_dir, paths)
+    first, middle, last = (layer.self_attn for layer in engine.model.layers)
     assert not any(k.startswith("_qkv_lora") for k in first) and LORA_B not in first.o_proj
     assert "_qkv" + a_key() in middle and "_qkv" + a_key() in last
     assert generate_tokens(engine, specs) == alone
