@@ -1,17 +1,32 @@
 """Anthropic Messages bodies → the typed chat requests of api/chat_request.py.
 
 The request's own shape is checked first (messages, their roles and blocks, system, tools,
-tool_choice, thinking, stop_sequences, stream); then what the server cannot take (image blocks,
-non-string tool ids), then the generation fields (api/fields.py, named as in OpenAI) and a
-forced tool call (tool_choice "any" or "tool": a grammar, api/structured.py). Messages are
-built in the shape chat templates read. A block's `cache_control` becomes a `CachePoint`: the
-conversation cut after that block (a text block cuts its message's text there; any other block
-keeps its whole message; a tool definition marks the leading system messages, where templates
-render tools). Raises `ApiError`.
+tool_choice, thinking, output_config, context_management, stop_sequences, stream); then what the
+server cannot take (image blocks, non-string tool ids), then the generation fields (api/fields.py,
+named as in OpenAI) and a forced tool call (tool_choice "any" or "tool": a grammar,
+api/structured.py). Messages are built in the shape chat templates read. A block's
+`cache_control` becomes a `CachePoint`: the conversation cut after that block (a text block cuts
+its message's text there; any other block keeps its whole message; a tool definition marks the
+leading system messages, where templates render tools). Raises `ApiError`.
+
+The API keeps growing, and clients send what it accepts today: a value of the wrong kind is a
+400, but a field, block type, thinking type, effort level or context edit this server does not
+know is ignored and named in `ChatRequest.ignored` (counted in /metrics), never refused.
+- `system` messages inside `messages` (mid-conversation system turns) stay where they are; the
+  chat core joins them to the system prompt for templates that cannot render them there.
+- `thinking`: "enabled" and "adaptive" turn the template's thinking on, "disabled" off.
+- `output_config.effort` (low / medium / high / max) is the template's reasoning depth where the
+  template reads one; `output_config.format` (or the older `output_format`) a JSON schema.
+- Earlier turns' thinking blocks reach the template as the assistant's `reasoning_content` (the
+  template decides what it renders); a `clear_thinking_*` context edit drops all but the last N
+  thinking turns (`keep`, default 1; "all" keeps every one).
+- A tool with `defer_loading: true` is left out of the prompt until a `tool_reference` block
+  (a tool search's result) names it.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -21,14 +36,15 @@ import attrs
 from api import structured
 from api.chat_request import CachePoint, ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
-from api.fields import parse_generation, pick, reasoning_options, stop_strings, stream_flag
+from api.fields import parse_generation, pick, reasoning_options, stop_strings, stream_flag, template_effort
 from api.images import PLACEHOLDER, ImagePart, from_base64, from_url
 from api.template_messages import media_error
+
+log = logging.getLogger(__name__)
 
 # Tuples, not sets: a block's "type" may be any JSON value, and `[] in frozenset(...)` raises
 # TypeError (unhashable) where `in` on a tuple compares with ==.
 AUDIO_BLOCKS = ("audio", "input_audio", "audio_url")
-DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # prior reasoning is not re-fed
 GENERATION_FIELDS = (
     "max_tokens",
     "temperature",
@@ -45,16 +61,39 @@ GENERATION_FIELDS = (
     "frequency_penalty",
     "frequency_context_size",
 )
+# Every top-level field this server reads; any other is ignored and reported (`ChatRequest.ignored`).
+READ_FIELDS = (
+    *GENERATION_FIELDS,
+    "model",
+    "messages",
+    "system",
+    "stop_sequences",
+    "stream",
+    "metadata",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "output_config",
+    "output_format",
+    "context_management",
+    "chat_template_kwargs",
+    "adapter",
+)
 MAX_TEMPERATURE = 1.0  # Anthropic's range is 0..1
 # Anthropic's rule for a client tool's name.
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_NAME_MESSAGE = "must be a string of 1 to 64 letters, digits, underscores or hyphens"
-ROLES = ("user", "assistant")  # the only roles in `messages`; the system prompt is `system`
+ROLES = ("user", "assistant", "system")  # `system` in messages: a mid-conversation system turn
 # tool_choice.type → OpenAI's tool_choice: "any" forces one call of any tool (a grammar, as
 # "required"), "none" drops the tools; "tool" (a named one) is mapped on its own.
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 TOOL_CHOICE_MESSAGE = "tool_choice.type: must be 'auto', 'any', 'tool' or 'none'"
-THINKING_TYPES = {"enabled": True, "disabled": False}  # thinking.type → enable_thinking
+# thinking.type → enable_thinking ("adaptive": the model decides how much; the template's own budget)
+THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
+# output_config.effort → the reasoning_effort level it stands for (api/fields.py maps it to the template's)
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
+CLEAR_THINKING = "clear_thinking_"  # the context edit's type prefix (clear_thinking_20251015, ...)
+DEFAULT_THINKING_TURNS = 1  # a clear_thinking edit without `keep` keeps the last thinking turn
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl → seconds ("5m" when absent)
 MAX_CACHE_POINTS = 4  # Anthropic's limit on blocks with cache_control
 MAX_USER_ID_CHARS = 256  # metadata.user_id, Anthropic's bound
@@ -75,7 +114,8 @@ def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRe
     fields = pick(body, GENERATION_FIELDS)
     generation = parse_generation(fields, vocab_size=None, stream=stream, max_temperature=MAX_TEMPERATURE)
     forced = structured.forced_tool_call(list(parsed.tools or ()), parsed.tool_choice)
-    constraint = structured.request_constraint(structured.ConstraintFields(), forced)
+    constraint = structured.request_constraint(_output_format(body), forced)
+    ignored = [*parsed.ignored, *(key for key in body if key not in READ_FIELDS)]
     return ChatRequest(
         prompt=parsed.prompt(),
         generation=generation,
@@ -83,12 +123,13 @@ def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRe
         constraint=constraint,
         cache_points=tuple(parsed.cache_points),
         parallel_tool_calls=parsed.parallel_tool_calls,
+        ignored=tuple(dict.fromkeys(ignored)),
     )
 
 
 def _check_metadata(metadata: Any) -> None:
-    """`metadata` holds only `user_id` (a string of at most 256 characters, or null); it is not
-    used, but a malformed one is the client's mistake."""
+    """`metadata` holds `user_id` (a string of at most 256 characters, or null); it is not used,
+    but a malformed one is the client's mistake. Other keys are ignored."""
     if metadata is None:
         return
     if not isinstance(metadata, Mapping):
@@ -98,6 +139,26 @@ def _check_metadata(metadata: Any) -> None:
         raise bad_request(
             f"metadata.user_id: must be a string of at most {MAX_USER_ID_CHARS} characters", param="metadata"
         )
+
+
+def _output_format(body: Mapping[str, Any]) -> structured.ConstraintFields:
+    """`output_config.format` (or the older top-level `output_format`): a JSON schema the answer
+    must follow, run as OpenAI's `response_format` json_schema. An unknown format type is a 400:
+    ignoring it would answer in a shape the client did not ask for."""
+    config = body.get("output_config")
+    spec = config.get("format") if isinstance(config, Mapping) else None
+    param, where = "output_config", "output_config.format"
+    if spec is None:
+        spec, param, where = body.get("output_format"), "output_format", "output_format"
+    if spec is None:
+        return structured.ConstraintFields()
+    if not isinstance(spec, Mapping) or spec.get("type") != "json_schema":
+        raise bad_request(f"{where}.type: must be 'json_schema'", param=param)
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise bad_request(f"{where}.schema: must be a JSON schema object", param=param)
+    json_schema = {"name": "output", "schema": dict(schema), "strict": True}  # Anthropic's outputs are strict
+    return structured.ConstraintFields(response_format={"type": "json_schema", "json_schema": json_schema})
 
 
 def count_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatPrompt:
@@ -118,10 +179,13 @@ class _Parsed:
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # tool_choice.disable_parallel_tool_use: true → False
-    template_kwargs: dict[str, Any] = attrs.Factory(dict)
+    reasoning_kwargs: dict[str, Any] = attrs.Factory(dict)
+    effort: str | None = None  # the template's reasoning depth (output_config.effort)
     cache_points: list[CachePoint] = attrs.Factory(list)
     images: list[ImagePart] = attrs.Factory(list)  # in prompt order (api/images.py)
     vision: bool = False  # the model takes images (else an image block is this turn's 400)
+    tool_references: set[str] = attrs.Factory(set)  # deferred tools a tool search has loaded
+    ignored: list[str] = attrs.Factory(list)  # what the request said that this server does not know
 
     def mark(self, ttl_s: float | None, messages: list[dict[str, Any]]) -> None:
         """A breakpoint (when `ttl_s` is set) after `messages`, the conversation cut there."""
@@ -136,8 +200,12 @@ class _Parsed:
         if self.unsupported is None:
             self.unsupported = unsupported
 
+    def ignore(self, name: str) -> None:
+        log.debug("anthropic request: ignored %s", name)
+        self.ignored.append(name)
+
     def prompt(self) -> ChatPrompt:
-        reasoning = reasoning_options(self.template_kwargs, None)
+        reasoning = attrs.evolve(reasoning_options(self.reasoning_kwargs, None), effort=self.effort)
         tools = None if self.tool_choice == "none" else self.tools
         return ChatPrompt(messages=tuple(self.messages), tools=tools, reasoning=reasoning, images=tuple(self.images))
 
@@ -153,9 +221,10 @@ def _parse(body: Mapping[str, Any], vision: bool) -> _Parsed:
     if system:
         parsed.add({"role": "system", "content": system})
     leading_system = list(parsed.messages)
+    kept_thinking = _kept_thinking_turns(raw_messages, _thinking_turns_kept(body.get("context_management"), parsed))
     for index, message in enumerate(raw_messages):
-        _translate_message(message, index, parsed)
-    tools, tools_ttl = _tools(body.get("tools"))
+        _translate_message(message, index, parsed, keep_thinking=index in kept_thinking)
+    tools, tools_ttl = _tools(body.get("tools"), parsed)
     parsed.mark(tools_ttl, leading_system)
     raw_choice = body.get("tool_choice")
     choice = _tool_choice(raw_choice, [t["function"]["name"] for t in tools])
@@ -164,7 +233,8 @@ def _parse(body: Mapping[str, Any], vision: bool) -> _Parsed:
         parsed.tool_choice = choice
         serial = isinstance(raw_choice, Mapping) and raw_choice.get("disable_parallel_tool_use") is True
         parsed.parallel_tool_calls = not serial
-    parsed.template_kwargs = _template_kwargs(body)
+    parsed.reasoning_kwargs = _template_kwargs(body, parsed)
+    parsed.effort = _effort(body.get("output_config"), parsed)
     return parsed
 
 
@@ -206,14 +276,61 @@ def _cache_ttl(block: Mapping[str, Any], where: str, param: str) -> float | None
     return CACHE_TTLS[ttl]
 
 
-def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
+def _thinking_turns_kept(management: Any, parsed: _Parsed) -> int | None:
+    """How many of the latest thinking turns keep their thinking (None: all), from
+    `context_management.edits`; edit types other than clear_thinking_* are ignored."""
+    if management is None:
+        return None
+    if not isinstance(management, Mapping):
+        raise bad_request("context_management: must be an object", param="context_management")
+    edits = management.get("edits")
+    if edits is None:
+        return None
+    if not isinstance(edits, list):
+        raise bad_request("context_management.edits: must be an array", param="context_management")
+    kept: int | None = None
+    for index, edit in enumerate(edits):
+        where = f"context_management.edits.{index}"
+        kind = edit.get("type") if isinstance(edit, Mapping) else None
+        if not isinstance(kind, str):
+            raise bad_request(f"{where}.type: must be a string", param="context_management")
+        if not kind.startswith(CLEAR_THINKING):
+            parsed.ignore("context_management.edits.type")
+            continue
+        keep = edit.get("keep", {"type": "thinking_turns", "value": DEFAULT_THINKING_TURNS})
+        if keep == "all":
+            kept = None
+            continue
+        value = keep.get("value") if isinstance(keep, Mapping) and keep.get("type") == "thinking_turns" else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad_request(
+                f'{where}.keep: must be \'all\' or {{"type": "thinking_turns", "value": N}} with N >= 0',
+                param="context_management",
+            )
+        kept = value
+    return kept
+
+
+def _kept_thinking_turns(raw_messages: list[Any], kept: int | None) -> set[int]:
+    """The indexes of the messages whose thinking blocks reach the template."""
+    turns = [
+        index
+        for index, message in enumerate(raw_messages)
+        if isinstance(message, Mapping)
+        and message.get("role") == "assistant"
+        and isinstance(message.get("content"), list)
+        and any(isinstance(b, Mapping) and b.get("type") == "thinking" for b in message["content"])
+    ]
+    return set(turns if kept is None else turns[len(turns) - kept :] if kept else ())
+
+
+def _translate_message(message: Any, index: int, parsed: _Parsed, *, keep_thinking: bool) -> None:
     where = f"messages.{index}"
     if not isinstance(message, Mapping):
         raise bad_request(f"{where}: must be an object", param="messages")
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
-        hint = " (the system prompt is the top-level `system` field)" if role == "system" else ""
-        raise bad_request(f"{where}.role: must be 'user' or 'assistant'{hint}", param="messages")
+        raise bad_request(f"{where}.role: must be 'user', 'assistant' or 'system'", param="messages")
     content = message.get("content")
     if isinstance(content, str):
         parsed.add({"role": role, "content": content})
@@ -224,6 +341,7 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
     tool_results: list[dict[str, Any]] = []
     result_wheres: list[str] = []  # each tool result's block, as a 400 names it
     texts: list[str] = []
+    thinking: list[str] = []
     has_image = False
     calls: list[dict[str, Any]] = []
     text_marks: list[tuple[float, int]] = []  # (ttl, texts up to the block)
@@ -234,9 +352,13 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
         if not isinstance(block, Mapping):
             raise bad_request(f"{block_where}: must be an object", param="messages")
         kind = block.get("type")
+        if not isinstance(kind, str):
+            raise bad_request(f"{block_where}.type: must be a string", param="messages")
+        if role == "system" and kind != "text":
+            raise bad_request(f"{block_where}: a system message takes text blocks only", param="messages")
         ttl_s = _cache_ttl(block, block_where, "messages")
         if ttl_s is not None:
-            if kind == "text":
+            if kind in ("text", "document"):
                 text_marks.append((ttl_s, len(texts) + 1))
             elif kind == "tool_result":
                 result_marks.append((ttl_s, len(tool_results) + 1))
@@ -246,7 +368,14 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
             if not isinstance(block.get("text"), str):
                 raise bad_request(f"{block_where}.text: must be a string", param="messages")
             texts.append(block["text"])
-        elif kind in DROPPED_BLOCKS:
+        elif kind == "document":
+            texts.append(_document_text(block, block_where))
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise bad_request(f"{block_where}.thinking: must be a string", param="messages")
+            if keep_thinking and role == "assistant":
+                thinking.append(block["thinking"])
+        elif kind == "redacted_thinking":  # encrypted: nothing a template could show
             continue
         elif kind == "image":
             parsed.images.append(_image(block, block_where))
@@ -262,14 +391,14 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
                 {
                     "role": "tool",
                     "tool_call_id": block["tool_use_id"],
-                    "content": _tool_result_text(block.get("content"), block_where),
+                    "content": _tool_result_text(block.get("content"), block_where, parsed),
                 }
             )
             result_wheres.append(block_where)
         elif kind in AUDIO_BLOCKS:
             raise bad_request(f"{block_where}: audio content blocks are not supported", param="messages")
-        else:
-            raise bad_request(f"{block_where}: unsupported content block type {kind!r}", param="messages")
+        else:  # a block type this server does not know (server tool results, citations, ...)
+            parsed.ignore("messages.content.type")
 
     before_results = len(parsed.messages)
     for result, result_where in zip(tool_results, result_wheres, strict=True):
@@ -284,17 +413,40 @@ def _translate_message(message: Any, index: int, parsed: _Parsed) -> None:
     unsupported = media_error("image_url") if has_image and not parsed.vision else None
     before = list(parsed.messages)
     if role == "assistant":
-        if texts or has_image or calls:
+        if texts or has_image or calls or thinking:
             assistant: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+            if thinking:
+                assistant["reasoning_content"] = "\n".join(thinking)
             if calls:
                 assistant["tool_calls"] = calls
             parsed.add(assistant, unsupported)
+    elif role == "system":
+        parsed.add({"role": "system", "content": "\n".join(texts)})
     elif texts or has_image or not tool_results:
         parsed.add({"role": "user", "content": "\n".join(texts)}, unsupported)
     for ttl_s, count in text_marks:  # the message's text cut after the marked block
         parsed.mark(ttl_s, [*before, {"role": role, "content": "\n".join(texts[:count])}])
     for ttl_s in whole_marks:
         parsed.mark(ttl_s, parsed.messages)
+
+
+def _document_text(block: Mapping[str, Any], where: str) -> str:
+    """A document block with a plain-text source (`text`, or `content` text blocks); PDF and
+    URL sources are a 400 (this server reads no PDF)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if kind == "text" and isinstance(source, Mapping) and isinstance(source.get("data"), str):
+        return source["data"]
+    if kind == "content" and isinstance(source, Mapping):
+        if isinstance(source.get("content"), str):
+            return source["content"]
+        if isinstance(source.get("content"), list):
+            blocks = source["content"]
+            if all(isinstance(b, Mapping) and isinstance(b.get("text"), str) for b in blocks):
+                return "\n".join(b["text"] for b in blocks)
+    raise bad_request(
+        f"{where}.source: only plain-text documents are supported (a text or content source)", param="messages"
+    )
 
 
 def _image(block: Mapping[str, Any], where: str) -> ImagePart:
@@ -317,7 +469,7 @@ def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"id": block.get("id") or "", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _tool_result_text(content: Any, where: str) -> str:
+def _tool_result_text(content: Any, where: str, parsed: _Parsed) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -325,19 +477,26 @@ def _tool_result_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for block in content:
-            if isinstance(block, Mapping) and block.get("type") == "text" and isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, Mapping) else None
+            if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
-            elif isinstance(block, Mapping) and block.get("type") in AUDIO_BLOCKS:
+            elif kind == "tool_reference" and isinstance(block.get("tool_name"), str):
+                # A tool search's result: the deferred tool it names joins the prompt's tools.
+                parsed.tool_references.add(block["tool_name"])
+            elif kind in AUDIO_BLOCKS:
                 raise bad_request(f"{where}: audio content blocks are not supported", param="messages")
+            elif kind in ("image", "document", "text", "tool_reference") or not isinstance(kind, str):
+                shown = kind if isinstance(block, Mapping) else type(block).__name__
+                raise bad_request(f"{where}.content: unsupported tool_result block {shown!r}", param="messages")
             else:
-                kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
-                raise bad_request(f"{where}.content: unsupported tool_result block type {kind!r}", param="messages")
+                parsed.ignore("messages.content.tool_result.type")
         return "\n".join(texts)
     raise bad_request(f"{where}.content: must be a string or an array of blocks", param="messages")
 
 
-def _tools(tools: Any) -> tuple[list[dict[str, Any]], float | None]:
-    """The client tools, and the longest ttl among the definitions' breakpoints (None: none)."""
+def _tools(tools: Any, parsed: _Parsed) -> tuple[list[dict[str, Any]], float | None]:
+    """The client tools, and the longest ttl among the definitions' breakpoints (None: none).
+    A deferred tool (`defer_loading`) is in only once a tool_reference has named it."""
     if tools is None:
         return [], None
     if not isinstance(tools, list):
@@ -355,7 +514,8 @@ def _tools(tools: Any) -> tuple[list[dict[str, Any]], float | None]:
         if kind not in (None, "custom"):
             if not isinstance(kind, str):
                 raise bad_request(f"{where}.type: must be a string", param="tools")
-            continue  # a server tool (web_search, bash, ...): the server has none to run
+            parsed.ignore("tools.type")  # a server tool (web_search, bash, ...): the server has none to run
+            continue
         name = tool.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise bad_request(f"{where}.name: {TOOL_NAME_MESSAGE}", param="tools")
@@ -364,6 +524,11 @@ def _tools(tools: Any) -> tuple[list[dict[str, Any]], float | None]:
         description = tool.get("description")
         if description is not None and not isinstance(description, str):
             raise bad_request(f"{where}.description: must be a string", param="tools")
+        deferred = tool.get("defer_loading")
+        if deferred is not None and not isinstance(deferred, bool):
+            raise bad_request(f"{where}.defer_loading: must be a boolean", param="tools")
+        if deferred and name not in parsed.tool_references:
+            continue
         function: dict[str, Any] = {"name": name, "parameters": dict(tool["input_schema"])}
         if description is not None:
             function["description"] = description
@@ -397,7 +562,7 @@ def _tool_choice(choice: Any, names: list[str]) -> Any:
     return {"type": "function", "function": {"name": name}}
 
 
-def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+def _template_kwargs(body: Mapping[str, Any], parsed: _Parsed) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     extra = body.get("chat_template_kwargs")
     if isinstance(extra, Mapping):
@@ -405,11 +570,36 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     thinking = body.get("thinking")
     if thinking is None:
         return kwargs
-    kind = thinking.get("type") if isinstance(thinking, Mapping) else None
-    if not isinstance(kind, str) or kind not in THINKING_TYPES:
-        raise bad_request("thinking.type: must be 'enabled' or 'disabled'", param="thinking")
+    if not isinstance(thinking, Mapping):
+        raise bad_request("thinking: must be an object with a type", param="thinking")
+    kind = thinking.get("type")
+    if not isinstance(kind, str):
+        raise bad_request("thinking.type: must be 'enabled', 'adaptive' or 'disabled'", param="thinking")
     budget = thinking.get("budget_tokens")
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
         raise bad_request("thinking.budget_tokens: must be an integer", param="thinking")
+    if kind not in THINKING_TYPES:
+        parsed.ignore("thinking.type")  # a newer mode: the template's default
+        return kwargs
     kwargs.setdefault("enable_thinking", THINKING_TYPES[kind])  # an explicit template kwarg wins
     return kwargs
+
+
+def _effort(config: Any, parsed: _Parsed) -> str | None:
+    """`output_config.effort` as the template's reasoning depth (None: not set or not known)."""
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise bad_request("output_config: must be an object", param="output_config")
+    for key in config:
+        if key not in ("effort", "format"):
+            parsed.ignore(f"output_config.{key}")
+    effort = config.get("effort")
+    if effort is None:
+        return None
+    if not isinstance(effort, str):
+        raise bad_request("output_config.effort: must be 'low', 'medium', 'high' or 'max'", param="output_config")
+    if effort not in EFFORTS:
+        parsed.ignore("output_config.effort")
+        return None
+    return template_effort(EFFORTS[effort])

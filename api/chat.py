@@ -36,8 +36,9 @@ from api.pipeline.events import Event
 from api.pipeline.sink import CompletionSink
 from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools.detect import detect_tool_format
-from api.request_log import note_templating
+from api.request_log import note_ignored, note_templating
 from api.structured import ConstraintRequest, check_compiles, compiles_for
+from api.template_messages import join_late_system, late_system_texts
 from cache.boundary import stable_prefix_length
 from cache.prefix_match import common_prefix_length
 from model.params import SamplingParams
@@ -116,25 +117,59 @@ class RenderedPrompt:
     text: str | None  # the rendered template, when the tokenizer can show it
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
+    messages: tuple[dict[str, Any], ...] = ()  # the messages rendered
+    joined_system: bool = False  # mid-conversation system messages were joined to the system prompt
 
 
 def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
-    """The chat template applied to the prompt. A template error is a 400."""
+    """The chat template applied to the prompt. A template error is a 400.
+
+    A system message after the first message is rendered where it is when the template can; a
+    template that raises on it, or leaves its text out, gets it joined to the system prompt
+    instead (`join_late_system`)."""
     tools = list(prompt.tools) if prompt.tools else None
     kwargs = prompt.reasoning.template_kwargs()
     if "reasoning_effort" in kwargs and "reasoning_effort" not in (_template_source(tokenizer, tools) or ""):
         del kwargs["reasoning_effort"]  # only templates that read a depth get one
     messages = list(prompt.messages)
+    late = late_system_texts(messages)
     try:
-        render = getattr(tokenizer, "render_chat", None)
-        if render is None:
-            tokens = tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True, **kwargs)
-            return RenderedPrompt(tokens, None, tools, kwargs)
-        text = render(messages, tools=tools, add_generation_prompt=True, **kwargs)
-        return RenderedPrompt(tokenizer.encode(text, add_special_tokens=True), text, tools, kwargs)
+        rendered: RenderedPrompt | None = None
+        try:
+            rendered = _render(tokenizer, messages, tools, kwargs)
+        except Exception:
+            if not late:
+                raise
+            log.debug("template refused a mid-conversation system message; joining it to the system prompt")
+        if late and (rendered is None or not _shows_all(rendered.text, late)):
+            return _render(tokenizer, join_late_system(messages), tools, kwargs, joined_system=True)
+        assert rendered is not None
+        return rendered
     except Exception as exc:  # template errors are the client's messages, not a crash
         log.debug("prompt build failed", exc_info=True)
         raise bad_request(f"prompt build failed: {exc}") from exc
+
+
+def _render(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any],
+    *,
+    joined_system: bool = False,
+) -> RenderedPrompt:
+    render = getattr(tokenizer, "render_chat", None)
+    if render is None:
+        tokens = tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True, **kwargs)
+        return RenderedPrompt(tokens, None, tools, kwargs, tuple(messages), joined_system)
+    text = render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+    tokens = tokenizer.encode(text, add_special_tokens=True)
+    return RenderedPrompt(tokens, text, tools, kwargs, tuple(messages), joined_system)
+
+
+def _shows_all(text: str | None, system_texts: list[str]) -> bool:
+    """Whether a rendered prompt holds every one of `system_texts` (unknown without the text)."""
+    return text is None or all(t.strip() in text for t in system_texts)
 
 
 def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
@@ -175,6 +210,7 @@ async def start_chat(
     """Template and admit a chat request (`adapters`: the LoRA adapters its rows stack, checked
     mounted by the route). Raises `ApiError` (400 / 503)."""
     note_templating()
+    note_ignored(request.ignored)
     parts = request.prompt.images
     # Decoding and resizing images is CPU work: always a worker thread (a 400 first on a text model).
     inputs = await offload.to_thread(images.prepare_images, parts, handles.info) if parts else ()
@@ -310,7 +346,7 @@ def _snapshot_position(handles: ServerHandles, prompt: ChatPrompt, rendered: Ren
     try:
         position = stable_prefix_length(
             handles.tokenizer,
-            list(prompt.messages),
+            list(rendered.messages),
             prompt_tokens=rendered.tokens,
             tools=rendered.tools,
             **rendered.template_kwargs,
@@ -334,9 +370,10 @@ def _retained_positions(
     prompt = np.asarray(rendered.tokens, np.int64)
     positions: dict[int, float] = {}
     for point in request.cache_points:
+        cut_messages = join_late_system(point.messages) if rendered.joined_system else list(point.messages)
         try:
             cut = handles.tokenizer.encode_chat(
-                list(point.messages), tools=rendered.tools, add_generation_prompt=False, **rendered.template_kwargs
+                cut_messages, tools=rendered.tools, add_generation_prompt=False, **rendered.template_kwargs
             )
         except Exception:  # a template that rejects the cut (role alternation, say): no hint
             log.debug("cache breakpoint render failed", exc_info=True)

@@ -105,6 +105,9 @@ class ChatRequest:
     constraint: ConstraintRequest | None = None
     cache_points: tuple[CachePoint, ...] = ()  # retention hints, mapped to prompt positions by the chat core
     parallel_tool_calls: bool = True  # False: at most one tool call, generation ends after it
+    # Fields, block types and values the request carried that this server does not know and
+    # ignored (named as `thinking.type`, `output_config.foo`, ...): logged and counted, never a 400.
+    ignored: tuple[str, ...] = ()
 
 
 @attrs.frozen

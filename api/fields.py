@@ -224,6 +224,11 @@ def stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(s for s in value if s)  # empty strings dropped
 
 
+def template_effort(effort: str) -> str | None:
+    """A `reasoning_effort` level as the depth templates read (None for "none" or an unknown one)."""
+    return _TEMPLATE_EFFORT.get(effort)
+
+
 def reasoning_options(template_kwargs: Any, effort: Any, *, effort_param: str = "reasoning_effort") -> ReasoningOptions:
     """`chat_template_kwargs` and `reasoning_effort`: explicit enable_thinking > the effort
     ("none" = off, any level = on) > the template's default. `effort_param`: the effort's name

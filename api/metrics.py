@@ -19,6 +19,8 @@ Observed per request (from `api.request_log`'s records, or `Metrics.observe_requ
 | `mlx_trio:request_prompt_tokens` / `request_generation_tokens` | histogram | same |
 | `mlx_trio:request_aborts_total{phase,cause}` | counter | — (phase: queued / prefill / decode; |
 | | | cause: client / cutoff) |
+| `mlx_trio:ignored_fields_total{field}` | counter | — (request fields, block types and values the |
+| | | server does not know and ignored; the first 64 names, then `other`) |
 
 Read at scrape time from `handles.stats()` (a block that is absent, e.g. `ssd_cache` without an
 SSD tier, simply yields no series):
@@ -44,6 +46,7 @@ Each app has its own `CollectorRegistry` (never the process-global one), so test
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +65,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PREFIX = "mlx_trio:"
+MAX_IGNORED_NAMES = 64  # distinct `field` labels of ignored_fields_total; later names count as "other"
+_LABEL_SAFE = re.compile(r"[A-Za-z0-9_.\-]{1,80}")
 _EXTENSION_KEY = "mlx_trio.metrics"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
@@ -220,6 +225,13 @@ class Metrics:
             ["phase", "cause"],
             registry=r,
         )
+        self.ignored_fields = Counter(
+            PREFIX + "ignored_fields",
+            "Request fields, block types and values the server did not know and ignored.",
+            ["field"],
+            registry=r,
+        )
+        self._ignored_names: set[str] = set()  # label values seen: bounded, clients choose them
         if stats is not None:
             r.register(StatsCollector(stats, healthy=healthy))
 
@@ -267,10 +279,19 @@ class Metrics:
         if queue_time is not None:
             self.queue_time.observe(queue_time)
 
+    def observe_ignored(self, names: Iterable[str]) -> None:
+        for name in names:
+            if name not in self._ignored_names:
+                if len(self._ignored_names) >= MAX_IGNORED_NAMES or not _LABEL_SAFE.fullmatch(name):
+                    name = "other"
+                self._ignored_names.add(name)
+            self.ignored_fields.labels(name).inc()
+
     def observe_itl(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
     def observe_record(self, record: RequestRecord) -> None:
+        self.observe_ignored(record.ignored)
         self.observe_request(
             route=record.route,
             status=record.final_status,

@@ -109,6 +109,7 @@ class RequestRecord:
     abort_phase: str | None = None  # queued | prefill | decode
     abort_cause: str | None = None  # client | cutoff (the shutdown deadline ended the stream)
     error: str | None = None
+    ignored: tuple[str, ...] = ()  # request fields the server did not know and ignored (api/chat_request.py)
     # the trace's extra times (trio seconds); `prefills` is kept only when the request is traced
     trace: RequestTrace | None = None
     template_at: float | None = None  # the chat template / tokenizing began: parsing is over
@@ -268,6 +269,8 @@ class RequestRecord:
                 out["abort_cause"] = self.abort_cause
             if self.error is not None:
                 out["error"] = self.error
+        if self.ignored:
+            out["ignored"] = list(self.ignored)
         out["client_abort"] = self.client_abort
         if prompt_text is not None:
             out["prompt"] = prompt_text
@@ -362,6 +365,13 @@ def note_templating() -> None:
     record = observing.get()
     if isinstance(record, RequestRecord) and record.template_at is None:
         record.template_at = trio.current_time()
+
+
+def note_ignored(names: tuple[str, ...]) -> None:
+    """The request carried fields the server does not know (logged with it, counted in /metrics)."""
+    record = observing.get()
+    if names and isinstance(record, RequestRecord):
+        record.ignored = tuple(dict.fromkeys((*record.ignored, *names)))
 
 
 def request_monitor(app: QuartTrio) -> RequestMonitor:

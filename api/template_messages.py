@@ -5,6 +5,7 @@ content the server cannot take.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from api.errors import ApiError, bad_request
@@ -47,3 +48,25 @@ def template_arguments(arguments: Any) -> Any:
         except ValueError:
             pass
     return arguments
+
+
+def late_system_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The texts of system messages after the first message (mid-conversation system turns)."""
+    return [
+        m["content"]
+        for m in messages[1:]
+        if m.get("role") == "system" and isinstance(m.get("content"), str) and m["content"]
+    ]
+
+
+def join_late_system(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with every system message after the first joined (a blank line apart, in order)
+    to the leading system message, which is created when there is none: for templates that
+    render a system prompt only at the start (they raise on, or silently drop, a later one)."""
+    late = late_system_texts(messages)
+    rest = [dict(m) for i, m in enumerate(messages) if i == 0 or m.get("role") != "system"]
+    if rest and rest[0].get("role") == "system" and isinstance(rest[0].get("content"), str):
+        head = rest[0]["content"]
+        rest[0]["content"] = "\n\n".join([head, *late]) if head else "\n\n".join(late)
+        return rest
+    return [{"role": "system", "content": "\n\n".join(late)}, *rest]

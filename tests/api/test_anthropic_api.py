@@ -177,7 +177,7 @@ async def error_of(response) -> dict:
 TOOLS = [{"name": "f", "input_schema": {"type": "object"}}]
 TYPE_ERR = ("invalid_request_error", "tool_choice.type: must be 'auto', 'any', 'tool' or 'none'")
 OBJECT_ERR = ("invalid_request_error", "tool_choice: must be an object")
-THINKING_ERR = ("invalid_request_error", "thinking.type: must be 'enabled' or 'disabled'")
+THINKING_ERR = ("invalid_request_error", "thinking.type: must be 'enabled', 'adaptive' or 'disabled'")
 
 
 async def test_errors_use_the_anthropic_envelope(autojump_clock):
@@ -238,14 +238,14 @@ async def test_errors_use_the_anthropic_envelope(autojump_clock):
             (await client.post(COUNT, json={"messages": "nope"}), 400, "invalid_request_error", "messages"),
             # loose fields the Messages API refuses
             (
-                await client.post(MESSAGES, json={**body(), "messages": [{"role": "system", "content": "s"}]}),
+                await client.post(MESSAGES, json={**body(), "messages": [{"role": "tool", "content": "s"}]}),
                 400,
                 "invalid_request_error",
-                "messages.0.role: must be 'user' or 'assistant'",
+                "messages.0.role: must be 'user', 'assistant' or 'system'",
             ),
             (await client.post(MESSAGES, json=body(tools=TOOLS, tool_choice={"type": "bogus"})), 400, *TYPE_ERR),
             (await client.post(MESSAGES, json=body(tools=TOOLS, tool_choice="any")), 400, *OBJECT_ERR),
-            (await client.post(MESSAGES, json=body(thinking={"type": "maybe"})), 400, *THINKING_ERR),
+            (await client.post(MESSAGES, json=body(thinking={"type": 7})), 400, *THINKING_ERR),
             (await client.post("/v1/messages/nope", json={}), 404, "not_found_error", "not found"),
         ]
         for response, status, kind, message in cases:

@@ -339,3 +339,98 @@ def test_mid_stream_engine_failure_ends_with_the_error_event(failing_server):
     assert sdk(failing_server).messages.create(model="m", max_tokens=64, messages=USER).content[0].text == "".join(
         TEXT_SCRIPT
     )
+
+
+# --- Claude Code's request shape ---------------------------------------------------------------
+
+CLAUDE_CODE_BETAS = [
+    "claude-code-20250219",
+    "interleaved-thinking-2025-05-14",
+    "thinking-token-count-2026-05-13",
+    "context-management-2025-06-27",
+    "prompt-caching-scope-2026-01-05",
+    "mid-conversation-system-2026-04-07",
+    "effort-2025-11-24",
+]
+
+
+def claude_code_request(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A request as Claude Code sends it: a system array of three text blocks (two cached), a
+    system turn after the first user message, many tools (one deferred), adaptive thinking, an
+    effort, a context edit, a JSON user id."""
+    tools: list[dict[str, Any]] = [
+        {"name": f"Tool{i}", "description": f"Tool number {i}.", "input_schema": WEATHER_SCHEMA} for i in range(22)
+    ]
+    tools.append({"name": "Read", "description": "Read a file.", "input_schema": WEATHER_SCHEMA})
+    tools.append({"name": "Deferred", "description": "Loaded by search.", "input_schema": {}, "defer_loading": True})
+    return {
+        "model": "m",
+        "max_tokens": 32000,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328;"},
+            {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Be careful with tools.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": messages,
+        "tools": tools,
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "metadata": {"user_id": json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": "s"})},
+    }
+
+
+CLAUDE_CODE_TURN = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "<system-reminder>be nice</system-reminder>"},
+            {"type": "text", "text": "Say hello."},
+        ],
+    },
+    {"role": "system", "content": [{"type": "text", "text": "# Environment\n - Primary working directory: /tmp/x"}]},
+]
+
+
+def test_claude_code_request_shape_through_the_sdk(text_server):
+    client = sdk(text_server)
+    request = claude_code_request(CLAUDE_CODE_TURN)
+    with client.beta.messages.stream(**request, betas=CLAUDE_CODE_BETAS) as stream:  # POST /v1/messages?beta=true
+        text = "".join(stream.text_stream)
+        first = stream.get_final_message()
+    assert text == "".join(TEXT_SCRIPT) and first.stop_reason == "end_turn"
+    # The system turn is rendered where it was sent (this template can), the deferred tool left out.
+    expected = text_server.tokenizer.encode_chat(
+        [
+            {"role": "system", "content": "\n".join(block["text"] for block in request["system"])},
+            {"role": "user", "content": "<system-reminder>be nice</system-reminder>\nSay hello."},
+            {"role": "system", "content": "# Environment\n - Primary working directory: /tmp/x"},
+        ],
+        tools=[
+            {
+                "type": "function",
+                "function": {"name": t["name"], "parameters": t["input_schema"], "description": t["description"]},
+            }
+            for t in request["tools"][:-1]
+        ],
+        enable_thinking=True,
+    )
+    usage = first.usage  # Anthropic's input_tokens leave out what was written to and read from the cache
+    prompt = usage.input_tokens + (usage.cache_creation_input_tokens or 0) + (usage.cache_read_input_tokens or 0)
+    assert prompt == len(expected)
+    # The next turn reads the whole first prompt from the cache.
+    follow = client.beta.messages.create(
+        **claude_code_request(
+            [*CLAUDE_CODE_TURN, {"role": "assistant", "content": text}, {"role": "user", "content": "Again."}]
+        ),
+        betas=CLAUDE_CODE_BETAS,
+    )
+    assert follow.content[0].text == "".join(TEXT_SCRIPT)
+    assert (follow.usage.cache_read_input_tokens or 0) >= len(expected) - 1
+    # Nothing in this shape was unknown; a field the server does not know is counted, not refused.
+    extra = client.beta.messages.create(
+        **claude_code_request(CLAUDE_CODE_TURN), betas=CLAUDE_CODE_BETAS, extra_body={"speed": "fast"}
+    )
+    assert extra.content[0].text == "".join(TEXT_SCRIPT)
+    metrics = httpx.get(text_server.base + "/metrics").text
+    assert 'mlx_trio:ignored_fields_total{field="speed"} 1.0' in metrics

@@ -88,6 +88,7 @@ def test_tool_use_tool_result_and_thinking_blocks():
         {
             "role": "assistant",
             "content": "Checking.",
+            "reasoning_content": "hmm",  # earlier thinking reaches the template, which decides
             "tool_calls": [
                 {
                     "id": "toolu_1",
@@ -162,7 +163,7 @@ def test_tool_choice_any_forces_a_call_of_any_client_tool():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"messages": [{"role": "system", "content": "s"}]}, "messages.0.role: must be 'user' or 'assistant' (the"),
+        ({"messages": [{"role": "developer", "content": "s"}]}, "messages.0.role: must be 'user', 'assistant' or"),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]}, "messages.1.role"),
         ({"messages": [{"content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": ["user"], "content": "x"}]}, "messages.0.role"),
@@ -175,9 +176,21 @@ def test_tool_choice_any_forces_a_call_of_any_client_tool():
         ({"tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}}, "disable_parallel_tool_use"),
         ({"tools": [], "tool_choice": {"type": "any"}}, "tool_choice 'any' forces a tool call, but no client tool"),
         ({"tools": None, "tool_choice": {"type": "tool", "name": "f"}}, "no client tool"),
-        ({"thinking": {"type": "maybe"}}, "thinking.type: must be 'enabled' or 'disabled'"),
+        ({"thinking": {"type": 1}}, "thinking.type: must be 'enabled', 'adaptive' or 'disabled'"),
         ({"thinking": {}}, "thinking.type"),
-        ({"thinking": "enabled"}, "thinking.type"),
+        ({"thinking": "enabled"}, "thinking: must be an object"),
+        ({"output_config": "high"}, "output_config: must be an object"),
+        ({"output_config": {"effort": 3}}, "output_config.effort: must be"),
+        ({"context_management": []}, "context_management: must be an object"),
+        ({"context_management": {"edits": {}}}, "context_management.edits: must be an array"),
+        ({"context_management": {"edits": [{"keep": "all"}]}}, "context_management.edits.0.type: must be a string"),
+        (
+            {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": 2}]}},
+            "context_management.edits.0.keep: must be 'all' or",
+        ),
+        ({"messages": [{"role": "system", "content": [{"type": "image"}]}]}, "a system message takes text blocks"),
+        ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages.0.content.0.type: must be a string"),
+        ({"tools": [{"name": "f", "input_schema": {}, "defer_loading": "y"}]}, "tools.0.defer_loading"),
         ({"thinking": {"type": "enabled", "budget_tokens": "1024"}}, "thinking.budget_tokens: must be an integer"),
     ],
 )
@@ -218,7 +231,7 @@ def test_images_are_a_400_after_the_request_shape_checks(translate):
     with pytest.raises(ApiError, match="an image needs a base64 or url source"):
         translate({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]})
     # The request's own shape is checked first: a later bad block names itself, not the image.
-    with pytest.raises(ApiError, match="unsupported content block type 'document'"):
+    with pytest.raises(ApiError, match="only plain-text documents are supported"):
         translate(
             {"messages": [{"role": "user", "content": [IMAGE]}, {"role": "user", "content": [{"type": "document"}]}]}
         )
@@ -259,9 +272,21 @@ def test_disable_parallel_tool_use_keeps_one_call():
         ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "audio"),
         (
             {"messages": [{"role": "user", "content": [{"type": "document"}]}]},
-            "unsupported content block type 'document'",
+            "messages.0.content.0.source: only plain-text documents are supported",
         ),
         ({"messages": [{"role": "user", "content": 7}]}, "content"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 8,
+                "output_config": {"format": {"type": "x"}},
+            },
+            "output_config.format.type: must be 'json_schema'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "output_format": {"type": "json_schema"}},
+            "output_format.schema: must be a JSON schema object",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"}, "stop_sequences"),
         ({"messages": [{"role": "user", "content": "x"}], "system": 5}, "system"),
         (
@@ -421,3 +446,161 @@ def test_metadata_with_a_string_or_null_user_id_passes():
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
     for metadata in (None, {}, {"user_id": None}, {"user_id": "u" * 256}):
         messages_request({**body, "metadata": metadata})
+
+
+# --- the API as clients send it today (Claude Code's shape) -------------------------------------
+
+
+def test_mid_conversation_system_adaptive_thinking_effort_and_unknown_fields():
+    request = messages_request(
+        {
+            "model": "m",
+            "system": [
+                {"type": "text", "text": "header"},
+                {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+            ],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "hi"}]},
+                {
+                    "role": "system",
+                    "content": [{"type": "text", "text": "# Environment", "cache_control": {"type": "ephemeral"}}],
+                },
+                {"role": "system", "content": "later note"},
+            ],
+            "max_tokens": 32000,
+            "thinking": {"type": "adaptive", "display": "omitted"},
+            "output_config": {"effort": "high", "verbosity": "low"},
+            "context_management": {
+                "edits": [{"type": "clear_thinking_20251015", "keep": "all"}, {"type": "clear_tool_uses_20250919"}]
+            },
+            "metadata": {"user_id": '{"device_id":"d","session_id":"s"}'},
+            "service_tier": "auto",
+            "stream": True,
+        }
+    )
+    assert request.prompt.messages == (
+        {"role": "system", "content": "header\nYou are an agent."},
+        {"role": "user", "content": "<reminder>\nhi"},
+        {"role": "system", "content": "# Environment"},  # where it was sent
+        {"role": "system", "content": "later note"},
+    )
+    # adaptive thinking turns the template's thinking on; effort "high" is the template's top depth
+    assert request.prompt.reasoning == ReasoningOptions(enable_thinking=True, effort="xhigh")
+    assert set(request.ignored) == {
+        "output_config.verbosity",
+        "context_management.edits.type",
+        "service_tier",
+    }
+    assert len(request.cache_points) == 2  # the system block and the mid-conversation system block
+
+
+@pytest.mark.parametrize(
+    "effort, depth", [("low", "low"), ("medium", "medium"), ("high", "xhigh"), ("max", "xhigh"), ("turbo", None)]
+)
+def test_output_config_effort_is_the_templates_depth(effort, depth):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "output_config": {"effort": effort}}
+    request = messages_request(body)
+    assert request.prompt.reasoning == ReasoningOptions(effort=depth)  # effort alone never switches thinking
+    assert request.ignored == (() if depth else ("output_config.effort",))
+
+
+def test_an_unknown_thinking_type_or_block_type_is_ignored_not_refused():
+    request = messages_request(
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "search_result", "x": 1}]},
+            ],
+            "thinking": {"type": "turbo"},
+            "max_tokens": 8,
+        }
+    )
+    assert request.prompt.messages == ({"role": "user", "content": "a"},)
+    assert request.prompt.reasoning == ReasoningOptions()  # the template's default
+    assert set(request.ignored) == {"thinking.type", "messages.content.type"}
+
+
+def _thinking_turn(text: str) -> dict:
+    return {
+        "role": "assistant",
+        "content": [{"type": "thinking", "thinking": text, "signature": "s"}, {"type": "text", "text": "ok " + text}],
+    }
+
+
+@pytest.mark.parametrize(
+    "management, kept",
+    [
+        (None, ["t1", "t2", "t3"]),  # no edit: every turn's thinking reaches the template
+        ({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}, ["t1", "t2", "t3"]),
+        ({"edits": [{"type": "clear_thinking_20251015"}]}, ["t3"]),  # keep defaults to the last turn
+        (
+            {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 2}}]},
+            ["t2", "t3"],
+        ),
+        ({"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}]}, []),
+    ],
+)
+def test_clear_thinking_keeps_the_last_n_thinking_turns(management, kept):
+    messages = []
+    for text in ("t1", "t2", "t3"):
+        messages += [{"role": "user", "content": "q"}, _thinking_turn(text)]
+    body = {"messages": [*messages, {"role": "user", "content": "q"}], "max_tokens": 8}
+    if management is not None:
+        body["context_management"] = management
+    assistants = [m for m in messages_request(body).prompt.messages if m["role"] == "assistant"]
+    assert [m.get("reasoning_content") for m in assistants if "reasoning_content" in m] == kept
+    assert [m["content"] for m in assistants] == ["ok t1", "ok t2", "ok t3"]
+
+
+def test_deferred_tools_join_once_a_tool_reference_names_them():
+    tools = [
+        {"name": "Read", "input_schema": {"type": "object"}},
+        {"name": "WebFetch", "input_schema": {"type": "object"}, "defer_loading": True},
+        {"name": "Cron", "input_schema": {"type": "object"}, "defer_loading": True},
+    ]
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "tools": tools}
+    assert [t["function"]["name"] for t in messages_request(body).prompt.tools] == ["Read"]
+    searched = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [{"type": "tool_reference", "tool_name": "WebFetch"}],
+                }
+            ],
+        },
+    ]
+    request = messages_request({**body, "messages": searched})
+    assert [t["function"]["name"] for t in request.prompt.tools] == ["Read", "WebFetch"]
+
+
+def test_documents_with_a_text_source_are_text():
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc"}},
+                    {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "more"}]}},
+                    {"type": "text", "text": "summarize"},
+                ],
+            }
+        ],
+        "max_tokens": 8,
+    }
+    assert messages_request(body).prompt.messages == ({"role": "user", "content": "doc\nmore\nsummarize"},)
+
+
+def test_output_format_is_a_json_schema_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for body in (
+        {"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        {"output_format": {"type": "json_schema", "schema": schema}},
+    ):
+        request = messages_request({"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **body})
+        if grammar.available():
+            assert request.constraint.constraint.kind == "json_schema"
+            assert json.loads(request.constraint.constraint.spec) == schema
