@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from actors.flag_types import path_arg
 from model.adapter_ids import adapter_id_problem
 
 
@@ -28,6 +29,7 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--adapters-dir",
+        type=path_arg,
         default=None,
         metavar="DIR",
         help="a directory of adapter directories that GET /v1/adapters/available lists, for POST "
@@ -36,13 +38,13 @@ def add_adapter_flags(p: argparse.ArgumentParser) -> None:
 
 
 def parse_adapter(text: str) -> tuple[str, str]:
-    """`ID=PATH` → (id, path); a bad one is argparse's usage error (exit 2)."""
+    """`ID=PATH` → (id, path with `~` expanded); a bad one is argparse's usage error (exit 2)."""
     adapter_id, sep, path = text.partition("=")
     if not sep or not path:
         raise argparse.ArgumentTypeError("must be ID=PATH")
     if problem := adapter_id_problem(adapter_id):
         raise argparse.ArgumentTypeError(problem)
-    return adapter_id, path
+    return adapter_id, path_arg(path)
 
 
 class _AppendAdapter(argparse.Action):

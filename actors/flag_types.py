@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def non_negative_int(text: str) -> int:
@@ -45,3 +46,17 @@ def auto_on_off(text: str) -> bool | None:
     if text not in choices:
         raise argparse.ArgumentTypeError("must be auto, on or off")
     return choices[text]
+
+
+def port_number(text: str) -> int:
+    """A TCP port; 0 asks the system for a free one."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError("must be a port from 0 to 65535")
+    return value
+
+
+def path_arg(text: str) -> str:
+    """A path flag's value with a leading `~` expanded, as the shell would have done for an
+    unquoted one (a quoted "~/x" would otherwise be a directory named `~` in the working one)."""
+    return os.path.expanduser(text)

@@ -113,6 +113,7 @@ class GpuWorker:
         ssd_cache_dir: Path | str | None = None,
         ssd_cache_max_bytes: int = 32 * 2**30,
         ssd_verify: bool = True,
+        ssd_optional: bool = False,
         warm_up_batch: int | Callable[[ModelInfo], int] = 0,
         warm_up: str = "auto",
         kv_quant: str = "off",
@@ -145,6 +146,7 @@ class GpuWorker:
         self.ssd_cache_dir = None if ssd_cache_dir is None else Path(ssd_cache_dir)
         self.ssd_cache_max_bytes = int(ssd_cache_max_bytes)
         self.ssd_verify = ssd_verify
+        self.ssd_optional = ssd_optional  # an SSD tier that cannot open: a warning (else start-up fails)
         self.ssd_store: SsdStore | None = None
         self._put_listener: Callable[[str, tuple[int, ...]], None] | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
@@ -413,7 +415,9 @@ class GpuWorker:
 
     def _make_prompt_cache(self, loaded: LoadedModel) -> TieredPromptCache | None:
         """A TieredPromptCache over an opened SsdStore, or None (then the plain RAM tier).
-        An SSD tier that cannot open is a warning: the cache tier never takes serving down."""
+        An SSD tier that cannot open (another server holds its directory, a write fails) fails
+        start-up in one line (exit 2): the user asked for it. With --ssd-optional it is a warning
+        and the server runs on the RAM tier alone."""
         if self.ssd_cache_dir is None:
             return None
         from cache.ssd_identity import Identity, model_fingerprint, scheme_key, tokenizer_hash
@@ -430,8 +434,13 @@ class GpuWorker:
             store = SsdStore(
                 self.ssd_cache_dir, identity, max_bytes=self.ssd_cache_max_bytes, verify=self.ssd_verify
             ).open()
-        except Exception as e:  # noqa: BLE001
-            log.warning("SSD cache disabled: %s", e)
+        except Exception as e:  # noqa: BLE001 - whatever the cause, the tier is unusable
+            if not self.ssd_optional:
+                from actors.preflight import SSD_OPTIONAL_HINT
+                from actors.startup import StartupFailed
+
+                raise StartupFailed(f"--ssd-cache: {e}; {SSD_OPTIONAL_HINT}", usage=True) from e
+            log.warning("SSD cache disabled (--ssd-optional): %s", e)
             return None
         self.ssd_store = store
         cache = TieredPromptCache(self.prompt_cache_bytes, store, retention_share=self.cache_retention_share)

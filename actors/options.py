@@ -34,6 +34,7 @@ class ServeConfig:
     ssd_spill_queue_gb: float = 2.0  # GiB of write-behind clones; 0 = newest + in-flight only
     ssd_demote_idle_s: float = 300.0  # 0 = off
     ssd_verify: bool = True  # tensor hashes checked on restore (--no-ssd-verify skips)
+    ssd_optional: bool = False  # an unusable --ssd-cache: warn and serve without it (else exit 2)
     # Access, limits and logs (api/security.py, api/request_log.py).
     api_key: str | None = None  # required on /v1/* (Bearer or x-api-key) when set
     admin_token: str | None = None  # lets non-loopback clients call /admin/*

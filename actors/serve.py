@@ -9,8 +9,9 @@ everything; a wall-clock watchdog hard-exits if a client that stopped reading pi
 
 Exit codes: 0 after a graceful shutdown; 1 when the SSD tier's shutdown flush lost an entry it
 had to keep, when the watchdog fired, or on a start-up failure that is not the command line's
-fault; 2 for a bad command line (a flag, the --model directory, a busy port: one line,
-actors/startup.py); 130 when a second signal cut the shutdown short.
+fault; 2 for a bad command line (a flag, the --model directory, a busy port, an unusable
+--ssd-cache, a module in the working directory shadowing ours: one line, actors/startup.py,
+actors/preflight.py, actors/shadowing.py); 130 when a second signal cut the shutdown short.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIFramework
@@ -48,6 +49,15 @@ _FIELD_OF = {
 _PROCESS_FLAGS = {"blas", "log_level"}  # acted on before the server exists: no ServeConfig field
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 SECOND_SIGNAL_EXIT = 130  # the shell's code for "ended by Ctrl-C": streams were cut, not finished
+_PROG = "mlx-trio-server"  # the console script (pyproject.toml) that runs `main`
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (`--help` has the usage), as every other start-up
+    failure is; the exit code stays argparse's 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -63,15 +73,17 @@ def parser() -> argparse.ArgumentParser:
         non_empty,
         non_negative_float,
         non_negative_int,
+        path_arg,
+        port_number,
         positive_float,
     )
     from actors.policy import parse_batch
 
-    p = argparse.ArgumentParser(
-        prog="python -m actors.serve",
+    p = _OneLineParser(
+        prog=_PROG if Path(sys.argv[0]).name == _PROG else "python -m actors.serve",
         description="OpenAI-compatible LLM server on MLX (trio actors). No --model: the embedded demo model.",
     )
-    p.add_argument("--model", help="model directory or an org/name in the local Hugging Face cache")
+    p.add_argument("--model", type=path_arg, help="model directory or an org/name in the local Hugging Face cache")
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -81,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
         help="names the model answers to; the first is used in replies and logs (default: org/name or directory name)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=port_number, default=8080, help="0 = a free port the system picks")
     p.add_argument(
         "--batch",
         type=parse_batch,
@@ -114,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ssd-cache",
+        type=path_arg,
         default=None,
         metavar="DIR",
         help="keep prompt-cache entries on disk in DIR too, so they survive restarts (needs --prompt-cache > 0)",
@@ -144,6 +157,12 @@ def parser() -> argparse.ArgumentParser:
         dest="ssd_verify",
         action="store_false",
         help="skip the per-tensor hash check when restoring from the SSD tier",
+    )
+    p.add_argument(
+        "--ssd-optional",
+        action="store_true",
+        help="an --ssd-cache directory that cannot be written or that another server holds is a warning "
+        "and the server runs without the SSD tier (default: start-up fails, exit 2)",
     )
     p.add_argument(
         "--temp",
@@ -227,6 +246,7 @@ def parser() -> argparse.ArgumentParser:
     add_feature_flags(p)
     p.add_argument(
         "--blas",
+        type=path_arg,
         default="auto",
         metavar="auto|off|PATH",
         help="Linux CPU only: the BLAS MLX's CPU backend binds when it loads; auto = the first optimized "
@@ -247,16 +267,32 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The process entry point (also the `mlx-trio-server` console script's); the exit code."""
+    # Before any of our other packages is imported: one in the working directory would win.
+    from actors.shadowing import shadowing_problem
+
+    if problem := shadowing_problem():
+        sys.stderr.write(f"cannot serve: {problem}\n")
+        return 2
     args = parse_args(argv)
     logging.basicConfig(level=_LOG_LEVELS[args.log_level], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Before anything can import mlx: MLX's CPU backend binds its BLAS at load time.
     from model.blas import preload_optimized_blas
 
-    log.info(preload_optimized_blas(args.blas).log_line())
+    blas = preload_optimized_blas(args.blas)
+    from actors.preflight import preflight
+    from actors.startup import FAILURE_EXIT, USAGE_EXIT, StartupFailed
+
+    try:
+        config = preflight(serve_config(args))  # the paths, before the port or any weight
+    except StartupFailed as exc:  # (the BLAS line would only bury this one)
+        log.error("cannot serve: %s", exc.message, exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
+        return USAGE_EXIT if exc.usage else FAILURE_EXIT
+    log.info(blas.log_line())
     try:
         import trio
 
-        return trio.run(_main, serve_config(args))
+        return trio.run(_main, config)
     except KeyboardInterrupt:  # Ctrl-C before the signal receiver was open (imports, startup)
         return 130
 
@@ -291,15 +327,11 @@ async def _main(config: ServeConfig) -> int:
                         nursery.start_soon(_watchdog, plan.hard_exit_after, SECOND_SIGNAL_EXIT)
 
             nursery.start_soon(on_signals)
-            if config.ssd_cache_dir and config.prompt_cache_gb <= 0:
-                log.error("cannot serve: --ssd-cache requires the RAM prompt cache (--prompt-cache 0 disables it)")
-                nursery.cancel_scope.cancel()  # else the nursery waits for the signal task forever
-                return 2
             try:
                 _, worker, make_tokenizer = _load_plan(config)
             except Exception as exc:  # a bad --model is a message, not a traceback
                 log.error("cannot serve: %s", exc)
-                nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()  # else the nursery waits for the signal task forever
                 return 2
             on_rank_failure(worker, shutdown.request)  # a tensor-parallel rank failed: shut down, exit 1
             try:
@@ -333,8 +365,10 @@ def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[Mod
     from actors.gpu_worker import GpuWorker
     from actors.policy import batch_rows
     from actors.speculation_setup import spec_choice
+    from model.errors import ModelLoadError
     from model.tokenizer import Tokenizer
 
+    name = config.served_model_name[0] if config.served_model_name else None
     if config.model:
         from model.resolve import resolve_model_dir
 
@@ -342,21 +376,26 @@ def _load_plan(config: ServeConfig) -> tuple[Path, RunnableWorker, Callable[[Mod
     else:
         from model.demo import DEMO_MODEL_NAME, ensure_demo_model
 
-        log.info("no --model: using %s", DEMO_MODEL_NAME)
+        name = name or DEMO_MODEL_NAME  # logged and served under one name, not its cache directory's
+        log.info("no --model: using the embedded demo model, served as %s", name)
         model_dir = Path(ensure_demo_model())
     log.info("model directory: %s", model_dir)
 
     def make_tokenizer(info: ModelInfo) -> Tokenizer:
-        return Tokenizer.from_dir(model_dir, eos_token_ids_from_config=info.eos_token_ids)
+        try:
+            return Tokenizer.from_dir(model_dir, eos_token_ids_from_config=info.eos_token_ids)
+        except ValueError as exc:  # a malformed tokenizer.json / config / template: the directory's fault
+            raise ModelLoadError(str(exc)) from exc
 
     worker = GpuWorker(
         model_dir,
-        name=config.served_model_name[0] if config.served_model_name else None,
+        name=name,
         prompt_cache_bytes=int(config.prompt_cache_gb * 2**30),
         cache_retention_share=config.cache_retention_share,
         ssd_cache_dir=config.ssd_cache_dir,
         ssd_cache_max_bytes=int(config.ssd_cache_max_gb * 2**30),
         ssd_verify=config.ssd_verify,
+        ssd_optional=config.ssd_optional,
         warm_up_batch=partial(batch_rows, config),  # --batch auto is sized once the model is loaded
         warm_up=config.warm_up,
         engine_options=config.engine_options(),

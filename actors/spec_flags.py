@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from actors.flag_types import path_arg
 from model.speculation import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 
 DRAFT_KINDS = ("draft", "ngram")
@@ -17,6 +18,7 @@ DRAFT_KINDS = ("draft", "ngram")
 def add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-model",
+        type=path_arg,
         default=None,
         metavar="DIR",
         help="speculative decoding with this small draft model (a directory or an org/name in the local "

@@ -22,7 +22,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from model.detokenizer import byte_level_decoder
 
-DEMO_MODEL_NAME = "mlx-trio-demo (embedded demo model)"
+# The name the demo model is logged and served under (its cache directory is named by DEMO_VERSION).
+DEMO_MODEL_NAME = "mlx-trio-demo"
 
 # Bump when the script, shape or any written file changes, so an old cached copy is never reused.
 DEMO_VERSION = "demo-v2"
@@ -203,7 +204,7 @@ def demo_model_dir(cache_dir: Path | None = None) -> Path:
     $MLX_TRIO_CACHE or ~/.cache/mlx-trio."""
     if cache_dir is None:
         env = os.environ.get("MLX_TRIO_CACHE")
-        cache_dir = Path(env) if env else Path.home() / ".cache" / "mlx-trio"
+        cache_dir = Path(env).expanduser() if env else Path.home() / ".cache" / "mlx-trio"
     return Path(cache_dir) / DEMO_VERSION
 
 

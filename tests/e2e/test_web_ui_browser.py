@@ -246,6 +246,8 @@ def test_reasoning_json_and_tool_calls_render(browser, tmp_path):
         assert stats.endswith("7 tokens · finish: tool_calls"), stats
         [sent] = browser.execute_script("return window.sentBodies")
         assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
-        assert sent["model"] == "demo-v2" and sent["messages"] == [{"role": "user", "content": "weather in Paris?"}]
+        assert sent["model"] == "mlx-trio-demo" and sent["messages"] == [
+            {"role": "user", "content": "weather in Paris?"}
+        ]
     finally:
         stop_server(proc)

@@ -1,0 +1,91 @@
+"""Start-up checks of the command line's paths, before anything loads.
+
+`python -m actors.serve` runs `preflight(config)` after the flags are parsed and before the port
+is bound or a weight is read, so a mistake a user can fix costs them under a second and one line
+(`StartupFailed`, usage: exit 2; actors/startup.py):
+
+* `--ssd-cache` with `--prompt-cache 0` (the SSD tier sits behind the RAM tier);
+* a `--model` that does not resolve, whose config.json is missing or names an unsupported
+  `model_type`, or whose directory has no `tokenizer.json` (the loader would read gigabytes of
+  weights first and then fail);
+* an `--ssd-cache` directory that cannot be created or written — unless `--ssd-optional`, which
+  makes it a warning and serves without the SSD tier (the config returned has none).
+
+A model without a chat template is a warning, not a failure: /v1/completions still works. An SSD
+directory another server holds is found only once the model is loaded (the lock is per model
+identity, which needs the weights): the GPU worker fails start-up the same way then.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import attrs
+
+from actors.options import ServeConfig
+from actors.startup import StartupFailed
+
+log = logging.getLogger(__name__)
+
+SSD_OPTIONAL_HINT = "pass --ssd-optional to serve without the SSD tier"
+
+
+def preflight(config: ServeConfig) -> ServeConfig:
+    """`config` once its paths are usable (possibly without its SSD tier, with --ssd-optional);
+    raises StartupFailed (usage) naming the first problem."""
+    if config.ssd_cache_dir and config.prompt_cache_gb <= 0:
+        raise StartupFailed("--ssd-cache requires the RAM prompt cache (--prompt-cache 0 disables it)", usage=True)
+    if config.model:
+        check_model_dir(config.model)
+    if config.ssd_cache_dir and (problem := ssd_dir_problem(Path(config.ssd_cache_dir))):
+        if not config.ssd_optional:
+            raise StartupFailed(f"{problem}; {SSD_OPTIONAL_HINT}", usage=True)
+        log.warning("SSD cache disabled (--ssd-optional): %s", problem)
+        return attrs.evolve(config, ssd_cache_dir=None)
+    return config
+
+
+def check_model_dir(spec: str) -> Path:
+    """The directory `--model` names, once its config and tokenizer are there; warns when it has
+    no chat template. Imports MLX (the families): the BLAS must be bound first."""
+    from model.config import load_config
+    from model.embedding_config import read_pooling
+    from model.errors import ModelLoadError
+    from model.families import family_for
+    from model.resolve import resolve_model_dir
+    from model.tokenizer import TOKENIZER_FILE, ships_chat_template
+
+    try:
+        model_dir = resolve_model_dir(spec)
+        family_for(load_config(model_dir).model_type)
+        if not (model_dir / TOKENIZER_FILE).is_file():
+            raise ModelLoadError(
+                f"{model_dir}: no {TOKENIZER_FILE} (the server reads a model's tokenizer only from "
+                f"{TOKENIZER_FILE}: copy it from the model's original repository)"
+            )
+        embedding = read_pooling(model_dir, 0) is not None
+    except ModelLoadError as exc:
+        raise StartupFailed(str(exc), usage=True) from exc
+    if not embedding and not ships_chat_template(model_dir):
+        log.warning(
+            "%s has no chat template: /v1/chat/completions, /v1/messages and /v1/responses will answer 400, "
+            "only /v1/completions works; to chat, add the model's template to its directory "
+            '(chat_template.jinja, or "chat_template" in tokenizer_config.json)',
+            model_dir,
+        )
+    return model_dir
+
+
+def ssd_dir_problem(root: Path) -> str | None:
+    """Why the SSD tier could not keep files under `root`, or None: the directory is created if
+    missing and a file is written and removed there (a read-only mount or a file in the way
+    fails here, not on the first spill)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".mlx-trio-probe-"):
+            pass
+    except OSError as exc:
+        return f"--ssd-cache {root} is not a writable directory ({exc.strerror or exc})"
+    return None
