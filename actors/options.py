@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from actors.proxy_flags import DEFAULT_FORWARDED_ALLOW_IPS
 from model.kv_scheme import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START
 from model.options import EngineOptions
 from model.speculation import DEFAULT_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
@@ -37,8 +38,13 @@ class ServeConfig:
     ssd_optional: bool = False  # an unusable --ssd-cache: warn and serve without it (else exit 2)
     # Access, limits and logs (api/security.py, api/request_log.py).
     api_key: str | None = None  # required on /v1/* (Bearer or x-api-key) when set
-    admin_token: str | None = None  # lets non-loopback clients call /admin/*
+    admin_token: str | None = None  # required on every /admin/* and /v1/adapters* request when set
     cors_origins: tuple[str, ...] = ()  # empty: CORS off; "*" allows any origin
+    # Behind a proxy (actors/proxy_flags.py): the Host names served besides IP literals,
+    # localhost and --host ("*" = any), and the peers whose X-Forwarded-For / Forwarded name the
+    # client in logs (IPs, CIDRs or "*").
+    allowed_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    forwarded_allow_ips: tuple[str, ...] = attrs.field(default=DEFAULT_FORWARDED_ALLOW_IPS, converter=tuple)
     max_body_mb: float = 16.0  # request body cap in MiB (413 above); 0 = no cap
     log_prompts: bool = False  # put the prompt text in the per-request log line
     idle_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (hypercorn)

@@ -78,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
         positive_float,
     )
     from actors.policy import parse_batch
+    from actors.proxy_flags import add_proxy_flags
 
     p = _OneLineParser(
         prog=_PROG if Path(sys.argv[0]).name == _PROG else "python -m actors.serve",
@@ -183,7 +184,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-token",
         default=os.environ.get("MLX_TRIO_ADMIN_TOKEN") or None,
-        help="let non-loopback clients call /admin/* with this token; env MLX_TRIO_ADMIN_TOKEN",
+        help="require this token on every /admin/* and /v1/adapters* request, loopback included "
+        "(without one: directly connected loopback clients only); env MLX_TRIO_ADMIN_TOKEN",
     )
     p.add_argument(
         "--cors-origin",
@@ -193,6 +195,7 @@ def parser() -> argparse.ArgumentParser:
         dest="cors_origins",
         help="allow browser calls from ORIGIN (repeatable or comma-separated; * = any); default: CORS off",
     )
+    add_proxy_flags(p)  # --allowed-hosts, --forwarded-allow-ips
     p.add_argument(
         "--max-body-mb",
         type=non_negative_float,

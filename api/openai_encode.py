@@ -6,7 +6,8 @@ A request with `n` choices has one actor per choice; they are read in turn (the 
 one batch, so waiting on one holds the others back by a step at most, and every row's channel
 keeps being drained). Usage counts the prompt once and sums the choices' completions. A stream
 carries usage only with `stream_options.include_usage`: then every chunk has `usage: null` and a
-last chunk, with no choices, has the request's usage. Logprobs stream too: the chunks' pieces
+last chunk, with no choices, has the request's usage. A stream quiet for `KEEPALIVE_INTERVAL_S`
+(a long prefill) sends an SSE comment, `: keep-alive`. Logprobs stream too: the chunks' pieces
 concatenate to the whole answer's list (`chat_stream`, `text_stream`).
 """
 
@@ -20,10 +21,10 @@ from typing import Any
 
 from actors.request import GenerationFailed, RequestActor
 from api.chat import Generation, StartedGeneration
-from api.completion import Completion, add_events, finish
+from api.completion import TIMED_OUT, Completion, add_events, finish, next_events_or_timeout
 from api.errors import ApiError, error_body
 from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
-from api.wire import DONE_FRAME, data_frame, new_id
+from api.wire import DONE_FRAME, KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S, data_frame, new_id
 from model.rows import TokenOut
 from model.tokenizer import Tokenizer
 
@@ -247,7 +248,10 @@ async def chat_stream(
         live = list(range(len(choices)))
         while live:
             for index in list(live):
-                events = await choices[index].next_events()
+                events = await next_events_or_timeout(choices[index], KEEPALIVE_INTERVAL_S)
+                while events is TIMED_OUT:  # a long prefill: keep the proxies' idle timers off
+                    yield KEEPALIVE_FRAME
+                    events = await next_events_or_timeout(choices[index], KEEPALIVE_INTERVAL_S)
                 if events is None:
                     live.remove(index)
                     yield chunk(index, {}, choices[index].finish_reason, tokens=True)
@@ -317,7 +321,10 @@ async def text_stream(
         live = list(range(len(choices)))
         while live:
             for index in list(live):
-                events = await choices[index].next_events()
+                events = await next_events_or_timeout(choices[index], KEEPALIVE_INTERVAL_S)
+                while events is TIMED_OUT:
+                    yield KEEPALIVE_FRAME
+                    events = await next_events_or_timeout(choices[index], KEEPALIVE_INTERVAL_S)
                 if events is None:
                     live.remove(index)
                     yield chunk(index, "", choices[index].finish_reason)

@@ -64,7 +64,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
         if started.generation.stream:
             usage = request.generation.include_usage
             stream = openai_encode.chat_stream(started, meta, handles.tokenizer, include_usage=usage)
-            return sse_response(stream, unbuffered=False)
+            return sse_response(stream)
         return answer(await openai_encode.chat_whole(started, meta, handles.tokenizer))
 
     @bp.post("/v1/completions")
@@ -80,7 +80,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
         if started.generation.stream:
             usage = request.generation.include_usage
             stream = openai_encode.text_stream(started, meta, tokens, include_usage=usage, echo=echo)
-            return sse_response(stream, unbuffered=False)
+            return sse_response(stream)
         return answer(await openai_encode.text_whole(started, meta, tokens, echo=echo))
 
     return bp

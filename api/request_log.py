@@ -5,7 +5,8 @@ A request is observed without touching the route modules:
 * an outermost ASGI middleware (`RequestMonitor`) opens a `RequestRecord` per HTTP request and
   sets it as the request's observer (`actors.request.observing`; the route's task inherits it);
   it sees the status, the end of the body and a client disconnect, and adds an `X-Request-Id`
-  header (the client's, when it sent a sane one);
+  header (the client's, when it sent a sane one); the client is the peer's address, or the one
+  an allowed proxy forwarded (`--forwarded-allow-ips`, api/forwarded.py);
 * the record is the `RequestObserver` the actors tell about the request (actors/messages.py):
   the request actor its submit, abort and the text pipeline's finish reason (`stop`, `length`,
   `tool_calls`: what the client was told); admission its decision and lane; the scheduler every
@@ -43,6 +44,7 @@ from quart_trio import QuartTrio
 
 from actors.messages import Admitted, Rejected, RowEvent, RowFailed
 from actors.request import observing
+from api.forwarded import TrustedProxies, scope_client_address
 from model.rows import RowOpened, TokenOut
 
 if TYPE_CHECKING:
@@ -295,6 +297,8 @@ class RequestMonitor:
         self.listeners: list[Callable[[RequestRecord], None]] = []
         self.interval_listeners: list[Callable[[float], None]] = []
         self.tracer: RequestTracer | None = None  # api/tracing.py, when tracing is on
+        # Whose X-Forwarded-For / Forwarded name the client (--forwarded-allow-ips); none until set.
+        self.proxies = TrustedProxies()
         self._app = app
 
     def token_interval(self, seconds: float) -> None:
@@ -309,7 +313,9 @@ class RequestMonitor:
             id=_request_id(scope),
             method=scope.get("method", ""),
             path=scope.get("path", ""),
-            client=(cast(dict[str, Any], scope).get("client") or (None,))[0],
+            client=scope_client_address(
+                (cast(dict[str, Any], scope).get("client") or (None,))[0], scope.get("headers", ()), self.proxies
+            ),
             started=trio.current_time(),
             monitor=self,
         )
@@ -430,5 +436,7 @@ def install_request_log(app: QuartTrio, handles: ServerHandles, *, log_prompts: 
     if log_prompts is None:
         log_prompts = handles.config.log_prompts
     request_log = RequestLog(tokenizer=handles.tokenizer, log_prompts=log_prompts)
-    request_monitor(app).listeners.append(request_log)
+    monitor = request_monitor(app)
+    monitor.proxies = TrustedProxies.parse(handles.config.forwarded_allow_ips)
+    monitor.listeners.append(request_log)
     return request_log

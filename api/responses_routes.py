@@ -21,14 +21,22 @@ from actors.handles import ServerHandles
 from actors.request import GenerationFailed, RequestActor
 from api import offload
 from api.chat import start_chat, vocab_size
-from api.completion import Completion, add_events, collect, finish, log_stream_failure
+from api.completion import (
+    TIMED_OUT,
+    Completion,
+    add_events,
+    collect,
+    finish,
+    log_stream_failure,
+    next_events_or_timeout,
+)
 from api.errors import ApiError, bad_request
 from api.model_names import check_requested_model, model_name
 from api.pipeline.events import Event
 from api.response_store import ResponseStore, StoredResponse
 from api.responses_encode import ResponseMeta, ResponsesStream
 from api.responses_translate import input_items, output_to_input, responses_request, stored_input
-from api.wire import json_body, json_response, sse_response
+from api.wire import KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S, json_body, json_response, sse_response
 
 DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items page sizes, OpenAI's
 
@@ -155,7 +163,13 @@ async def _stream(
     completion = Completion()
     try:
         yield stream.start()
-        while (events := await actor.next_events()) is not None:
+        while True:
+            events = await next_events_or_timeout(actor, KEEPALIVE_INTERVAL_S)
+            if events is TIMED_OUT:  # a long prefill: keep the proxies' idle timers off
+                yield KEEPALIVE_FRAME
+                continue
+            if events is None:
+                break
             add_events(completion, events)
             if frames := stream.add(events):
                 yield frames

@@ -1,4 +1,5 @@
-"""Who may call what, and how big a body may be: API key, admin gate, CORS, body cap.
+"""Who may call what, from where, and how big a body may be: API key, admin gate, cross-site
+guards, CORS, body cap.
 
 Route classes (checked before routing, so an unknown path behind a gate answers 401/403 too and
 does not reveal which routes exist):
@@ -6,12 +7,31 @@ does not reveal which routes exist):
 | path                     | rule                                                                |
 |--------------------------|---------------------------------------------------------------------|
 | `/v1`, `/v1/*`           | `--api-key` when set: `Authorization: Bearer <key>` or `x-api-key`  |
-| `/admin/*`,              | loopback clients (or a unix socket), else `--admin-token` (Bearer   |
-| `/v1/adapters*`          | or `x-admin-token`); 403 when no token is configured               |
+| `/admin/*`,              | with `--admin-token`: that token (Bearer or `x-admin-token`) on     |
+| `/v1/adapters*`          | every request, loopback included (401). Without one: only a client  |
+|                          | connected directly over loopback (a loopback peer, or a unix        |
+|                          | socket, whose request carries no proxy header: X-Forwarded-For,     |
+|                          | Forwarded, X-Real-IP, ...; api/forwarded.py); anyone else 403       |
 | `/health`, `/metrics`,   | open, like vLLM's (`--api-key` there guards only /v1): keep them    |
 | `/stats`, everything else| off the public network with a firewall if that matters              |
 
-Behind a reverse proxy on the same host every client is loopback: set `--admin-token` there.
+A proxy that adds no forwarding header makes every client look directly connected: behind any
+proxy, set `--admin-token` (docs/deploy.md).
+
+Every request, before the rules above: its `Host` must be served (`--allowed-hosts`; a DNS
+rebinding guard, 403). A state-changing request (not GET/HEAD/OPTIONS) must not come from a
+browser `Origin` that is neither the server's own nor allowed by `--cors-origin` (403), and its
+body must be JSON (415). api/cross_site.py has the rules and why.
+
+| flag                     | default                                                            |
+|--------------------------|--------------------------------------------------------------------|
+| `--api-key`              | none: /v1 open (env `MLX_TRIO_API_KEY`)                            |
+| `--admin-token`          | none: admin routes for directly connected loopback clients only   |
+|                          | (env `MLX_TRIO_ADMIN_TOKEN`)                                       |
+| `--allowed-hosts`        | none: IP literals, localhost, *.localhost and the `--host` name    |
+| `--forwarded-allow-ips`  | `127.0.0.1,::1`: whose forwarding headers give the logged client   |
+| `--cors-origin`          | none: CORS off                                                     |
+| `--max-body-mb`          | 16                                                                 |
 
 Bodies: a `Content-Length` over `--max-body-mb` (MiB, default 16; 0 = no cap) is refused with 413
 before a byte is read; a chunked body is cut at the same cap while it is read (Quart's
@@ -44,7 +64,9 @@ from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
 from actors.options import ServeConfig
 from api.connection import install_connection_guard
+from api.cross_site import content_type_refusal, host_refusal, origin_refusal, served_hosts
 from api.errors import ApiError, error_response_for
+from api.forwarded import PROXY_HEADERS
 from api.strict_json import StrictJsonRequest
 
 DEFAULT_MAX_BODY_MB = 16.0  # Quart's and Flask's usual cap; ~4M tokens of text, past any context
@@ -68,6 +90,8 @@ class SecurityOptions:
     admin_token: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int | None = int(DEFAULT_MAX_BODY_MB * 2**20)  # None: no cap
+    # Host names served besides IP literals and localhost (api/cross_site.py); "*" = any.
+    served_hosts: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> SecurityOptions:
@@ -77,6 +101,7 @@ class SecurityOptions:
             admin_token=config.admin_token or None,
             cors_origins=parse_origins(config.cors_origins),
             max_body_bytes=int(mb * 2**20) if mb else None,
+            served_hosts=served_hosts(config.host, config.allowed_hosts),
         )
 
     @property
@@ -127,6 +152,18 @@ def is_loopback(client: Client) -> bool:
     return address.is_loopback
 
 
+def directly_local(client: Client, headers: Headers) -> bool:
+    """A loopback peer (or a unix socket) whose request carries no proxy's forwarding header."""
+    return is_loopback(client) and not any(headers.get(name) for name in PROXY_HEADERS)
+
+
+def cross_site_refusal(options: SecurityOptions, *, method: str, headers: Headers, has_body: bool) -> ApiError | None:
+    """The Origin and Content-Type guards of a state-changing request (api/cross_site.py)."""
+    host = headers.get("Host")
+    refusal = origin_refusal(method, headers.get("Origin"), host, options.origin_allowed)
+    return refusal or content_type_refusal(method, headers.get("Content-Type"), has_body)
+
+
 def presented_credentials(headers: Headers, *extra_headers: str) -> list[str]:
     """Bearer token and the named key headers, as sent (several may be present)."""
     found = []
@@ -159,15 +196,9 @@ def check_access(options: SecurityOptions, *, path: str, headers: Headers, clien
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-    elif kind == "admin" and not is_loopback(client):
-        if options.admin_token is None:
-            return ApiError(
-                403,
-                "admin routes are served to loopback clients only (start the server with --admin-token "
-                "to allow remote admin calls)",
-                type="permission_error",
-                code="admin_forbidden",
-            )
+    elif kind == "admin" and options.admin_token is not None:
+        # The token is the only admin credential once it is set: a same-host proxy makes every
+        # client a loopback peer, so the peer's address proves nothing.
         if not credential_matches(presented_credentials(headers, "x-admin-token"), options.admin_token):
             return ApiError(
                 401,
@@ -176,6 +207,14 @@ def check_access(options: SecurityOptions, *, path: str, headers: Headers, clien
                 code="invalid_admin_token",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+    elif kind == "admin" and not directly_local(client, headers):
+        return ApiError(
+            403,
+            "admin routes are served only to clients connected directly over loopback (not through a "
+            "proxy) unless the server is started with --admin-token",
+            type="permission_error",
+            code="admin_forbidden",
+        )
     return None
 
 
@@ -205,9 +244,14 @@ def install_security(app: QuartTrio, options: SecurityOptions | ServeConfig) -> 
     @app.before_request
     async def security_gate() -> Response | None:
         path = request.path
+        refusal = host_refusal(request.headers.get("Host"), options.served_hosts)
+        if refusal is not None:  # first: a rebinding page learns nothing, not even CORS answers
+            return error_response_for(path, refusal)
         if request.method == "OPTIONS" and options.cors and request.headers.get("Access-Control-Request-Method"):
             return _preflight(options, path)
         refusal = check_access(options, path=path, headers=request.headers, client=request.scope.get("client"))
+        if refusal is None:
+            refusal = cross_site_refusal(options, method=request.method, headers=request.headers, has_body=_has_body())
         if refusal is None:
             refusal = body_too_large(options, request.content_length)
         return None if refusal is None else error_response_for(path, refusal)
@@ -233,6 +277,11 @@ def install_security(app: QuartTrio, options: SecurityOptions | ServeConfig) -> 
         return response
 
     return options
+
+
+def _has_body() -> bool:
+    length = request.content_length
+    return bool(length) or "chunked" in (request.headers.get("Transfer-Encoding") or "").lower()
 
 
 def _preflight(options: SecurityOptions, path: str) -> Response:

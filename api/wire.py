@@ -1,8 +1,8 @@
 """Reading JSON request bodies and writing JSON / SSE responses, for every protocol.
 
 The OpenAI routes write ASCII-escaped JSON (`json.dumps` defaults, as mlx_lm.server does) and
-bare `data:` frames; the Anthropic and Responses routes write UTF-8 JSON and named SSE events,
-and ask proxies not to buffer their streams.
+bare `data:` frames; the Anthropic and Responses routes write UTF-8 JSON and named SSE events.
+Every stream asks proxies not to buffer it (`X-Accel-Buffering: no`, `Cache-Control: no-cache`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ from quart import Response, request
 from api.errors import bad_request
 
 DONE_FRAME = b"data: [DONE]\n\n"
+KEEPALIVE_FRAME = b": keep-alive\n\n"  # an SSE comment: every client's parser skips it
+KEEPALIVE_INTERVAL_S = 10.0
+"""An OpenAI or Responses stream with no frame for this long (a long prefill before the first
+token) sends `KEEPALIVE_FRAME`, well inside the usual proxy idle timeouts (nginx's
+proxy_read_timeout and most load balancers': 60 s). Anthropic streams send their protocol's
+`ping` event instead (api/anthropic_routes.py)."""
 
 
 def new_id(prefix: str, *, separator: str = "_") -> str:
@@ -42,11 +48,11 @@ def json_response(
     return response
 
 
-def sse_response(body: AsyncIterator[bytes], *, unbuffered: bool = True) -> Response:
-    """An event stream; `unbuffered` adds `X-Accel-Buffering: no` for nginx-style proxies."""
-    headers = {"Cache-Control": "no-cache"}
-    if unbuffered:
-        headers["X-Accel-Buffering"] = "no"
+def sse_response(body: AsyncIterator[bytes]) -> Response:
+    """An event stream. `X-Accel-Buffering: no` keeps nginx from holding the frames back (by
+    default it buffers a response and sends it on in bursts); `Cache-Control: no-cache` keeps any
+    cache from storing it."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     response = Response(body, content_type="text/event-stream", headers=headers)
     response.timeout = None  # a long generation is not a stuck response
     return response

@@ -1,4 +1,5 @@
-"""Auth, admin gate, body cap, CORS and /health's 503, for every route class, on a FakeWorker."""
+"""Auth, admin gate, Host / Origin / Content-Type guards, body cap, CORS and /health's 503, for every route
+class, on a FakeWorker."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 import trio
 
 from actors.options import ServeConfig
+from actors.proxy_flags import parse_hosts
 from actors.root import start_actors
 from actors.shutdown import ShutdownPlan
 from api.app import create_app
+from api.cross_site import content_type_refusal, host_allowed, same_origin, served_hosts
 from api.security import SecurityOptions, check_access, is_loopback, parse_origins, presented_credentials
 from tests.fakes import FakeTokenizer, FakeWorker
 
@@ -151,6 +154,32 @@ async def test_admin_routes_are_loopback_only_by_default(autojump_clock):
             assert local.status_code == 404  # through the gate, then an ordinary unknown path
 
 
+async def test_without_a_token_a_proxied_loopback_request_is_not_local(autojump_clock):
+    # A same-host proxy connects over loopback; its forwarding headers say the client is elsewhere.
+    async with server() as (client, _):
+        for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP", "X-Forwarded-Proto", "Via"):
+            for client_addr in (("127.0.0.1", 5), None):
+                response = await client.post(
+                    "/admin/cache/flush", scope_base={"client": client_addr}, headers={header: "for=198.51.100.4"}
+                )
+                assert response.status_code == 403, header
+                assert (await openai_error(response))["code"] == "admin_forbidden"
+        assert (await client.post("/admin/cache/flush", scope_base={"client": ("127.0.0.1", 5)})).status_code == 200
+
+
+async def test_with_a_token_loopback_clients_need_it_too(autojump_clock):
+    async with server(admin_token=ADMIN) as (client, _):
+        for client_addr in (("127.0.0.1", 5), ("::1", 5), None):
+            for method, path in (("POST", "/admin/cache/flush"), ("GET", "/v1/adapters"), ("DELETE", "/v1/adapters/a")):
+                response = await client.open(path, method=method, scope_base={"client": client_addr})
+                assert response.status_code == 401, (client_addr, path)
+                assert (await openai_error(response))["code"] == "invalid_admin_token"
+            local = await client.post(
+                "/admin/cache/flush", scope_base={"client": client_addr}, headers={"x-admin-token": ADMIN}
+            )
+            assert local.status_code == 200
+
+
 async def test_admin_token_lets_remote_clients_in(autojump_clock):
     async with server(admin_token=ADMIN) as (client, _):
         for headers in ({}, {"Authorization": "Bearer nope"}, {"x-admin-token": "nope"}):
@@ -266,6 +295,122 @@ async def test_cors_wildcard(autojump_clock):
         assert response.headers["Access-Control-Allow-Origin"] == "*"
 
 
+# --- Host, Origin, Content-Type (api/cross_site.py) -------------------------------------------
+
+
+def test_host_rules():
+    for host in ("localhost", "localhost:8080", "LOCALHOST.", "app.localhost:1", "127.0.0.1:8080", "[::1]:8080"):
+        assert host_allowed(host, ()), host
+    assert host_allowed("10.1.2.3:8080", ()) and host_allowed("[2001:db8::5]", ())  # a rebinding Host is a name
+    assert host_allowed(None, ())  # HTTP/1.0: no browser
+    for host in ("evil.example", "evil.example:8080", "localhost.evil.example", "", "a b", "x:notaport", "u@localhost"):
+        assert not host_allowed(host, ()), host
+    assert host_allowed("Chat.Example:443", ("chat.example",)) and not host_allowed("x.chat.example", ("chat.example",))
+    assert host_allowed("anything.example", ("*",))
+    assert served_hosts("0.0.0.0", ["a.example,B.example."]) == ("a.example", "b.example")
+    assert served_hosts("myhost.lan", []) == ("myhost.lan",) and served_hosts("10.0.0.2", []) == ()
+    assert SecurityOptions.from_config(ServeConfig(host="box.lan", allowed_hosts=("a.example",))).served_hosts == (
+        "a.example",
+        "box.lan",
+    )
+    with pytest.raises(ValueError, match="without scheme or port"):
+        parse_hosts(["http://a.example"])
+    with pytest.raises(ValueError):
+        parse_hosts("a.example:8080")
+
+
+def test_same_origin_rules():
+    assert same_origin("http://localhost:8080", "localhost:8080")
+    assert same_origin("https://chat.example", "chat.example")  # a TLS proxy passing Host on
+    assert same_origin("http://chat.example", "chat.example:80") and same_origin("https://[::1]:9", "[::1]:9")
+    assert not same_origin("http://localhost:8081", "localhost:8080")
+    assert not same_origin("https://chat.example:8443", "chat.example")
+    assert not same_origin("http://evil.example:8080", "localhost:8080")
+    assert not same_origin("null", "localhost") and not same_origin("file://", "localhost")
+    assert not same_origin("http://localhost:99999", "localhost:99999") and not same_origin("http://localhost", None)
+
+
+def test_json_types():
+    for content_type in ("application/json", "Application/JSON; charset=utf-8", "application/vnd.x+json"):
+        assert content_type_refusal("POST", content_type, True) is None
+    for content_type in (
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ):
+        assert content_type_refusal("POST", content_type, False).status == 415, content_type
+    assert content_type_refusal("POST", None, True).status == 415  # a body with no type: a fetch of a Blob
+    assert content_type_refusal("POST", None, False) is None  # curl -X POST, nothing to parse
+    assert content_type_refusal("GET", "text/plain", True) is None
+
+
+async def test_a_foreign_host_is_refused_on_every_route(autojump_clock):
+    async with server(admin_token=ADMIN) as (client, _):
+        for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("GET", "/"), ("POST", "/admin/cache/flush")):
+            response = await client.open(
+                path, method=method, headers={"Host": "evil.example:8080", "x-admin-token": ADMIN}
+            )
+            assert response.status_code == 403, path
+            error = await openai_error(response)
+            assert error["code"] == "host_not_allowed" and "--allowed-hosts" in error["message"]
+        response = await client.post("/v1/messages", json=MESSAGES_BODY, headers={"Host": "evil.example"})
+        assert response.status_code == 403 and (await anthropic_error(response))["type"] == "permission_error"
+        for host in ("localhost:8080", "127.0.0.1:8080", "[::1]:8080", "192.0.2.7"):
+            assert (await client.get("/v1/models", headers={"Host": host})).status_code == 200, host
+    async with server(allowed_hosts=("chat.example",), cors_origins=("*",)) as (client, _):
+        assert (await client.get("/v1/models", headers={"Host": "chat.example"})).status_code == 200
+        assert (await client.get("/v1/models", headers={"Host": "evil.example"})).status_code == 403
+        preflight = await client.options("/v1/chat/completions", headers={**PREFLIGHT, "Host": "evil.example"})
+        assert preflight.status_code == 403 and "Access-Control-Allow-Origin" not in preflight.headers
+
+
+async def test_a_cross_origin_write_is_refused_unless_cors_allows_it(autojump_clock):
+    evil = {"Origin": "https://evil.example"}
+    async with server() as (client, _):
+        for path, body, shape in (
+            ("/v1/chat/completions", CHAT_BODY, openai_error),
+            ("/v1/adapters", {"id": "a", "path": "/p"}, openai_error),
+            ("/admin/cache/flush", None, openai_error),
+            ("/v1/messages", MESSAGES_BODY, anthropic_error),
+        ):
+            response = await client.post(path, json=body, headers=evil)
+            assert response.status_code == 403, path
+            error = await shape(response)
+            assert "cross-origin POST" in error["message"] and "--cors-origin" in error["message"]
+        assert (await client.delete("/v1/adapters/a", headers=evil)).status_code == 403
+        assert (await client.get("/v1/models", headers=evil)).status_code == 200  # a read: the browser hides it
+        # The chat page's own requests: same origin as the Host they were sent to.
+        same = {"Origin": "http://localhost"}
+        assert (await client.post("/v1/chat/completions", json=CHAT_BODY, headers=same)).status_code == 200
+    async with server(cors_origins=("https://evil.example",)) as (client, _):
+        assert (await client.post("/v1/chat/completions", json=CHAT_BODY, headers=evil)).status_code == 200
+
+
+async def test_a_body_that_is_not_json_is_415_in_each_api_shape(autojump_clock):
+    async with server() as (client, _):
+        for path, shape in (
+            ("/v1/chat/completions", openai_error),
+            ("/v1/adapters", openai_error),
+            ("/v1/responses", openai_error),
+            ("/v1/messages", anthropic_error),
+        ):
+            for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None):
+                data = json.dumps(CHAT_BODY).encode()
+                headers = {"Content-Length": str(len(data))}  # (the test client sends none by itself)
+                if content_type:
+                    headers["Content-Type"] = content_type
+                response = await client.post(path, data=data, headers=headers)
+                assert response.status_code == 415, (path, content_type)
+                error = await shape(response)
+                assert "application/json" in error["message"]
+        response = await client.post("/v1/chat/completions", json=CHAT_BODY)
+        assert response.status_code == 200
+        typed = {"Content-Type": "application/json; charset=utf-8"}
+        assert (await client.post("/v1/chat/completions", data=json.dumps(CHAT_BODY), headers=typed)).status_code == 200
+        assert (await client.post("/admin/cache/flush")).status_code == 200  # no body: no type needed
+
+
 # --- /health ---------------------------------------------------------------------------------
 
 
@@ -366,6 +511,34 @@ def test_flags_and_environment(monkeypatch):
     assert parse_origins(args.cors_origins) == ("https://a", "https://b", "*")
     assert args.max_body_mb == 0 and args.log_prompts and args.idle_timeout == 30
     assert serve.parse_args(["--api-key", "flag"]).api_key == "flag"  # the flag wins
+
+
+def test_proxy_flags(capsys):
+    from actors import serve
+
+    config = serve.serve_config(serve.parse_args([]))
+    assert config.allowed_hosts == () and config.forwarded_allow_ips == ("127.0.0.1", "::1")
+    args = [
+        "--allowed-hosts",
+        "Chat.Example.,api.example",
+        "--allowed-hosts",
+        "chat.example",
+        "--forwarded-allow-ips",
+        "10.0.0.0/8, 192.168.1.1",
+        "--forwarded-allow-ips",
+        "fd00::/8",
+    ]
+    config = serve.serve_config(serve.parse_args(args))
+    assert config.allowed_hosts == ("chat.example", "api.example")
+    assert config.forwarded_allow_ips == ("10.0.0.0/8", "192.168.1.1/32", "fd00::/8")  # the default replaced
+    assert serve.serve_config(serve.parse_args(["--forwarded-allow-ips", ""])).forwarded_allow_ips == ()
+    assert serve.parse_args(["--forwarded-allow-ips", "*"]).forwarded_allow_ips == ["*"]
+    for bad in (["--forwarded-allow-ips", "proxy.lan"], ["--allowed-hosts", "https://chat.example"]):
+        with pytest.raises(SystemExit) as exited:
+            serve.parse_args(bad)
+        assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "'proxy.lan' is not an IP address" in err and "without scheme or port" in err
 
 
 async def test_serve_http_sets_the_idle_timeout_and_no_read_timeout(monkeypatch):

@@ -75,7 +75,7 @@ def request(
     method: str, path: str, body: bytes = b"", *, key: str | None = API_KEY, length: int | None = None, extra: str = ""
 ) -> bytes:
     """`length`: the Content-Length to declare (default: the body's, for a POST)."""
-    head = f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     if key:
         head += f"Authorization: Bearer {key}\r\n"
     if length is None and (body or method == "POST"):

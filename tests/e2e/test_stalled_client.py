@@ -90,7 +90,7 @@ def open_stream(port: int) -> socket.socket:
     sock.connect(("127.0.0.1", port))
     body = b'{"prompt": "stall", "max_tokens": 5000000, "stream": true}'
     sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
     return sock
