@@ -7,7 +7,8 @@ cheaply, without the MLX thread and without reading any weights: the safetensors
 `adapters.safetensors` (its JSON table of names and shapes) is compared with the base model's
 config.json. Every `lora_a` must be (in, rank) and every `lora_b` (rank, out) for the module it
 names, in a layer the model has, with (in, out) from the hidden / intermediate / head sizes; a
-full fine-tune or an unreadable file is `false`. A module those sizes do not describe (another
+full fine-tune, a config field of the wrong type (model/adapter_config.py, the mount's own rule)
+or an unreadable file is `false`. A module those sizes do not describe (another
 family's naming) gives `"unknown"`: mounting (POST /v1/adapters) is the real check.
 An entry that is not `true` carries a `reason`.
 """
@@ -20,10 +21,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from model.adapter_config import CONFIG_FILE, WEIGHTS_FILE, config_problem
 from model.adapter_ids import adapter_id_problem
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapters.safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header past this is not an adapter's
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.(lora_a|lora_b)$")
 _TOP_KEY = re.compile(r"^(?:model\.)?([A-Za-z_][\w]*)\.(lora_a|lora_b)$")
@@ -52,11 +52,11 @@ def describe(path: Path, model_config: dict[str, Any] | None) -> dict[str, Any]:
             raise ValueError(f"{CONFIG_FILE} is not a JSON object")
     except (OSError, ValueError) as exc:
         return {**entry, "compatible": False, "reason": f"unreadable {CONFIG_FILE}: {exc}"}
-    raw = config.get("lora_parameters")
-    params: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    kind = config.get("fine_tune_type", "lora")
-    entry.update(fine_tune_type=kind, rank=params.get("rank"), num_layers=config.get("num_layers"))
-    compatible, reason = check(path, kind, params.get("rank"), model_config)
+    if problem := config_problem(config):  # (its bad values are not echoed as fields)
+        return {**entry, "compatible": False, "reason": problem}
+    rank = config["lora_parameters"]["rank"]
+    entry.update(fine_tune_type=config.get("fine_tune_type", "lora"), rank=rank, num_layers=config.get("num_layers"))
+    compatible, reason = check(path, rank, model_config)
     if compatible is not False and (problem := adapter_id_problem(path.name)):
         compatible, reason = False, f"{problem}: rename the directory"  # POST /v1/adapters would refuse it
     entry["compatible"] = compatible
@@ -65,14 +65,8 @@ def describe(path: Path, model_config: dict[str, Any] | None) -> dict[str, Any]:
     return entry
 
 
-def check(path: Path, kind: Any, rank: Any, model_config: dict[str, Any] | None) -> tuple[bool | str, str]:
-    """(true | false | "unknown", why not)."""
-    if kind == "full":
-        return False, "a full fine-tune, not a LoRA adapter: serve its weights as a model"
-    if kind not in ("lora", "dora"):
-        return False, f"unsupported fine_tune_type {kind!r}"
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        return False, "lora_parameters.rank is missing or not a positive integer"
+def check(path: Path, rank: int, model_config: dict[str, Any] | None) -> tuple[bool | str, str]:
+    """(true | false | "unknown", why not) for a directory whose config passed `config_problem`."""
     try:
         shapes = header_shapes(path / WEIGHTS_FILE)
     except (OSError, ValueError) as exc:

@@ -7,13 +7,13 @@ layers are adapted (`num_layers`; -1 or 0 = all) and `lora_parameters` (`rank`, 
 "lm_head"). Without `keys`, every linear of a layer is adaptable, as in mlx-lm. The safetensors
 carry `<module>.lora_a` [in, rank], `<module>.lora_b` [rank, out] and, for DoRA, `<module>.m` [out].
 
-A module the config adapts but the file leaves out is unchanged (mlx-lm's zero-initialized
+The config's fields are checked by model/adapter_config.py (shared with the `--adapters-dir`
+listing). A module the config adapts but the file leaves out is unchanged (mlx-lm's zero-initialized
 `lora_b` makes it a no-op there too). Dropout is the identity at inference.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,12 +23,10 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from model.adapter_config import WEIGHTS_FILE, read_adapter_config, unreadable
 from model.adapter_stack import DORA
 from model.language_model import LanguageModel
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapters.safetensors"
-SUPPORTED_TYPES = ("lora", "dora")
 LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
 _LEAVES = ("lora_a", "lora_b", "m")
 _MAX_LISTED = 5
@@ -149,34 +147,6 @@ def adaptable_modules(model: LanguageModel, config: dict[str, Any]) -> dict[Modu
     return found
 
 
-def read_config(path: Path, adapter_id: str) -> dict[str, Any]:
-    file = path / CONFIG_FILE
-    try:
-        config = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"adapter {adapter_id!r}: {file} not found (not an mlx-lm adapter directory)") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"adapter {adapter_id!r}: unreadable {file} ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"adapter {adapter_id!r}: {file} is not a JSON object")
-    kind = config.get("fine_tune_type", "lora")
-    if kind == "full":
-        raise ValueError(
-            f'adapter {adapter_id!r} is a full fine-tune ("fine_tune_type": "full"), not a LoRA adapter: '
-            "serve its weights as a model instead"
-        )
-    if kind not in SUPPORTED_TYPES:
-        raise ValueError(
-            f"adapter {adapter_id!r}: unsupported fine_tune_type {kind!r} (supported: {', '.join(SUPPORTED_TYPES)})"
-        )
-    params = config.get("lora_parameters")
-    if not isinstance(params, dict) or "rank" not in params or "scale" not in params:
-        raise ValueError(f'adapter {adapter_id!r}: {file} needs "lora_parameters" with "rank" and "scale"')
-    if params.get("keys") is not None and not isinstance(params["keys"], list):
-        raise ValueError(f'adapter {adapter_id!r}: "lora_parameters.keys" must be a list of module paths')
-    return config
-
-
 def _split_name(name: str, prefix: str) -> tuple[ModuleKey, str] | None:
     """'model.layers.3.self_attn.q_proj.lora_a' -> ((3, 'self_attn.q_proj'), 'lora_a')."""
     module, _, leaf = name.rpartition(".")
@@ -232,18 +202,23 @@ def _fail(adapter_id: str, errors: Iterable[str]) -> ValueError:
 def load_adapter(path: str | Path, model: LanguageModel, adapter_id: str) -> Adapter:
     """Read the adapter at `path` and check every array against `model` (installed or not).
 
-    Raises ValueError naming `adapter_id` for a missing/unreadable file, a full fine-tune, an
-    unsupported type, or any tensor that does not fit the model's modules."""
+    Raises ValueError naming `adapter_id` for a directory that cannot be read, a config field
+    that is wrong (model/adapter_config.py), or any tensor that does not fit the model's modules."""
     path = Path(path)
-    config = read_config(path, adapter_id)
+    config = read_adapter_config(path, adapter_id)
     params = config["lora_parameters"]
     kind = config.get("fine_tune_type", "lora")
     rank, scale = int(params["rank"]), float(params["scale"])
     file = path / WEIGHTS_FILE
     try:
+        with open(file, "rb"):  # (mx.load's own error would tell a missing file from a bad one)
+            pass
+    except OSError:
+        raise ValueError(f"adapter {adapter_id!r}: {unreadable(path)}") from None
+    try:
         loaded = mx.load(str(file))
-    except Exception as e:  # mlx raises bare RuntimeError/ValueError for missing or corrupt files
-        raise ValueError(f"adapter {adapter_id!r}: cannot read {file} ({e})") from None
+    except Exception as e:  # mlx raises bare RuntimeError/ValueError for a corrupt file
+        raise ValueError(f"adapter {adapter_id!r}: {WEIGHTS_FILE} is not a valid safetensors file ({e})") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"adapter {adapter_id!r}: {file} is not a safetensors weight map")
     prefix = layers_prefix(model)

@@ -199,17 +199,17 @@ def test_refusals_are_clear_value_errors(tiny_model_factory, tmp_path):
 
     full = write_adapter(tmp_path / "full", model_dir)
     _write_config(full, fine_tune_type="full")
-    with pytest.raises(ValueError, match=r"adapter 'f' is a full fine-tune"):
+    with pytest.raises(ValueError, match=r"adapter 'f': a full fine-tune"):
         lora.load_adapter(full, model, "f")
     odd = write_adapter(tmp_path / "odd", model_dir)
     _write_config(odd, fine_tune_type="ia3")
-    with pytest.raises(ValueError, match=r"unsupported fine_tune_type 'ia3'"):
+    with pytest.raises(ValueError, match=r"\"fine_tune_type\" must be one of lora, dora \(got \"ia3\"\)"):
         lora.load_adapter(odd, model, "o")
     narrow = write_adapter(tmp_path / "narrow", model_dir)  # weights for both layers, config adapts one
     _write_config(narrow, num_layers=1)
     with pytest.raises(ValueError, match=r"model\.layers\.0\..*not a module this adapter's config adapts"):
         lora.load_adapter(narrow, model, "n")
-    with pytest.raises(ValueError, match=r"adapter 'm':.*adapter_config\.json not found"):
+    with pytest.raises(ValueError, match=r"adapter 'm': .* is not a readable adapter directory"):
         lora.load_adapter(tmp_path / "missing", model, "m")
 
     a = lora.mount(model, lora.load_adapter(write_adapter(tmp_path / "a", model_dir), model, "a"))
