@@ -20,6 +20,8 @@ know is ignored and named in `ChatRequest.ignored` (counted in /metrics), never 
 - Earlier turns' thinking blocks reach the template as the assistant's `reasoning_content` (the
   template decides what it renders); a `clear_thinking_*` context edit drops all but the last N
   thinking turns (`keep`, default 1; "all" keeps every one).
+- A leading system text block that is client billing metadata (`x-anthropic-billing-header: ...`)
+  is not rendered: it changes with every conversation and would defeat the prompt cache.
 - A tool with `defer_loading: true` is left out of the prompt until a `tool_reference` block
   (a tool search's result) names it.
 """
@@ -97,6 +99,9 @@ DEFAULT_THINKING_TURNS = 1  # a clear_thinking edit without `keep` keeps the las
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl → seconds ("5m" when absent)
 MAX_CACHE_POINTS = 4  # Anthropic's limit on blocks with cache_control
 MAX_USER_ID_CHARS = 256  # metadata.user_id, Anthropic's bound
+# A system block some clients (Claude Code) send as billing metadata, not as a prompt: it carries a
+# per-conversation hash, so rendering it would make every new conversation miss the prompt cache.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRequest:
@@ -253,6 +258,8 @@ def _system_text(system: Any) -> tuple[str, list[tuple[float, str]]]:
                 and block.get("type", "text") == "text"
                 and isinstance(block.get("text"), str)
             ):
+                if block["text"].startswith(BILLING_HEADER):
+                    continue
                 texts.append(block["text"])
                 ttl_s = _cache_ttl(block, f"system.{index}", "system")
                 if ttl_s is not None:

@@ -402,7 +402,7 @@ def test_claude_code_request_shape_through_the_sdk(text_server):
     # The system turn is rendered where it was sent (this template can), the deferred tool left out.
     expected = text_server.tokenizer.encode_chat(
         [
-            {"role": "system", "content": "\n".join(block["text"] for block in request["system"])},
+            {"role": "system", "content": "You are a coding agent.\nBe careful with tools."},  # no billing header
             {"role": "user", "content": "<system-reminder>be nice</system-reminder>\nSay hello."},
             {"role": "system", "content": "# Environment\n - Primary working directory: /tmp/x"},
         ],

@@ -456,6 +456,7 @@ def test_mid_conversation_system_adaptive_thinking_effort_and_unknown_fields():
         {
             "model": "m",
             "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328.b7f; cc_entrypoint=sdk-cli;"},
                 {"type": "text", "text": "header"},
                 {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
             ],

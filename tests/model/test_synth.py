@@ -141,3 +141,34 @@ def test_scripted_model_emits_its_script_then_eos(tmp_path, template, quant):
         assert tokens[-1] in tokenizer.eos_token_ids
         assert tokens[-1] == read_json(model_dir / "config.json")["eos_token_id"]
         assert min(gaps) > 1.0
+
+
+def test_agent_model_answers_calls_and_closes_by_what_the_prompt_holds(tmp_path: Path):
+    from mlx_lm import generate
+
+    from tests.fixtures.synth import write_agent_model_dir
+
+    call = ["<tool_call>", '\n{"name": "Read", "arguments": {"file_path": "/w/clue.txt"}}\n', "</tool_call>"]
+    model, tok = load(
+        str(
+            write_agent_model_dir(
+                tmp_path, answer=["Hi", " there."], call=call, after_call=["Done", " reading."], call_trigger="clue.txt"
+            )
+        )
+    )
+
+    def reply(messages: list[dict], filler: int = 0) -> str:
+        system = [{"role": "system", "content": "word " * filler}] if filler else []
+        prompt = tok.apply_chat_template([*system, *messages], add_generation_prompt=True, tokenize=False)
+        return generate(model, tok, prompt, max_tokens=16)
+
+    asked = {"role": "user", "content": "Please read clue.txt for me."}
+    function = {"name": "Read", "arguments": {"file_path": "/w/clue.txt"}}
+    called = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
+    result = {"role": "tool", "content": "the clue"}
+    assert reply([{"role": "user", "content": "Say hi."}]) == "Hi there."
+    assert reply([asked]) == "".join(call)
+    assert reply([asked, called, result]) == "Done reading."
+    # the triggers hold across a long context (the rotary pair they use barely turns)
+    assert reply([asked, called, result], filler=20000) == "Done reading."
+    assert reply([asked], filler=20000) == "".join(call)
