@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -70,6 +71,8 @@ class ServerHandles:
     worker: Worker | None = None
     ssd: SsdTier | None = None  # when --ssd-cache is on and the store opened
     adapters: AdapterRegistry = attrs.Factory(AdapterRegistry)  # mounted LoRA adapters
+    # /stats blocks the app adds for what it owns itself (the Responses store: api/responses_routes.py).
+    stats_blocks: dict[str, Callable[[], dict[str, Any]]] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self.adapters.on_change = self._bill_adapters
@@ -125,6 +128,7 @@ class ServerHandles:
             ),
             **({"ssd_cache": self.ssd.stats()} if self.ssd is not None else {}),
             **({"worker": self.worker.times.snapshot()} if isinstance(self.worker, ReportsTimes) else {}),
+            **{name: block() for name, block in self.stats_blocks.items()},
         }
 
 

@@ -39,6 +39,7 @@ SSD tier, simply yields no series):
 | `mlx_trio:ssd_cache_{entries,bytes,max_bytes,pending_snapshots,pending_spills,pending_spill_bytes}` | `ssd_cache` |
 | `mlx_trio:ssd_cache_{restore_ms_last,longest_durable_prefix_tokens}` | `ssd_cache` |
 | `mlx_trio:spec_drafted_tokens_total` / `spec_accepted_tokens_total` | `speculation.drafted` / `.accepted` |
+| `mlx_trio:responses_store_{entries,bytes,max_bytes}`, `responses_store_{evicted,refused}_total` | `responses_store` |
 
 Each app has its own `CollectorRegistry` (never the process-global one), so tests can build many.
 """
@@ -331,6 +332,7 @@ class StatsCollector:
         yield from _prompt_cache_series(_block(stats, "prompt_cache"))
         yield from _ssd_series(_block(stats, "ssd_cache"))
         yield from _simple(_block(stats, "speculation"), _SPEC_SPECS)
+        yield from _simple(_block(stats, "responses_store"), _RESPONSES_STORE_SPECS)
 
 
 def _block(stats: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -452,6 +454,16 @@ _SSD_SPECS = [
 _SPEC_SPECS = [
     ("spec_drafted_tokens", "counter", "drafted", "Draft tokens verified by speculative decoding."),
     ("spec_accepted_tokens", "counter", "accepted", "Draft tokens the model accepted."),
+]
+
+
+# The Responses store (api/response_store.py): its measured memory against its cap.
+_RESPONSES_STORE_SPECS = [
+    ("responses_store_entries", "gauge", "entries", "Responses kept for previous_response_id."),
+    ("responses_store_bytes", "gauge", "bytes", "Memory the Responses store's entries take, measured."),
+    ("responses_store_max_bytes", "gauge", "max_bytes", "The Responses store's cap on that memory."),
+    ("responses_store_evicted", "counter", "evicted", "Stored responses evicted by the cap."),
+    ("responses_store_refused", "counter", "refused", "Responses too large alone for the store's cap."),
 ]
 
 

@@ -44,6 +44,7 @@ DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items page sizes, OpenAI's
 def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> Blueprint:
     bp = Blueprint("responses", __name__)
     store = store if store is not None else ResponseStore()
+    handles.stats_blocks["responses_store"] = store.stats  # /stats and /metrics show what it holds
 
     @bp.post("/v1/responses")
     async def create() -> Response:
@@ -126,7 +127,9 @@ def input_items_page(items: list[dict[str, Any]], args: Mapping[str, str]) -> di
     if order not in ("asc", "desc"):
         raise bad_request("order must be 'asc' or 'desc'", param="order")
     limit_arg = args.get("limit", str(DEFAULT_PAGE))
-    limit = int(limit_arg) if limit_arg.isascii() and limit_arg.isdigit() else 0
+    # Bounded before int(): past 4300 digits int() raises (a 500), and no page is that long anyway.
+    digits = limit_arg.isascii() and limit_arg.isdigit() and len(limit_arg) <= len(str(MAX_PAGE))
+    limit = int(limit_arg) if digits else 0
     if not 1 <= limit <= MAX_PAGE:
         raise bad_request(f"limit must be an integer from 1 to {MAX_PAGE}", param="limit")
     ordered = items if order == "asc" else items[::-1]

@@ -194,6 +194,8 @@ async def test_input_items_list_openais_item_shapes_newest_first_in_pages(autoju
             ("?limit=0", "limit"),
             ("?limit=x", "limit"),
             ("?limit=%C2%B2", "limit"),  # a unicode digit
+            ("?limit=" + "9" * 5000, "limit"),  # past int()'s 4300 digits: was a 500
+            ("?limit=101", "limit"),
             ("?after=no", "after"),
         ):
             bad = await client.get(f"{RESPONSES}/{first['id']}/input_items{query}")
@@ -287,3 +289,17 @@ async def test_store_is_per_server(autojump_clock):
     async with server() as (client, _, _):
         assert (await client.get(f"{RESPONSES}/{kept['id']}")).status_code == 404
         await trio.sleep(0)
+
+
+async def test_the_store_shows_its_measured_memory_in_stats_and_metrics(autojump_clock):
+    async with server() as (client, _, _):
+        empty = (await (await client.get("/stats")).get_json())["responses_store"]
+        assert (empty["entries"], empty["bytes"], empty["max_bytes"]) == (0, 0, 32 * 2**20)
+        await create(client, input="hello")
+        await create(client, input="hello", store=False)  # not kept
+        block = (await (await client.get("/stats")).get_json())["responses_store"]
+        assert block["entries"] == 1 and block["bytes"] > 1000  # a response object is KiBs of dicts
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+        assert f"mlx_trio:responses_store_bytes {float(block['bytes'])}" in metrics
+        assert "mlx_trio:responses_store_entries 1.0" in metrics
+        assert "mlx_trio:responses_store_evicted_total 0.0" in metrics
