@@ -3,9 +3,10 @@
 A reverse proxy connects from its own address and names the real client in `X-Forwarded-For`
 (nginx, Caddy, HAProxy, Traefik) or `Forwarded: for=...` (RFC 7239). Anyone can send those
 headers, so they are believed only from a peer in `--forwarded-allow-ips` (comma-separated IPs
-or CIDRs, `*` = any peer; default `127.0.0.1,::1`, a proxy on the same host), with
-uvicorn's reading: the hops are walked from the right (the nearest proxy's entry), skipping
-addresses that are themselves allowed proxies; the first other one is the client. When every
+or CIDRs, `*` = any peer; default `127.0.0.1,::1`, a proxy on the same host). The hops are
+walked from the right (the nearest proxy's entry), skipping addresses that are themselves
+allowed proxies; the first other one is the client, so entries a client forged to the left are
+never reached. When every
 hop is an allowed proxy, the leftmost is. With `*` the leftmost entry is taken as it is.
 `X-Forwarded-For` wins when both are present (nginx appends to it but passes a client's own
 `Forwarded` header through untouched). A hop that is not an IP address (`unknown`, an
