@@ -11,7 +11,8 @@
 * `<name>:<adapter>` (`<name>` one of the above) is the model with that mounted LoRA adapter
   (`a+b` stacks two): what /v1/models lists per adapter (api/adapter_select.py).
 * Any other name is a 404 `model_not_found` in the route's own envelope (the app's error
-  handler picks it from the path); a `model` that is not a string is a 400.
+  handler picks it from the path) that names the models this server serves, so a client can fix
+  its `model` without a second call; a `model` that is not a string is a 400.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from model.resolve import resolve_model_dir
 
 DEFAULT_MODEL_ALIAS = "default_model"  # mlx_lm.server's name for "the model the server was started with"
 _ECHO_MAX = 256  # longest requested name echoed in the error message
+_LISTED_MAX = 8  # served names (adapters included) a 404 lists before "and N more"
 
 
 def served_names(handles: ServerHandles) -> tuple[str, ...]:
@@ -65,7 +67,7 @@ def check_requested_model(handles: ServerHandles, body: Mapping[str, Any]) -> tu
         if (requested.rstrip("/") or requested) not in accepted:
             base, sep, adapters = requested.rpartition(":")  # adapter ids never hold ":"
             if not sep or (base.rstrip("/") or base) not in accepted or not adapters:
-                raise model_not_found(requested)
+                raise model_not_found(handles, requested)
             from_model = parse_adapters(handles.adapters, adapters, param="model")
     return select_adapters(handles.adapters, body, from_model)
 
@@ -76,9 +78,20 @@ def adapter_model_names(handles: ServerHandles) -> list[tuple[str, str]]:
     return [(f"{name}:{report.id}", name) for report in handles.adapters.infos()]
 
 
-def model_not_found(name: str) -> ApiError:
+def model_not_found(handles: ServerHandles, name: str) -> ApiError:
+    """The 404 for `name`, listing what the server serves (the served names, then the mounted
+    adapters' `<name>:<id>`)."""
     shown = name if len(name) <= _ECHO_MAX else name[:_ECHO_MAX] + "..."
-    return ApiError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
+    served = [*served_names(handles), *(adapter for adapter, _ in adapter_model_names(handles))]
+    listed = ", ".join(f"`{served_name}`" for served_name in served[:_LISTED_MAX])
+    if len(served) > _LISTED_MAX:
+        listed += f" and {len(served) - _LISTED_MAX} more (GET /v1/models lists them)"
+    return ApiError(
+        404,
+        f"The model `{shown}` does not exist. This server serves {listed}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 @functools.lru_cache(maxsize=4)

@@ -50,7 +50,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
         if model_id in adapters:
             return answer(adapter_card(handles, model_id, adapters[model_id]))
         if model_id not in served_names(handles):
-            raise model_not_found(model_id)
+            raise model_not_found(handles, model_id)
         return answer(_model_card(handles, model_id))
 
     @bp.post("/v1/chat/completions")

@@ -50,7 +50,7 @@ async def test_an_unknown_model_is_a_404_in_each_apis_envelope(autojump_clock):
             assert response.status_code == 404, path
             assert await response.get_json() == {
                 "error": {
-                    "message": "The model `gpt-4o` does not exist.",
+                    "message": "The model `gpt-4o` does not exist. This server serves `fake-model`.",
                     "type": "invalid_request_error",
                     "param": "model",
                     "code": "model_not_found",
@@ -63,7 +63,10 @@ async def test_an_unknown_model_is_a_404_in_each_apis_envelope(autojump_clock):
             ANTHROPIC_ERROR.validate_python(error)
             assert error == {
                 "type": "error",
-                "error": {"type": "not_found_error", "message": "The model `claude-x` does not exist."},
+                "error": {
+                    "type": "not_found_error",
+                    "message": "The model `claude-x` does not exist. This server serves `fake-model`.",
+                },
             }
         for path in BODIES:  # streaming changes nothing: the answer comes before any byte
             assert (await post(client, path, model="nope", stream=True)).status_code == 404, path
@@ -87,6 +90,23 @@ async def test_accepted_names(autojump_clock, tmp_path):
                 assert response.status_code == 200, (path, name, await response.get_data())
         for name in ("fake-model", "tiny", "PUBLIC", "public2", str(tmp_path)):
             assert (await post(client, CHAT, model=name)).status_code == 404, name
+
+
+async def test_the_404_names_every_served_name_and_mounted_adapter(autojump_clock):
+    async with server(served_model_name=("public", "alias")) as (client, handles, _):
+        await handles.adapters.mount("a", "/adapters/a")  # (the fake worker mounts any path)
+        for path in (CHAT, MESSAGES, RESPONSES):
+            error = (await (await post(client, path, model="gpt-4o")).get_json())["error"]
+            assert (
+                error["message"]
+                == "The model `gpt-4o` does not exist. This server serves `public`, `alias`, `public:a`."
+            )
+        error = (await (await client.get("/v1/models/nope")).get_json())["error"]
+        assert error["message"].endswith("This server serves `public`, `alias`, `public:a`.")
+        for i in range(10):
+            await handles.adapters.mount(f"b{i}", f"/adapters/b{i}")
+        error = (await (await post(client, CHAT, model="gpt-4o")).get_json())["error"]
+        assert error["message"].endswith("`public:b3`, `public:b4` and 5 more (GET /v1/models lists them).")
 
 
 async def test_replies_carry_the_first_served_name(autojump_clock):
