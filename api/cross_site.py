@@ -32,7 +32,6 @@ from api.forwarded import ip_of
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 DEFAULT_PORTS = {"http": 80, "https": 443}
-WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
 def served_hosts(bind_host: str, allowed: Iterable[str]) -> tuple[str, ...]:
@@ -40,7 +39,7 @@ def served_hosts(bind_host: str, allowed: Iterable[str]) -> tuple[str, ...]:
     and the `--host` the server binds when that is a name."""
     names = list(parse_hosts(list(allowed)))
     bind = bind_host.strip().lower().rstrip(".")
-    if bind not in WILDCARD_BINDS and ip_of(bind) is None and bind not in names:
+    if bind and ip_of(bind) is None and bind not in names:  # (0.0.0.0, ::: IP literals pass anyway)
         names.append(bind)
     return tuple(names)
 
