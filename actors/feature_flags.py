@@ -8,6 +8,7 @@ import argparse
 from actors.adapter_flags import add_adapter_flags
 from actors.flag_types import at_least_one, auto_on_off, non_negative_int
 from actors.kv_flags import add_kv_flags
+from actors.media_flags import add_media_flags
 from actors.retention_flags import add_retention_flags
 from actors.spec_flags import add_spec_flags
 from actors.tp_flags import add_tensor_parallel_flags
@@ -24,6 +25,7 @@ def add_feature_flags(p: argparse.ArgumentParser) -> None:
     add_ui_flags(p)
     add_trace_flags(p)
     add_tensor_parallel_flags(p)
+    add_media_flags(p)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from actors.media_flags import DEFAULT_MEDIA_MEMORY_GIB, DEFAULT_MEDIA_REQUEST_MEMORY_GIB
 from actors.proxy_flags import DEFAULT_FORWARDED_ALLOW_IPS
 from model.kv_scheme import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START
 from model.options import EngineOptions
@@ -91,6 +92,10 @@ class ServeConfig:
     otlp_endpoint: str | None = None
     # Tensor parallelism (actors/tp_flags.py, actors/tp_leader.py): ranks the model is split across; 1 = off.
     tensor_parallel: int = 1
+    # Decoding images (actors/media_flags.py, api/media.py): GiB all requests' decodes may take at
+    # once (more wait), and one request's (more is a 400).
+    media_memory_gb: float = DEFAULT_MEDIA_MEMORY_GIB
+    media_request_memory_gb: float = DEFAULT_MEDIA_REQUEST_MEMORY_GIB
 
     def engine_options(self) -> EngineOptions:
         """The engine's fields, which this object names alike."""

@@ -28,7 +28,7 @@ import numpy as np
 from actors.handles import ServerHandles
 from actors.messages import GenerationRequest, Siblings
 from actors.request import RequestActor, RequestRejected
-from api import images, offload, prompt_bounds
+from api import images, media, offload, prompt_bounds
 from api.chat_request import ChatPrompt, ChatRequest, GenerationFields, TextRequest
 from api.errors import bad_request, from_rejection
 from api.fields import MAX_CHOICES
@@ -177,9 +177,10 @@ def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
     Raises `ApiError` (400) for a prompt that cannot fit the context window."""
     check_prompt_size(handles, prompt)
     tokens = render_prompt(handles.tokenizer, prompt).tokens
-    if prompt.images:  # each image counts its grid's tokens
-        inputs = images.prepare_images(prompt.images, handles.info)
-        tokens = images.expand(tokens, inputs, handles.info, prompt.param)[0]
+    if prompt.images:  # each image counts its grid's tokens, read from its header (nothing decoded)
+        return images.expanded_length(
+            tokens, images.plan_images(prompt.images, handles.info), handles.info, prompt.param
+        )
     return len(tokens)
 
 
@@ -212,22 +213,28 @@ async def start_chat(
     note_templating()
     note_ignored(request.ignored)
     parts = request.prompt.images
-    # Decoding and resizing images is CPU work: always a worker thread (a 400 first on a text model).
-    inputs = await offload.to_thread(images.prepare_images, parts, handles.info) if parts else ()
+    # Images are judged from their headers before anything else (a 400 first on a text model),
+    # and the prompt with their tokens must fit before one is decoded (api/media.py decodes them).
+    plans = await offload.to_thread(images.plan_images, parts, handles.info) if parts else ()
     prepared = await offload.run(prepare_chat, handles, request)
-    if inputs:
-        prepared = _with_images(handles, prepared, inputs, parts[0].param)
+    if parts:
+        param = parts[0].param
+        length = images.expanded_length(prepared.tokens, plans, handles.info, param)
+        prompt_bounds.check_tokens(length, context_length=handles.info.context_length, param=param)
     await _check_constraint(handles, request.constraint, prepared.generation)
-    return await _admitted(
-        handles,
-        prepared.tokens,
-        prepared.generation,
-        prepared.sink,
-        snapshot_at=prepared.snapshot_at,
-        retain=prepared.retain,
-        adapters=adapters,
-        images=inputs,
-    )
+    async with media.decoded(handles, parts, plans) as inputs:  # billed until the row opens
+        if inputs:
+            prepared = _with_images(handles, prepared, inputs, parts[0].param)
+        return await _admitted(
+            handles,
+            prepared.tokens,
+            prepared.generation,
+            prepared.sink,
+            snapshot_at=prepared.snapshot_at,
+            retain=prepared.retain,
+            adapters=adapters,
+            images=inputs,
+        )
 
 
 def _with_images(

@@ -3,11 +3,16 @@ and the prompt's image tokens.
 
 A translator turns each image part into an `ImagePart` (its bytes, or the 400 it earns) and puts
 `PLACEHOLDER` in the message text where the image was: Qwen2-VL templates render an image part as
-exactly these tokens, so any template renders the same prompt from text. Then `prepare_images`
-(on a worker thread: decoding and resizing is CPU work) checks that the model has vision and
-turns the parts into the engine's `ImageInput`s, and `expand` grows each image's single pad token
-into its grid's count. Only inline (base64) data is taken: the server fetches nothing over the
-network.
+exactly these tokens, so any template renders the same prompt from text.
+
+Then, before any pixel is decoded, `plan_images` reads each image's header: the model must have
+vision, an image must be a PNG, JPEG, WebP or GIF within `MAX_SOURCE_PIXELS` and `MAX_FRAMES`,
+and its header size gives its patch grid (the model's resize rules), its prompt tokens and what
+decoding it will cost in memory. `expanded_length` is the prompt's length once each image's pad
+token grows into its grid, so a prompt that cannot fit is refused undecoded, and
+`request_bytes` is the request's bill (api/media.py decodes under it). `prepare_images` (a
+worker thread's work) decodes the parts into the engine's `ImageInput`s, and `expand` grows the
+pad tokens. Only inline (base64) data is taken: the server fetches nothing over the network.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from actors.worker_api import ModelInfo
 from api.errors import ApiError, bad_request
 from api.template_messages import media_error
 from model.rows import ImageInput
-from model.vision.preprocess import ImageError, decode_image, prepare_image
+from model.vision.header import ImageError, read_header
+from model.vision.preprocess import DecodeCost, decode_cost, grid_for, load_image
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_IMAGES = 8  # per request
 MAX_BASE64_CHARS = 20 * 1024 * 1024  # one image's encoded data
 MAX_SOURCE_PIXELS = 8192 * 8192  # before resizing (the model's own max_pixels applies after)
+MAX_FRAMES = 1000  # an animated image's (only the first is read; this bounds the header walk)
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 _DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
 
@@ -94,20 +101,75 @@ def check_vision(parts: Sequence[ImagePart], info: ModelInfo) -> None:
             raise part.error
 
 
-def prepare_images(parts: Sequence[ImagePart], info: ModelInfo) -> tuple[ImageInput, ...]:
-    """Decoded, resized, patched images (blocking: run it on a worker thread). Raises ApiError."""
+@attrs.frozen
+class ImagePlan:
+    """One image as its header says it will be: its patch grid, prompt tokens and decode cost."""
+
+    grid: tuple[int, int, int]
+    tokens: int
+    cost: DecodeCost
+
+
+def plan_images(parts: Sequence[ImagePart], info: ModelInfo) -> tuple[ImagePlan, ...]:
+    """Each image's plan, from its header alone (blocking, but no pixel is decoded). Raises
+    ApiError: no vision, too many images, an unreadable header, too many pixels or frames."""
     check_vision(parts, info)
     config = info.image_processor
+    assert config is not None  # (check_vision)
+    plans = []
+    for i, part in enumerate(parts):
+        try:
+            header = read_header(part.data, max_pixels=MAX_SOURCE_PIXELS, max_frames=MAX_FRAMES)
+            grid = grid_for(header.height, header.width, config)
+        except ImageError as e:
+            raise _image_error(i, part, e) from None
+        tokens = grid[0] * grid[1] * grid[2] // config.merge_size**2
+        plans.append(ImagePlan(grid, tokens, decode_cost(header, config)))
+    return tuple(plans)
+
+
+def expanded_length(tokens: Sequence[int], plans: Sequence[ImagePlan], info: ModelInfo, param: str) -> int:
+    """The length `expand` will give the prompt. Raises ApiError when the prompt's pad tokens are
+    not exactly one per image."""
+    _check_pads(sum(1 for t in tokens if t == info.image_token_id), len(plans), param)
+    return len(tokens) - len(plans) + sum(plan.tokens for plan in plans)
+
+
+def request_bytes(plans: Sequence[ImagePlan]) -> int:
+    """The memory decoding these images takes at most: one after another, each one's peak on top
+    of the patches already made."""
+    if not plans:
+        return 0
+    return sum(p.cost.output for p in plans) + max(p.cost.peak - p.cost.output for p in plans)
+
+
+def prepare_images(parts: Sequence[ImagePart], info: ModelInfo) -> tuple[ImageInput, ...]:
+    """Decoded, resized, patched images (blocking: run it on a worker thread; `plan_images`
+    first). Raises ApiError."""
+    config = info.image_processor
+    assert config is not None  # (plan_images)
     out = []
     for i, part in enumerate(parts):
-        assert config is not None  # (check_vision)
         try:
-            prepared = prepare_image(decode_image(part.data, MAX_SOURCE_PIXELS), config)
+            prepared = load_image(part.data, config, MAX_SOURCE_PIXELS)
         except ImageError as e:
-            raise bad_request(f"image {i + 1}: {e}", param=part.param, code="invalid_image") from None
+            raise _image_error(i, part, e) from None
         digest = hashlib.sha256(part.data).hexdigest()
         out.append(ImageInput(prepared.pixel_values, prepared.grid_thw, digest))
     return tuple(out)
+
+
+def _image_error(index: int, part: ImagePart, error: ImageError) -> ApiError:
+    return bad_request(f"image {index + 1}: {error}", param=part.param, code="invalid_image")
+
+
+def _check_pads(pads: int, images: int, param: str) -> None:
+    if pads != images:
+        raise bad_request(
+            f"the prompt has {pads} image placeholders for {images} images "
+            "(message text must not contain the model's image tokens)",
+            param=param,
+        )
 
 
 def expand(
@@ -117,12 +179,7 @@ def expand(
     position of the unexpanded prompt moves to. A prompt whose pad tokens are not exactly one per
     image (the text itself holds the placeholder, or the template dropped a message) is a 400."""
     pads = [i for i, t in enumerate(tokens) if t == info.image_token_id]
-    if len(pads) != len(images):
-        raise bad_request(
-            f"the prompt has {len(pads)} image placeholders for {len(images)} images "
-            "(message text must not contain the model's image tokens)",
-            param=param,
-        )
+    _check_pads(len(pads), len(images), param)
     assert info.image_processor is not None
     merge = info.image_processor.merge_size
     counts = [t * h * w // (merge * merge) for t, h, w in (image.grid_thw for image in images)]

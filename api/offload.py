@@ -4,7 +4,8 @@ JSON parsing of large bodies, translation, chat templating and tokenization, the
 probe, token counting and grammar compilation each can take from milliseconds to seconds on a
 large or hostile body; on the trio thread that time stalls every running stream and /health.
 One `CapacityLimiter` bounds how many such calls run at once, so a burst of huge bodies queues
-here instead of piling threads onto the cores the MLX thread and the event loop need.
+here instead of piling threads onto the cores the MLX thread and the event loop need. Image
+decoding has threads and a limiter of its own (api/media.py), so it never holds these.
 
 `run` keeps the work of a small body inline: templating and tokenizing `INLINE_BYTES` of text
 takes about a millisecond, while the hop to a thread and back costs about 0.1 ms and a wake-up
