@@ -7,7 +7,9 @@ named as in OpenAI) and a forced tool call (tool_choice "any" or "tool": a gramm
 api/structured.py). Messages are built in the shape chat templates read. A block's
 `cache_control` becomes a `CachePoint`: the conversation cut after that block (a text block cuts
 its message's text there; any other block keeps its whole message; a tool definition marks the
-leading system messages, where templates render tools). Raises `ApiError`.
+leading system messages, where templates render tools). The fields that steer generation
+(thinking, output_config, context_management, metadata) are read by api/anthropic_controls.py.
+Raises `ApiError`.
 
 The API keeps growing, and clients send what it accepts today: a value of the wrong kind is a
 400, but a field, block type, thinking type, effort level or context edit this server does not
@@ -35,10 +37,11 @@ from typing import Any
 
 import attrs
 
+from api import anthropic_controls as controls
 from api import structured
 from api.chat_request import CachePoint, ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
-from api.fields import parse_generation, pick, reasoning_options, stop_strings, stream_flag, template_effort
+from api.fields import parse_generation, pick, reasoning_options, stop_strings, stream_flag
 from api.images import PLACEHOLDER, ImagePart, from_base64, from_url
 from api.template_messages import media_error
 
@@ -90,15 +93,8 @@ ROLES = ("user", "assistant", "system")  # `system` in messages: a mid-conversat
 # "required"), "none" drops the tools; "tool" (a named one) is mapped on its own.
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 TOOL_CHOICE_MESSAGE = "tool_choice.type: must be 'auto', 'any', 'tool' or 'none'"
-# thinking.type → enable_thinking ("adaptive": the model decides how much; the template's own budget)
-THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
-# output_config.effort → the reasoning_effort level it stands for (api/fields.py maps it to the template's)
-EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
-CLEAR_THINKING = "clear_thinking_"  # the context edit's type prefix (clear_thinking_20251015, ...)
-DEFAULT_THINKING_TURNS = 1  # a clear_thinking edit without `keep` keeps the last thinking turn
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl → seconds ("5m" when absent)
 MAX_CACHE_POINTS = 4  # Anthropic's limit on blocks with cache_control
-MAX_USER_ID_CHARS = 256  # metadata.user_id, Anthropic's bound
 # A system block some clients (Claude Code) send as billing metadata, not as a prompt: it carries a
 # per-conversation hash, so rendering it would make every new conversation miss the prompt cache.
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -115,11 +111,11 @@ def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRe
         raise parsed.unsupported
     if body.get("max_tokens") is None:  # required by the Messages API (count_tokens takes none)
         raise bad_request("max_tokens: Field required", param="max_tokens")
-    _check_metadata(body.get("metadata"))
+    controls.check_metadata(body.get("metadata"))
     fields = pick(body, GENERATION_FIELDS)
     generation = parse_generation(fields, vocab_size=None, stream=stream, max_temperature=MAX_TEMPERATURE)
     forced = structured.forced_tool_call(list(parsed.tools or ()), parsed.tool_choice)
-    constraint = structured.request_constraint(_output_format(body), forced)
+    constraint = structured.request_constraint(controls.output_format(body), forced)
     ignored = [*parsed.ignored, *(key for key in body if key not in READ_FIELDS)]
     return ChatRequest(
         prompt=parsed.prompt(),
@@ -130,40 +126,6 @@ def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRe
         parallel_tool_calls=parsed.parallel_tool_calls,
         ignored=tuple(dict.fromkeys(ignored)),
     )
-
-
-def _check_metadata(metadata: Any) -> None:
-    """`metadata` holds `user_id` (a string of at most 256 characters, or null); it is not used,
-    but a malformed one is the client's mistake. Other keys are ignored."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, Mapping):
-        raise bad_request("metadata: must be an object", param="metadata")
-    user_id = metadata.get("user_id")
-    if user_id is not None and (not isinstance(user_id, str) or len(user_id) > MAX_USER_ID_CHARS):
-        raise bad_request(
-            f"metadata.user_id: must be a string of at most {MAX_USER_ID_CHARS} characters", param="metadata"
-        )
-
-
-def _output_format(body: Mapping[str, Any]) -> structured.ConstraintFields:
-    """`output_config.format` (or the older top-level `output_format`): a JSON schema the answer
-    must follow, run as OpenAI's `response_format` json_schema. An unknown format type is a 400:
-    ignoring it would answer in a shape the client did not ask for."""
-    config = body.get("output_config")
-    spec = config.get("format") if isinstance(config, Mapping) else None
-    param, where = "output_config", "output_config.format"
-    if spec is None:
-        spec, param, where = body.get("output_format"), "output_format", "output_format"
-    if spec is None:
-        return structured.ConstraintFields()
-    if not isinstance(spec, Mapping) or spec.get("type") != "json_schema":
-        raise bad_request(f"{where}.type: must be 'json_schema'", param=param)
-    schema = spec.get("schema")
-    if not isinstance(schema, Mapping):
-        raise bad_request(f"{where}.schema: must be a JSON schema object", param=param)
-    json_schema = {"name": "output", "schema": dict(schema), "strict": True}  # Anthropic's outputs are strict
-    return structured.ConstraintFields(response_format={"type": "json_schema", "json_schema": json_schema})
 
 
 def count_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatPrompt:
@@ -226,7 +188,8 @@ def _parse(body: Mapping[str, Any], vision: bool) -> _Parsed:
     if system:
         parsed.add({"role": "system", "content": system})
     leading_system = list(parsed.messages)
-    kept_thinking = _kept_thinking_turns(raw_messages, _thinking_turns_kept(body.get("context_management"), parsed))
+    kept = controls.thinking_turns_kept(body.get("context_management"), parsed.ignored)
+    kept_thinking = controls.kept_thinking_turns(raw_messages, kept)
     for index, message in enumerate(raw_messages):
         _translate_message(message, index, parsed, keep_thinking=index in kept_thinking)
     tools, tools_ttl = _tools(body.get("tools"), parsed)
@@ -238,8 +201,8 @@ def _parse(body: Mapping[str, Any], vision: bool) -> _Parsed:
         parsed.tool_choice = choice
         serial = isinstance(raw_choice, Mapping) and raw_choice.get("disable_parallel_tool_use") is True
         parsed.parallel_tool_calls = not serial
-    parsed.reasoning_kwargs = _template_kwargs(body, parsed)
-    parsed.effort = _effort(body.get("output_config"), parsed)
+    parsed.reasoning_kwargs = controls.thinking_kwargs(body, parsed.ignored)
+    parsed.effort = controls.effort(body.get("output_config"), parsed.ignored)
     return parsed
 
 
@@ -281,54 +244,6 @@ def _cache_ttl(block: Mapping[str, Any], where: str, param: str) -> float | None
     if not isinstance(ttl, str) or ttl not in CACHE_TTLS:
         raise bad_request(f"{where}.cache_control.ttl: must be '5m' or '1h'", param=param)
     return CACHE_TTLS[ttl]
-
-
-def _thinking_turns_kept(management: Any, parsed: _Parsed) -> int | None:
-    """How many of the latest thinking turns keep their thinking (None: all), from
-    `context_management.edits`; edit types other than clear_thinking_* are ignored."""
-    if management is None:
-        return None
-    if not isinstance(management, Mapping):
-        raise bad_request("context_management: must be an object", param="context_management")
-    edits = management.get("edits")
-    if edits is None:
-        return None
-    if not isinstance(edits, list):
-        raise bad_request("context_management.edits: must be an array", param="context_management")
-    kept: int | None = None
-    for index, edit in enumerate(edits):
-        where = f"context_management.edits.{index}"
-        kind = edit.get("type") if isinstance(edit, Mapping) else None
-        if not isinstance(kind, str):
-            raise bad_request(f"{where}.type: must be a string", param="context_management")
-        if not kind.startswith(CLEAR_THINKING):
-            parsed.ignore("context_management.edits.type")
-            continue
-        keep = edit.get("keep", {"type": "thinking_turns", "value": DEFAULT_THINKING_TURNS})
-        if keep == "all":
-            kept = None
-            continue
-        value = keep.get("value") if isinstance(keep, Mapping) and keep.get("type") == "thinking_turns" else None
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise bad_request(
-                f'{where}.keep: must be \'all\' or {{"type": "thinking_turns", "value": N}} with N >= 0',
-                param="context_management",
-            )
-        kept = value
-    return kept
-
-
-def _kept_thinking_turns(raw_messages: list[Any], kept: int | None) -> set[int]:
-    """The indexes of the messages whose thinking blocks reach the template."""
-    turns = [
-        index
-        for index, message in enumerate(raw_messages)
-        if isinstance(message, Mapping)
-        and message.get("role") == "assistant"
-        and isinstance(message.get("content"), list)
-        and any(isinstance(b, Mapping) and b.get("type") == "thinking" for b in message["content"])
-    ]
-    return set(turns if kept is None else turns[len(turns) - kept :] if kept else ())
 
 
 def _translate_message(message: Any, index: int, parsed: _Parsed, *, keep_thinking: bool) -> None:
@@ -567,46 +482,3 @@ def _tool_choice(choice: Any, names: list[str]) -> Any:
     if name not in names:
         raise bad_request(f"tool_choice.name: {name!r} is not in tools", param="tool_choice")
     return {"type": "function", "function": {"name": name}}
-
-
-def _template_kwargs(body: Mapping[str, Any], parsed: _Parsed) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    extra = body.get("chat_template_kwargs")
-    if isinstance(extra, Mapping):
-        kwargs.update(extra)
-    thinking = body.get("thinking")
-    if thinking is None:
-        return kwargs
-    if not isinstance(thinking, Mapping):
-        raise bad_request("thinking: must be an object with a type", param="thinking")
-    kind = thinking.get("type")
-    if not isinstance(kind, str):
-        raise bad_request("thinking.type: must be 'enabled', 'adaptive' or 'disabled'", param="thinking")
-    budget = thinking.get("budget_tokens")
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
-        raise bad_request("thinking.budget_tokens: must be an integer", param="thinking")
-    if kind not in THINKING_TYPES:
-        parsed.ignore("thinking.type")  # a newer mode: the template's default
-        return kwargs
-    kwargs.setdefault("enable_thinking", THINKING_TYPES[kind])  # an explicit template kwarg wins
-    return kwargs
-
-
-def _effort(config: Any, parsed: _Parsed) -> str | None:
-    """`output_config.effort` as the template's reasoning depth (None: not set or not known)."""
-    if config is None:
-        return None
-    if not isinstance(config, Mapping):
-        raise bad_request("output_config: must be an object", param="output_config")
-    for key in config:
-        if key not in ("effort", "format"):
-            parsed.ignore(f"output_config.{key}")
-    effort = config.get("effort")
-    if effort is None:
-        return None
-    if not isinstance(effort, str):
-        raise bad_request("output_config.effort: must be 'low', 'medium', 'high' or 'max'", param="output_config")
-    if effort not in EFFORTS:
-        parsed.ignore("output_config.effort")
-        return None
-    return template_effort(EFFORTS[effort])
