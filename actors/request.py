@@ -48,9 +48,10 @@ from actors.messages import (
 )
 from model.rows import RowOpened, TokenOut
 
-# A stream cut by the shutdown deadline ends with this finish_reason: the server's own limit
-# ended it, which is what "length" tells a client, and strict SDK enums accept nothing else.
-CUT_OFF_FINISH_REASON = "length"
+# A stream cut by the shutdown deadline ends with this finish_reason, vLLM's for a request the
+# server ended: not "length", which would say the request's own max_tokens did. The Anthropic and
+# Responses encoders turn it into their protocols' nearest (pause_turn; incomplete).
+CUT_OFF_FINISH_REASON = "abort"
 
 # How many already-waiting tokens one `next_events` call takes at most (a stream far behind still
 # yields to the event loop every this many tokens).
@@ -333,9 +334,9 @@ class RequestActor(Generic[EventT]):
         self._done = True
         events = self._sink.finish(reason=cause)
         self.finish_reason = self._sink.finish_reason or ("stop" if cause == "eos" else cause)
-        self._observer.finished(self.finish_reason)  # before the override: the Abort that follows tells a cut-off
         if self.cut_off:
             self.finish_reason = CUT_OFF_FINISH_REASON
+        self._observer.finished(self.finish_reason)  # before the Abort that follows: it tells a cut-off
         return events
 
     @property

@@ -15,7 +15,9 @@ from api.partial_json import json_object
 from api.pipeline.events import Event, TextDelta, ToolCallDelta, ToolCallStart
 from api.wire import sse_event
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# "abort": a stream the server's shutdown cut; pause_turn tells the client the turn is unfinished
+# and may be sent back to continue, where max_tokens would blame the request's own limit.
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "pause_turn"}
 
 
 def stop_reason(finish_reason: str | None, matched_stop: str | None) -> tuple[str, str | None]:

@@ -133,8 +133,10 @@ def error_code(status: int) -> str:
 
 
 def status_of(finish_reason: str | None) -> tuple[str, str | None]:
-    """(status, incomplete reason): length → incomplete, everything else completed."""
-    if finish_reason == "length":
+    """(status, incomplete reason): length → incomplete, everything else completed. A stream the
+    server's shutdown cut ("abort") is incomplete too, with max_output_tokens: of the reasons the
+    protocol defines, the nearest to "generation stopped short of the end"."""
+    if finish_reason in ("length", "abort"):
         return "incomplete", "max_output_tokens"
     return "completed", None
 

@@ -12,6 +12,7 @@ import trio
 from actors.options import ServeConfig
 from actors.root import run_server
 from actors.shutdown import Shutdown, ShutdownPlan
+from tests.api.test_anthropic_api import post_stream
 from tests.fakes import FakeTokenizer, FakeWorker
 
 
@@ -31,7 +32,7 @@ def fake_http(clients, *, graceful, note):
     return serve_http
 
 
-async def run(worker, clients, *, timeout, signals_at):
+async def run(worker, clients, *, timeout, signals_at, **options):
     events = []
 
     def note(what):
@@ -42,7 +43,7 @@ async def run(worker, clients, *, timeout, signals_at):
         note("flush")
 
     shutdown = Shutdown()
-    config = ServeConfig(shutdown_timeout=timeout)
+    config = ServeConfig(shutdown_timeout=timeout, **options)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
             partial(
@@ -123,7 +124,7 @@ async def test_timed_out_shutdown_cuts_streams_cleanly_then_flushes(autojump_clo
     events = await run(worker, [streamer(100)], timeout=3, signals_at=[2])
     times = {name: t for (t, _), name in zip(events, names(events))}
     _, done, reason, tokens = next(what for _, what in events if what[0] == "stream ended")
-    assert (done, reason) == ("[DONE]", "length") and tokens < 100  # a final chunk, not a cut
+    assert (done, reason) == ("[DONE]", "abort") and tokens < 100  # a final chunk, not a cut
     assert times["stream ended"] == 5  # signal + --shutdown-timeout
     assert order_is(
         events, "signal", "admission closed", "stream ended", "http done", "actors stopped", "flush", "returned"
@@ -152,3 +153,74 @@ async def test_signal_during_model_load_stops_without_serving(autojump_clock):
     assert "serving" not in names(events)
     assert order_is(events, "listening", "signal", "listeners closed", "http done", "actors stopped", "returned")
     assert times["actors stopped"] == 1.0  # then the flush hook's own 0.5 s
+
+
+def cut_client(path, body, final_of):
+    """A client whose answer the shutdown deadline cuts; notes (path, how its protocol ended it)."""
+
+    async def client(note, http):
+        payload = {**body, "model": "fake-model"}
+        if body.get("stream"):  # read as it comes: the test client stalls a long stream it buffers
+            final = final_of(200, await post_stream(http, path, payload))
+        else:
+            response = await http.post(path, json=payload)
+            final = final_of(response.status_code, await response.get_data())
+        note(("cut", path, body.get("stream", False), final))
+
+    return client
+
+
+def sse_payloads(raw: bytes) -> list[dict]:
+    frames = [f for f in raw.decode().split("\n\n") if f.strip()]
+    datas = [line.removeprefix("data: ") for f in frames for line in f.split("\n") if line.startswith("data: ")]
+    return [json.loads(d) for d in datas if d != "[DONE]"]
+
+
+def chat_final(status, raw):
+    try:
+        return status, json.loads(raw)["choices"][0]["finish_reason"]
+    except json.JSONDecodeError:
+        return status, [c["choices"][0]["finish_reason"] for c in sse_payloads(raw) if c.get("choices")][-1]
+
+
+def anthropic_final(status, raw):
+    try:
+        return status, json.loads(raw)["stop_reason"]
+    except json.JSONDecodeError:
+        return status, [e["delta"]["stop_reason"] for e in sse_payloads(raw) if e["type"] == "message_delta"][-1]
+
+
+def responses_final(status, raw):
+    try:
+        final = json.loads(raw)
+    except json.JSONDecodeError:
+        final = [e["response"] for e in sse_payloads(raw) if "response" in e][-1]  # the last lifecycle event
+    return status, final["status"], final["incomplete_details"]
+
+
+async def test_a_stream_the_shutdown_cuts_says_so_in_each_protocol(autojump_clock):
+    """Not "length" (the request's own max_tokens): OpenAI's finish_reason "abort" (vLLM's), the
+    nearest each other protocol has: Anthropic's pause_turn, Responses' incomplete."""
+    chat = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1000}
+    anthropic = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1000}
+    responses = {"input": "a", "max_output_tokens": 1000}
+    clients = [
+        cut_client(path, {**body, "stream": stream}, final)
+        for path, body, final in (
+            ("/v1/chat/completions", chat, chat_final),
+            ("/v1/completions", {"prompt": "a", "max_tokens": 1000}, chat_final),
+            ("/v1/messages", anthropic, anthropic_final),
+            ("/v1/responses", responses, responses_final),
+        )
+        for stream in (True, False)
+    ]
+    # Every request has its row and tokens by the signal (a queued one would get 503 instead).
+    worker = FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
+    events = await run(worker, clients, timeout=3, signals_at=[5], batch=len(clients))
+    cut = {(path, stream): final for _, (name, path, stream, final) in (e for e in events if e[1][0] == "cut")}
+    incomplete = (200, "incomplete", {"reason": "max_output_tokens"})
+    for stream in (True, False):
+        assert cut[("/v1/chat/completions", stream)] == (200, "abort")
+        assert cut[("/v1/completions", stream)] == (200, "abort")
+        assert cut[("/v1/messages", stream)] == (200, "pause_turn")
+        assert cut[("/v1/responses", stream)] == incomplete

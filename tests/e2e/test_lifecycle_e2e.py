@@ -178,7 +178,7 @@ def test_sigint_answers_queued_requests_503_and_health_503_then_exits_0(model_di
         else:
             assert call.payload["error"]["type"] == "server_error", call
             assert call.payload["error"]["code"] == "shutting_down", call
-    assert generating.status == 200 and generating.final == "length" and generating.error is None, generating
+    assert generating.status == 200 and generating.final == "abort" and generating.error is None, generating
     assert len(health) >= 3, health  # probed across the grace period
     assert all(h == (503, {"status": "unavailable", "reason": "shutting down"}, "1") for h in health), health
 

@@ -3,7 +3,7 @@
 admitted and waiting in the scheduler's queue: no status line sent yet).
 
 * One SIGINT: the 24 queued streams get 503 + Retry-After at once; every decoding stream ends
-  cleanly — its final chunk (finish_reason "length": the shutdown deadline cut it) and then
+  cleanly — its final chunk (finish_reason "abort": the shutdown deadline cut it) and then
   `data: [DONE]` — about `--shutdown-timeout` after the signal; the durability flush runs and is
   reported (`shutdown flush: durable (...)`, the prompt-cache entry written before the streams
   is on disk); the process exits 0 well within the watchdog's budget, with no traceback in its log.
@@ -202,7 +202,7 @@ def test_sigint_with_32_streams_in_flight_ends_every_stream_and_exits_0(model_di
     decoding = [s for s in streams if chunks_before[s.index] > 0]
     for s in decoding:
         assert s.status == 200 and s.error is None, s
-        assert s.finish_reasons == ["length"] and s.done and s.after_done == 0, s
+        assert s.finish_reasons == ["abort"] and s.done and s.after_done == 0, s
         assert SHUTDOWN_TIMEOUT_S - 0.5 <= s.ended_at - signalled <= SHUTDOWN_TIMEOUT_S + 2.0, (s, signalled)
     queued = [s for s in streams if chunks_before[s.index] == 0]
     assert len(queued) == STREAMS - 8
