@@ -6,8 +6,8 @@ is bound or a weight is read, so a mistake a user can fix costs them under a sec
 
 * `--ssd-cache` with `--prompt-cache 0` (the SSD tier sits behind the RAM tier);
 * a `--model` that does not resolve, whose config.json is missing or names an unsupported
-  `model_type`, or whose directory has no `tokenizer.json` (the loader would read gigabytes of
-  weights first and then fail);
+  `model_type`, or whose tokenizer (tokenizer.json, tokenizer_config.json, the chat template)
+  is missing or does not load (the loader would read gigabytes of weights first and then fail);
 * an `--ssd-cache` directory that cannot be created or written — unless `--ssd-optional`, which
   makes it a warning and serves without the SSD tier (the config returned has none).
 
@@ -48,14 +48,15 @@ def preflight(config: ServeConfig) -> ServeConfig:
 
 
 def check_model_dir(spec: str) -> Path:
-    """The directory `--model` names, once its config and tokenizer are there; warns when it has
-    no chat template. Imports MLX (the families): the BLAS must be bound first."""
+    """The directory `--model` names, once its config and tokenizer load; warns when it has no
+    chat template. Imports MLX (the families): the BLAS must be bound first. The tokenizer is
+    loaded once more after the weights (a fraction of a second even for a 150k vocabulary)."""
     from model.config import load_config
     from model.embedding_config import read_pooling
     from model.errors import ModelLoadError
     from model.families import family_for
     from model.resolve import resolve_model_dir
-    from model.tokenizer import TOKENIZER_FILE, ships_chat_template
+    from model.tokenizer import TOKENIZER_FILE, Tokenizer
 
     try:
         model_dir = resolve_model_dir(spec)
@@ -65,10 +66,14 @@ def check_model_dir(spec: str) -> Path:
                 f"{model_dir}: no {TOKENIZER_FILE} (the server reads a model's tokenizer only from "
                 f"{TOKENIZER_FILE}: copy it from the model's original repository)"
             )
+        try:
+            tokenizer = Tokenizer.from_dir(model_dir)  # its files name their own path when bad
+        except ValueError as exc:  # (a template's syntax error included: TemplateError)
+            raise ModelLoadError(str(exc)) from exc
         embedding = read_pooling(model_dir, 0) is not None
     except ModelLoadError as exc:
         raise StartupFailed(str(exc), usage=True) from exc
-    if not embedding and not ships_chat_template(model_dir):
+    if not embedding and not tokenizer.has_chat_template:
         log.warning(
             "%s has no chat template: /v1/chat/completions, /v1/messages and /v1/responses will answer 400, "
             "only /v1/completions works; to chat, add the model's template to its directory "

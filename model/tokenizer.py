@@ -108,23 +108,6 @@ def _load_chat_template(path: Path, config: Mapping[str, Any]) -> ChatTemplate |
     return None
 
 
-def ships_chat_template(path: Path) -> bool:
-    """Whether the directory names a chat template where `from_dir` looks for one, without
-    loading the tokenizer (start-up warns before the weights load when it does not)."""
-    if (path / CHAT_TEMPLATE_FILE).is_file():
-        return True
-    try:
-        source = _load_config(path).get("chat_template")
-    except (OSError, ValueError):
-        return False
-    if isinstance(source, list):  # named templates: those `_load_chat_template` would keep
-        return any(
-            isinstance(item, Mapping) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str)
-            for item in source
-        )
-    return isinstance(source, str)
-
-
 class Tokenizer:
     """Text ↔ token ids for one model, with its BOS/EOS policy and chat template."""
 

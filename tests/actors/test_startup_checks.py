@@ -16,7 +16,6 @@ from actors.options import ServeConfig
 from actors.preflight import preflight, ssd_dir_problem
 from actors.shadowing import shadowing_problem
 from actors.startup import StartupFailed
-from model.tokenizer import ships_chat_template
 
 
 def test_every_path_flag_expands_a_leading_tilde(monkeypatch, tmp_path):
@@ -93,22 +92,33 @@ def test_model_directory_rules(tmp_path, qwen3_dir, caplog):
 def test_a_missing_chat_template_is_a_warning(tmp_path, qwen3_dir, caplog):
     plain = tmp_path / "plain"
     shutil.copytree(qwen3_dir, plain)
-    assert ships_chat_template(plain)
     file = plain / "tokenizer_config.json"
     config = json.loads(file.read_text())
-    del config["chat_template"]
-    file.write_text(json.dumps(config))
-    assert not ships_chat_template(plain)
-    with caplog.at_level(logging.WARNING):
-        preflight(ServeConfig(model=str(plain)))
-    assert "has no chat template" in caplog.text and "/v1/completions works" in caplog.text
+
+    def warned(**changes: object) -> bool:
+        file.write_text(json.dumps({**{k: v for k, v in config.items() if k != "chat_template"}, **changes}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            preflight(ServeConfig(model=str(plain)))
+        return "has no chat template" in caplog.text and "/v1/completions works" in caplog.text
+
+    assert not warned(chat_template=config["chat_template"])
+    assert warned()
+    assert warned(chat_template=[{"name": "default"}])  # a named entry without its template
+    assert not warned(chat_template=[{"name": "default", "template": "x"}])
     (plain / "chat_template.jinja").write_text("{{ messages[0].content }}")
-    assert ships_chat_template(plain)
-    file.write_text(json.dumps({**config, "chat_template": [{"name": "default", "template": "x"}]}))
-    (plain / "chat_template.jinja").unlink()
-    assert ships_chat_template(plain)
-    file.write_text(json.dumps({**config, "chat_template": [{"name": "default"}]}))
-    assert not ships_chat_template(plain)
+    assert not warned()
+
+
+def test_a_tokenizer_that_does_not_load_fails_before_the_weights(tmp_path, qwen3_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_dir, broken)
+    (broken / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(StartupFailed, match="chat template syntax error"):
+        preflight(ServeConfig(model=str(broken)))
+    (broken / "tokenizer.json").write_text("{")
+    with pytest.raises(StartupFailed, match="not a valid tokenizer.json"):
+        preflight(ServeConfig(model=str(broken)))
 
 
 def test_shadowing_names_the_module_in_the_way(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 the problem, exit 2, in under 2 s, and no traceback unless --log-level debug.
 
 * an --ssd-cache that cannot be written, or that another server holds (unless --ssd-optional);
-* a --model directory without tokenizer.json (refused before any weight loads);
+* a --model directory without tokenizer.json (refused before any weight loads), or with a
+  malformed one;
 * --port 99999;
 * an api.py / cache.py / model.py (or such a package) in the working directory shadowing ours.
 
@@ -106,6 +107,13 @@ def test_a_model_without_tokenizer_json_is_refused_before_it_loads(tmp_path, mod
     shutil.copytree(model_dir, broken)
     (broken / "tokenizer.json").unlink()
     check_one_line(serve(["--model", str(broken), "--port", "0"]), f"cannot serve: {broken}: no tokenizer.json")
+
+
+def test_a_malformed_tokenizer_json_is_the_directorys_fault_too(tmp_path, model_dir):
+    broken = tmp_path / "bad-tokenizer"
+    shutil.copytree(model_dir, broken)
+    (broken / "tokenizer.json").write_text("{")
+    check_one_line(serve(["--model", str(broken), "--port", "0"]), "cannot serve: ", "not a valid tokenizer.json")
 
 
 def test_a_port_out_of_range_is_one_line():
