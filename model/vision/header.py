@@ -8,9 +8,11 @@ Pillow could read it. Pillow's own decompression-bomb guard (`Image.MAX_IMAGE_PI
 inside `Image.open`, as an error or, below twice its limit, a warning that a warnings filter may
 turn into an error; either way it is the same refusal as our own bound, which is lower.
 
-An animated image is read as its first frame (as Hugging Face's processor reads one). PNG
-(APNG) and WebP headers state their frame count; a GIF's frames are counted by walking its
-blocks without decoding them, stopping past the limit, so the walk is bounded too.
+A WebP's header is read from its RIFF chunks here: Pillow's `Image.open` of a WebP reads the
+whole file and sets up a decoder for its canvas. An animated image is read as its first frame
+(as Hugging Face's processor reads one); an APNG states its frame count, and a WebP's or GIF's
+frames are counted by walking its chunks or blocks without decoding them, stopping past the
+limit, so the walk is bounded too.
 """
 
 from __future__ import annotations
@@ -61,16 +63,49 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
 
 def read_header(data: bytes, *, max_pixels: int, max_frames: int) -> ImageHeader:
     """The header of `data`, within `max_pixels` and `max_frames`. Raises ImageError."""
-    with open_image(data, max_pixels) as image:
-        fmt = "JPEG" if image.format == "MPO" else str(image.format)
-        if fmt == "GIF":
-            frames = gif_frames(data, max_frames + 1)
-        else:
-            frames = int(getattr(image, "n_frames", 1))
-        header = ImageHeader(fmt, image.width, image.height, image.mode, frames)
+    header = webp_header(data, max_frames + 1)
+    if header is not None:
+        if header.pixels > max_pixels:
+            raise ImageError(f"image is {header.width}x{header.height}: over {max_pixels} pixels")
+    else:
+        with open_image(data, max_pixels) as image:
+            fmt = "JPEG" if image.format == "MPO" else str(image.format)
+            frames = gif_frames(data, max_frames + 1) if fmt == "GIF" else int(getattr(image, "n_frames", 1))
+            header = ImageHeader(fmt, image.width, image.height, image.mode, frames)
     if header.frames > max_frames:
         raise ImageError(f"image has more than {max_frames} frames (only the first would be read)")
     return header
+
+
+def webp_header(data: bytes, stop_at: int) -> ImageHeader | None:
+    """A WebP's header from its RIFF chunks (frames counted up to `stop_at`), or None when `data`
+    is not a WebP this can read (Pillow then judges it). Pillow's `Image.open` of a WebP reads the
+    whole file and sets up a decoder for its canvas; this reads tens of bytes."""
+    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    kind, body = data[12:16], data[20:30]
+    if kind == b"VP8X":  # extended: the canvas, and flags for alpha and animation
+        width, height = 1 + int.from_bytes(body[4:7], "little"), 1 + int.from_bytes(body[7:10], "little")
+        frames = _webp_frames(data, stop_at) if body[0] & 0x02 else 1
+        return ImageHeader("WEBP", width, height, "RGBA" if body[0] & 0x10 else "RGB", frames)
+    if kind == b"VP8L" and body[0] == 0x2F:  # lossless: 14-bit sizes less one, then the alpha hint
+        bits = int.from_bytes(body[1:5], "little")
+        mode = "RGBA" if bits >> 28 & 1 else "RGB"
+        return ImageHeader("WEBP", 1 + (bits & 0x3FFF), 1 + (bits >> 14 & 0x3FFF), mode, 1)
+    if kind == b"VP8 " and body[3:6] == b"\x9d\x01\x2a":  # lossy: after the frame tag, 14-bit sizes
+        width, height = int.from_bytes(body[6:8], "little") & 0x3FFF, int.from_bytes(body[8:10], "little") & 0x3FFF
+        return ImageHeader("WEBP", width, height, "RGB", 1) if width and height else None
+    return None
+
+
+def _webp_frames(data: bytes, stop_at: int) -> int:
+    """An animated WebP's ANMF chunks, counted up to `stop_at`."""
+    frames, pos = 0, 12
+    while pos + 8 <= len(data) and frames < stop_at:
+        size = int.from_bytes(data[pos + 4 : pos + 8], "little")
+        frames += data[pos : pos + 4] == b"ANMF"
+        pos += 8 + size + (size & 1)
+    return frames
 
 
 def gif_frames(data: bytes, stop_at: int) -> int:

@@ -1,7 +1,8 @@
 """Images judged from their headers alone (model/vision/header.py): format, size, mode and frames
-come from a header whose pixel data is garbage, so nothing here can have been decoded; pixel and
-frame limits and Pillow's decompression-bomb guard are ImageErrors; the grid the header predicts
-is the grid decoding makes, and the lean pipeline equals the reference one bit for bit."""
+come from a header whose pixel data is garbage (a WebP's from its chunks, as Pillow reads them),
+so nothing here can have been decoded; pixel and frame limits and Pillow's decompression-bomb
+guard are ImageErrors; the grid the header predicts is the grid decoding makes, and the lean
+pipeline equals the reference one bit for bit."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from model.vision.header import ImageError, gif_frames, read_header
+from model.vision.header import ImageError, gif_frames, read_header, webp_header
 from model.vision.preprocess import ImageProcessorConfig, decode_image, grid_for, load_image, prepare_image
 
 LIMIT = 8192 * 8192
@@ -99,6 +100,39 @@ def test_frames_are_counted_and_bounded(fmt):
     # An animated image is its first frame.
     first = np.asarray(decode_image(data))
     assert np.array_equal(first, np.asarray(decode_image(encoded(shots[0], fmt, **options))))
+
+
+def webp_canvas(width: int, height: int) -> bytes:
+    """An extended WebP whose header says width x height and that holds no image."""
+    vp8x = bytes([0, 0, 0, 0]) + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    chunks = b"VP8X" + len(vp8x).to_bytes(4, "little") + vp8x + b"VP8 " + (4).to_bytes(4, "little") + b"junk"
+    return b"RIFF" + (4 + len(chunks)).to_bytes(4, "little") + b"WEBP" + chunks
+
+
+def test_a_webps_header_is_read_from_its_chunks_as_pillow_reads_it():
+    cases = [
+        (noise(30, 50), {}),  # lossy: VP8
+        (noise(30, 50), {"lossless": True}),  # VP8L
+        (noise(7, 1).convert("RGBA"), {}),  # lossy with alpha: VP8X
+        (noise(33, 17).convert("RGBA"), {"lossless": True}),
+        (noise(1, 1), {}),
+        (noise(3, 600), {"lossless": True}),
+        (noise(20, 20), {"exif": Image.Exif().tobytes()}),
+    ]
+    for image, options in cases:
+        data = encoded(image, "WEBP", **options)
+        ours, pillow = webp_header(data, 10), Image.open(io.BytesIO(data))
+        assert ours is not None and (ours.width, ours.height, ours.frames) == (*pillow.size, pillow.n_frames)
+        assert ours.mode == pillow.mode
+    assert webp_header(encoded(noise(8, 8), "PNG"), 10) is None
+
+
+def test_a_huge_webp_canvas_is_refused_from_its_header():
+    with pytest.raises(ImageError, match=f"16383x16383: over {LIMIT} pixels"):
+        read_header(webp_canvas(16383, 16383), max_pixels=LIMIT, max_frames=1)
+    assert read_header(webp_canvas(4000, 3000), max_pixels=LIMIT, max_frames=1).pixels == 12_000_000
+    with pytest.raises(ImageError, match="cannot decode"):
+        decode_image(webp_canvas(4000, 3000))
 
 
 def test_a_gifs_frame_walk_stops_past_the_limit():
