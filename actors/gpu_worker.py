@@ -145,8 +145,7 @@ class GpuWorker:
         # SSD tier: built on the MLX thread with the RAM tier; None when off or unusable.
         self.ssd_cache_dir = None if ssd_cache_dir is None else Path(ssd_cache_dir)
         self.ssd_cache_max_bytes = int(ssd_cache_max_bytes)
-        self.ssd_verify = ssd_verify
-        self.ssd_optional = ssd_optional  # an SSD tier that cannot open: a warning (else start-up fails)
+        self.ssd_verify, self.ssd_optional = ssd_verify, ssd_optional  # (--ssd-optional: actors/ssd_open.py)
         self.ssd_store: SsdStore | None = None
         self._put_listener: Callable[[str, tuple[int, ...]], None] | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
@@ -414,33 +413,21 @@ class GpuWorker:
     # -- the SSD tier: what durability / demotion need --------------------------------
 
     def _make_prompt_cache(self, loaded: LoadedModel) -> TieredPromptCache | None:
-        """A TieredPromptCache over an opened SsdStore, or None (then the plain RAM tier).
-        An SSD tier that cannot open (another server holds its directory, a write fails) fails
-        start-up in one line (exit 2): the user asked for it. With --ssd-optional it is a warning
-        and the server runs on the RAM tier alone."""
+        """A TieredPromptCache over an opened SsdStore, or None (then the plain RAM tier). An SSD
+        tier that cannot open fails start-up, or is a warning with --ssd-optional (actors/ssd_open.py)."""
         if self.ssd_cache_dir is None:
             return None
-        from cache.ssd_identity import Identity, model_fingerprint, scheme_key, tokenizer_hash
-        from cache.ssd_store import SsdStore
+        from actors.ssd_open import open_ssd_store
         from cache.tiered import TieredPromptCache
 
-        try:
-            identity = Identity(
-                model_id=loaded.name,
-                fingerprint=model_fingerprint(loaded.path),
-                scheme=scheme_key(str(loaded.kv_dtype).rsplit(".", 1)[-1]),
-                tokenizer_hash=tokenizer_hash(loaded.path),
-            )
-            store = SsdStore(
-                self.ssd_cache_dir, identity, max_bytes=self.ssd_cache_max_bytes, verify=self.ssd_verify
-            ).open()
-        except Exception as e:  # noqa: BLE001 - whatever the cause, the tier is unusable
-            if not self.ssd_optional:
-                from actors.preflight import SSD_OPTIONAL_HINT
-                from actors.startup import StartupFailed
-
-                raise StartupFailed(f"--ssd-cache: {e}; {SSD_OPTIONAL_HINT}", usage=True) from e
-            log.warning("SSD cache disabled (--ssd-optional): %s", e)
+        store = open_ssd_store(
+            self.ssd_cache_dir,
+            loaded,
+            max_bytes=self.ssd_cache_max_bytes,
+            verify=self.ssd_verify,
+            optional=self.ssd_optional,
+        )
+        if store is None:
             return None
         self.ssd_store = store
         cache = TieredPromptCache(self.prompt_cache_bytes, store, retention_share=self.cache_retention_share)
