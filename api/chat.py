@@ -218,13 +218,11 @@ async def start_chat(
     plans = await offload.to_thread(images.plan_images, parts, handles.info) if parts else ()
     prepared = await offload.run(prepare_chat, handles, request)
     if parts:
-        param = parts[0].param
-        length = images.expanded_length(prepared.tokens, plans, handles.info, param)
-        prompt_bounds.check_tokens(length, context_length=handles.info.context_length, param=param)
+        await offload.run(_check_image_fit, handles, prepared.tokens, plans, parts[0].param)
     await _check_constraint(handles, request.constraint, prepared.generation)
     async with media.decoded(handles, parts, plans) as inputs:  # billed until the row opens
-        if inputs:
-            prepared = _with_images(handles, prepared, inputs, parts[0].param)
+        if inputs:  # (a walk over the whole prompt: off the event loop for a large one)
+            prepared = await offload.run(_with_images, handles, prepared, inputs, parts[0].param)
         return await _admitted(
             handles,
             prepared.tokens,
@@ -235,6 +233,14 @@ async def start_chat(
             adapters=adapters,
             images=inputs,
         )
+
+
+def _check_image_fit(
+    handles: ServerHandles, tokens: list[int], plans: tuple[images.ImagePlan, ...], param: str
+) -> None:
+    """400 when the prompt with each image's tokens (from its header) cannot fit the window."""
+    length = images.expanded_length(tokens, plans, handles.info, param)
+    prompt_bounds.check_tokens(length, context_length=handles.info.context_length, param=param)
 
 
 def _with_images(

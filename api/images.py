@@ -131,7 +131,7 @@ def plan_images(parts: Sequence[ImagePart], info: ModelInfo) -> tuple[ImagePlan,
 def expanded_length(tokens: Sequence[int], plans: Sequence[ImagePlan], info: ModelInfo, param: str) -> int:
     """The length `expand` will give the prompt. Raises ApiError when the prompt's pad tokens are
     not exactly one per image."""
-    _check_pads(sum(1 for t in tokens if t == info.image_token_id), len(plans), param)
+    _check_pads(tokens.count(info.image_token_id), len(plans), param)
     return len(tokens) - len(plans) + sum(plan.tokens for plan in plans)
 
 
