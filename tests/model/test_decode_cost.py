@@ -59,7 +59,7 @@ def gradient(width: int, height: int) -> Image.Image:
 )
 def test_the_bill_bounds_the_measured_peak(tmp_path, fmt, mode, max_pixels):
     path = tmp_path / f"image.{fmt.lower()}"
-    gradient(4000, 3000).convert(mode).save(path, format=fmt)
+    gradient(3000, 2000).convert(mode).save(path, format=fmt)
     out = subprocess.run(
         [sys.executable, "-c", MEASURE, str(path), str(max_pixels)],
         cwd=ROOT,
