@@ -105,9 +105,10 @@ def test_sigint_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_model_factor
             if not chunk.choices:
                 usage = chunk.usage  # include_usage: the last chunk
         # The signal landed while tokens were flowing, and the shutdown deadline (not EOS, not
-        # max_tokens) ended the stream: a clean final chunk with finish_reason "length".
+        # max_tokens) ended the stream: a clean final chunk with finish_reason "abort" (which the
+        # SDK takes, as it takes vLLM's).
         assert signalled_at is not None and after_signal > 10
-        assert finish_reasons == ["length"]
+        assert finish_reasons == ["abort"]
         assert usage is not None and 3 <= usage.completion_tokens < MAX_TOKENS
         assert SHUTDOWN_TIMEOUT - 0.5 <= ended_at - signalled_at <= SHUTDOWN_TIMEOUT + 2.0
         assert proc.wait(timeout=SHUTDOWN_TIMEOUT + 5) == 0
