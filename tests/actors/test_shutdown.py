@@ -32,7 +32,9 @@ def fake_http(clients, *, graceful, note):
     return serve_http
 
 
-async def run(worker, clients, *, timeout, signals_at, **options):
+async def run(worker, clients, *, timeout, signals_at, ready=None, **options):
+    """`ready`: the first signal waits (also) until it holds; translating and templating run on
+    real threads, and the autojump clock jumps ahead while it waits for them."""
     events = []
 
     def note(what):
@@ -63,6 +65,8 @@ async def run(worker, clients, *, timeout, signals_at, **options):
         )
         for at in signals_at:
             await trio.sleep_until(at)
+            while ready is not None and not ready():
+                await trio.sleep(0.05)
             note("signal")
             shutdown.request()
     note("returned")
@@ -216,7 +220,11 @@ async def test_a_stream_the_shutdown_cuts_says_so_in_each_protocol(autojump_cloc
     ]
     # Every request has its row and tokens by the signal (a queued one would get 503 instead).
     worker = FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
-    events = await run(worker, clients, timeout=3, signals_at=[5], batch=len(clients))
+
+    def all_decoding() -> bool:
+        return len(worker.rows) == len(clients) and all(row.generated > 0 for row in worker.rows.values())
+
+    events = await run(worker, clients, timeout=3, signals_at=[5], ready=all_decoding, batch=len(clients))
     cut = {(path, stream): final for _, (name, path, stream, final) in (e for e in events if e[1][0] == "cut")}
     incomplete = (200, "incomplete", {"reason": "max_output_tokens"})
     for stream in (True, False):
