@@ -10,7 +10,8 @@ that point decode together: `MixedBatchKVCache` keeps each kind in a left-padded
 and runs attention per kind on that kind's rows, so every row computes exactly what it would alone.
 
 These caches attend themselves (`attend`): the model hands them the step's queries, keys and
-values instead of calling the fused attention kernel.
+values instead of calling the fused attention kernel. On CUDA a decode step (one query per row)
+attends with model/kv_quant_kernel.py's fused kernel, which reads the quantized bytes directly.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from model import kv_quant_kernel
 from model.kv_cache import STEP, KVCache, causal_mask
 from model.kv_scheme import LayerQuant
 
@@ -157,6 +159,8 @@ class QuantizedKVCache:
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, _: Attend
     ) -> mx.array:
         qk, qv = self.update_and_fetch(keys, values)
+        if mask is None and kv_quant_kernel.usable(queries, qk, self.quant.bits, self.quant.group_size):
+            return kv_quant_kernel.decode_attention(queries, qk, qv, scale, None, self.quant.bits)
         return quantized_attention(queries, qk, qv, scale, mask, self.quant)
 
     def make_mask(self, N: int) -> str | None:
@@ -252,6 +256,8 @@ class QuantizedBatchKVCache:
     ) -> mx.array:
         own_mask = self.make_mask(keys.shape[2])  # (the model's mask may be another layout's)
         qk, qv = self.update_and_fetch(keys, values)
+        if kv_quant_kernel.usable(queries, qk, self.quant.bits, self.quant.group_size):  # CUDA decode
+            return kv_quant_kernel.decode_attention(queries, qk, qv, scale, self.left_padding, self.quant.bits)
         return quantized_attention(queries, qk, qv, scale, own_mask, self.quant)
 
     @property

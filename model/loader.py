@@ -15,6 +15,7 @@ from model.embedding import checkpoint_weights, headless_config
 from model.embedding_config import Pooling, read_pooling
 from model.families import build_model, family_for
 from model.language_model import LanguageModel
+from model.quant_linear import route
 from model.resolve import model_name, resolve_model_dir
 from model.weights import apply_quantization, load_into, parameter_bytes, read_weights
 
@@ -50,6 +51,8 @@ def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
         apply_quantization(model, config.quantization, weights)
     load_into(model, weights, model_dir)
     model.eval()
+    if config.quantization is not None:
+        route(model)  # CUDA: few-row quantized products on our kernel (model/quant_linear.py)
     return LoadedModel(
         path=model_dir,
         name=name or model_name(model_dir),

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from model import quant_kernel
 from model.decoder import swiglu
 
 # From this many (token, expert) pairs on, tokens are sorted by expert first, so each expert's
@@ -117,6 +118,9 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(hidden_dims, input_dims, num_experts, bias=bias)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        routed = _kernel_experts(self, x, indices)
+        if routed is not None:
+            return routed
         x = mx.expand_dims(x, (-2, -3))
         do_sort = indices.size >= SORT_MIN_PAIRS
         idx = indices
@@ -129,6 +133,47 @@ class SwitchGLU(nn.Module):
         if inv_order is not None:
             x = _scatter_unsort(x, inv_order, indices.shape)
         return x.squeeze(-2)
+
+
+def _kernel_experts(glu: SwitchGLU, x: mx.array, indices: mx.array) -> mx.array | None:
+    """SwitchGLU on the CUDA kernel (model/quant_kernel.py): every (token, expert) pair sorted by
+    expert, each used expert's weights read once for all its rows. None where MLX's gather_qmm
+    runs: not CUDA, one token (a B=1 decode step keeps mlx-lm's ops), one sequence of several
+    tokens (a solo prefill), more than quant_kernel.MAX_ROWS tokens, or weights it does not take."""
+    projs = (glu.up_proj, glu.gate_proj, glu.down_proj)
+    if not all(type(p) is QuantizedSwitchLinear and p.mode == "affine" and "bias" not in p for p in projs):
+        return None
+    dims = x.shape[-1]
+    tokens = x.size // dims
+    if x.ndim >= 3 and x.shape[0] == 1 and x.shape[-2] > 1:
+        return None
+    for p in projs:
+        if not quant_kernel.gather_usable(
+            x.dtype, p["weight"], p["scales"], p.get("biases"), p.bits, p.group_size, tokens
+        ):
+            return None
+    up, gate, down = projs
+    if (
+        down["weight"].shape[2] * 32 // down.bits != up["weight"].shape[1]
+        or up["weight"].shape[2] * 32 // up.bits != dims
+    ):
+        return None
+    k = indices.shape[-1]
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    experts = flat[order].astype(mx.uint32)
+    rowmap = (order // k).astype(mx.uint32)
+    rows = min(tokens, 16)  # an expert's rows at once: a step's tokens rarely meet one expert more
+
+    def product(p: Any, inputs: mx.array, which_rows: mx.array) -> mx.array:
+        return quant_kernel.gather_qmm(
+            inputs, p["weight"], p["scales"], p["biases"], which_rows, experts, p.bits, rows_per_expert=rows
+        )
+
+    x2 = x.reshape(tokens, dims)
+    h = swiglu(product(gate, x2, rowmap), product(up, x2, rowmap))
+    out = product(down, h, mx.arange(flat.size, dtype=mx.uint32))
+    return out[mx.argsort(order)].reshape(*indices.shape, dims)
 
 
 class SparseMoeBlock(nn.Module):

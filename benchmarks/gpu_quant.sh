@@ -1,0 +1,69 @@
+#!/bin/bash
+# Quantized models on a CUDA GPU (model/quant_kernel.py, model/kv_quant_kernel.py): the kernels'
+# tests, the products alone, and both servers with no flags. Steps run in the order given
+# (default: all), each with its own time limit, results under $OUT as they finish:
+#   tests   the CUDA-only kernel tests (dense, routed experts, quantized-KV attention)
+#   micro   benchmarks/quant_micro.py: dense 8B shapes (tilings searched at 4 bits), MoE, KV
+#   serve8b 8B q4 shape, ours vs mlx_lm.server, c=1/8/32, ~512-token prompts (135 words), 256 tokens
+#   parity  greedy tokens of q4 and q8 models through our server vs mlx_lm generate_step
+#   kv      16k-token prompts, c=8, our server --kv-quant off / 8 / 4 (on the 8B q4 model)
+#   moe     Qwen3-30B-A3B q4 shape, ours vs mlx_lm.server, c=8/32
+# OUT=/tmp/out bash benchmarks/gpu_quant.sh tests micro serve8b
+set -u
+# Everything lands in /tmp/res-quant, packed into $OUT/quant.tgz after each step ($OUT/quant-log.txt:
+# the steps' tails). A step past its limit gets SIGINT (serve_bench then stops its servers), then
+# SIGKILL 20 s later.
+OUT=${OUT:-/tmp/out}; M=${MODELS:-/tmp/models}; R=/tmp/res-quant; mkdir -p $OUT $M $R
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+BW=${BW:-3350}  # GB/s for the rooflines (H100 SXM 3350, H200 4800)
+log() { echo "== $(date +%T) $*" | tee -a $OUT/quant-log.txt; }
+pack() { tar czf $OUT/quant.tgz -C /tmp res-quant; }
+lim() { timeout -s INT -k 20 "$@"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.txt 2>&1
+cat $R/gpu.txt >> $OUT/quant-log.txt
+SB="python3 benchmarks/serve_bench.py --dtype bfloat16 --agent-turns 0 --joiner-words 0 --exit-streams 0 --no-abort --no-flags"
+synth() {  # synth DIR SHAPE QUANT [LAYERS]
+  [ -d $M/$1 ] || { log "synth $1"; lim ${SYNTH_LIMIT:-150} python3 benchmarks/synth_fast.py $M/$1 $2 bfloat16 $3 ${4:-} >> $R/synth.txt 2>&1; }
+}
+for step in ${@:-tests micro serve8b parity kv moe}; do
+  case $step in
+    tests)
+      log tests
+      lim ${TEST_LIMIT:-200} python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+        tests/model/test_quant_kernel.py tests/model/test_kv_quant_kernel.py > $R/tests.txt 2>&1
+      pack; grep -E "passed|failed|FAILED|Error" $R/tests.txt | tail -30 | tee -a $OUT/quant-log.txt ;;
+    micro)
+      log micro
+      lim ${MICRO_LIMIT:-150} python3 benchmarks/quant_micro.py --bandwidth-gbs $BW --bits 4 --search --moe --kv \
+        --out $R/micro-q4.json > $R/micro.txt 2>&1
+      lim 60 python3 benchmarks/quant_micro.py --bandwidth-gbs $BW --bits 8 --out $R/micro-q8.json >> $R/micro.txt 2>&1
+      pack; grep -v "^ \|^{\|^}" $R/micro.txt >> $OUT/quant-log.txt ;;
+    serve8b)
+      synth l8-q4 llama3-8b q4
+      log serve8b
+      lim ${SERVE_LIMIT:-300} $SB --model $M/l8-q4 --max-tokens 256 --prompt-words ${WORDS:-135} --concurrency 1,8,32 \
+        --repeats 1 --out $R/serve-l8-q4.json > $R/serve-l8-q4.txt 2>&1
+      echo "rc=$?" >> $R/serve-l8-q4.txt; pack; tail -14 $R/serve-l8-q4.txt >> $OUT/quant-log.txt ;;
+    parity)
+      synth q06-q4 qwen3-0.6b q4; synth q06-q8 qwen3-0.6b q8
+      log parity
+      lim ${PARITY_LIMIT:-200} python3 benchmarks/quant_parity.py --model $M/q06-q4 --model $M/q06-q8 \
+        --tokens 48 --prompts 4 --out $R/parity.json > $R/parity.txt 2>&1
+      echo "rc=$?" >> $R/parity.txt; pack; grep -v "^ \|^{\|^}" $R/parity.txt | tail -6 >> $OUT/quant-log.txt ;;
+    kv)
+      synth l8-q4 llama3-8b q4
+      for kv in off 8 4; do
+        log "kv $kv"
+        lim ${KV_LIMIT:-120} $SB --model $M/l8-q4 --max-tokens 128 --prompt-words ${KV_WORDS:-4300} --concurrency 8 \
+          --repeats 1 --only ours --ours-args "--kv-quant $kv" --out $R/kv$kv.json > $R/kv$kv.txt 2>&1
+        echo "rc=$?" >> $R/kv$kv.txt; pack; tail -6 $R/kv$kv.txt >> $OUT/quant-log.txt
+      done ;;
+    moe)
+      synth moe-q4 qwen3-30b-a3b q4 ${MOE_LAYERS:-}
+      log moe
+      lim ${MOE_LIMIT:-300} $SB --model $M/moe-q4 --max-tokens ${MOE_TOKENS:-128} --concurrency ${MOE_C:-8,32} \
+        --repeats 1 --out $R/moe.json > $R/moe.txt 2>&1
+      echo "rc=$?" >> $R/moe.txt; pack; tail -12 $R/moe.txt >> $OUT/quant-log.txt ;;
+  esac
+done
+log done

@@ -1,0 +1,152 @@
+"""Where model/quant_kernel.py's kernels win, measured on this GPU for each weight shape a model
+holds (model/quant_linear.py `route` runs this once after loading, before any decode is traced).
+
+For each shape: the kernel's output is checked against MLX's op (a tiling that fails or
+disagrees is never used), then both are timed at a few row counts; a row count takes the verdict
+of the nearest measured one at or above it. With `search`, every tiling is timed at 32 rows first
+and the fastest becomes the shape's (one tiling per shape: a row's k order never depends on its
+batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+
+from model import quant_kernel as qk
+
+log = logging.getLogger(__name__)
+
+# The largest relative difference from MLX's own op a kernel may show in the check (bf16 rounding
+# of 4/8-bit products is ~1e-2 of the largest output at worst).
+_TOLERANCE = 3e-2
+
+
+def _time(fn: Callable[[], mx.array], reps: int = 20) -> float:
+    mx.eval(fn())
+    mx.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(fn())
+    mx.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def _rel_err(got: mx.array, want: mx.array) -> float:
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    err: float = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()  # type: ignore[assignment]
+    return err
+
+
+def tune(
+    shapes: Iterable[tuple[int, int, int, int, mx.Dtype]],
+    rows: tuple[int, ...] = (2, 8, 16, 32, 64),
+    *,
+    search: bool = False,
+) -> dict[str, Any]:
+    """Measure each dense (N, K, bits, group size, dtype); returns what was measured (seconds)."""
+    report: dict[str, Any] = {}
+    for n, k, bits, gs, dtype in shapes:
+        key_ = (n, k, bits, gs, str(dtype))
+        if key_ in qk._verdicts and not search:
+            continue
+        cands = qk._candidates(n, k, bits)
+        if not cands:
+            continue
+        entry: dict[str, Any] = {}
+        report[f"{n}x{k} q{bits} g{gs} {dtype}"] = entry
+        try:
+            key = mx.random.key(n * 7 + k)
+            w = mx.random.normal((n, k), key=key).astype(dtype) * 0.02
+            q, s, b = mx.quantize(w, group_size=gs, bits=bits)
+            mx.eval(q, s, b)
+            if search:
+                x = mx.random.normal((32, k), key=key).astype(dtype)
+                want = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=bits)
+                times = {}
+                for cfg in cands:
+                    try:
+                        if _rel_err(qk.qmm(x, q, s, b, bits, cfg), want) <= _TOLERANCE:
+                            times[cfg] = _time(partial(qk.qmm, x, q, s, b, bits, cfg))
+                        else:
+                            entry[f"wrong {cfg}"] = True
+                    except Exception as e:  # noqa: BLE001 - a tiling this GPU refuses is just not used
+                        entry[f"failed {cfg}"] = repr(e)
+                if times:
+                    qk._tuned[(n, k, bits)] = min(times, key=lambda c: times[c])
+                    entry["tilings_32_rows"] = {str(c): t for c, t in times.items()}
+            chosen = qk.config_for(n, k, bits)
+            assert chosen is not None
+            x8 = mx.random.normal((8, k), key=key).astype(dtype)
+            want8 = mx.quantized_matmul(x8, q, s, b, group_size=gs, bits=bits)
+            err = _rel_err(qk.qmm(x8, q, s, b, bits, chosen), want8)
+            if err > _TOLERANCE:
+                raise RuntimeError(f"{chosen} differs from MLX's op by {err:.3g}")
+            measured, per_rows = [], {}
+            for m in sorted(rows):
+                x = mx.random.normal((m, k), key=key).astype(dtype)
+                ours = _time(partial(qk.qmm, x, q, s, b, bits, chosen))
+                theirs = _time(partial(mx.quantized_matmul, x, q, s, b, transpose=True, group_size=gs, bits=bits))
+                measured.append((m, ours < theirs))
+                per_rows[m] = {"ours": ours, "mlx": theirs}
+            qk._verdicts[key_] = measured
+            entry.update(config=str(chosen), kernel_rows=[m for m, f in measured if f], rows=per_rows)
+        except Exception as e:  # noqa: BLE001 - the shape keeps MLX's op
+            qk._verdicts[key_] = [(max(rows), False)]
+            entry["failed"] = repr(e)
+            log.warning("quantized kernel off for %s: %s", key_, e)
+    return report
+
+
+def tune_gather(
+    shapes: Iterable[tuple[int, int, int, int, int, mx.Dtype]],
+    tokens: tuple[int, ...] = (2, 8, 32, 64),
+    top_k: int = 8,
+) -> dict[str, Any]:
+    """Measure each routed-experts (experts, N, K, bits, group size, dtype) against
+    `gather_qmm(sorted_indices=True)` for `tokens` tokens routed to `top_k` experts each."""
+    report: dict[str, Any] = {}
+    for e, n, k, bits, gs, dtype in shapes:
+        key_ = (e, n, k, bits, gs, str(dtype))
+        if key_ in qk._gather_verdicts or qk.gather_config_for(n, k, bits) is None:
+            continue
+        entry: dict[str, Any] = {}
+        report[f"{e}x{n}x{k} q{bits} g{gs} {dtype}"] = entry
+        try:
+            key = mx.random.key(e + n + k)
+            w = mx.random.normal((e, n, k), key=key).astype(dtype) * 0.02
+            q, s, b = mx.quantize(w, group_size=gs, bits=bits)
+            mx.eval(q, s, b)
+            del w
+            top = min(top_k, e)
+            measured, per = [], {}
+            for t in sorted(tokens):
+                x = mx.random.normal((t, k), key=key).astype(dtype)
+                idx = mx.argsort(mx.random.uniform(shape=(t, e), key=key), axis=-1)[:, :top].flatten()
+                order = mx.argsort(idx)
+                experts, rowmap = idx[order], order // top
+                xs = x[rowmap][:, None]
+                mx.eval(experts, rowmap, xs)
+                ours_fn = partial(qk.gather_qmm, x, q, s, b, rowmap, experts, bits, rows_per_expert=min(t, 16))
+                theirs_fn = partial(
+                    mx.gather_qmm, xs, q, s, b, rhs_indices=experts, transpose=True, group_size=gs, bits=bits,
+                    sorted_indices=True,
+                )  # fmt: skip
+                err = _rel_err(ours_fn(), theirs_fn().squeeze(1))
+                if err > _TOLERANCE:
+                    raise RuntimeError(f"differs from gather_qmm by {err:.3g} at {t} tokens")
+                ours, theirs = _time(ours_fn), _time(theirs_fn)
+                measured.append((t, ours < theirs))
+                per[t] = {"ours": ours, "mlx": theirs}
+            qk._gather_verdicts[key_] = measured
+            entry.update(kernel_tokens=[t for t, f in measured if f], tokens=per)
+        except Exception as e_:  # noqa: BLE001 - the shape keeps MLX's gather_qmm
+            qk._gather_verdicts[key_] = [(max(tokens), False)]
+            entry["failed"] = repr(e_)
+            log.warning("routed-experts kernel off for %s: %s", key_, e_)
+    return report
