@@ -15,11 +15,17 @@ set -u
 # SIGKILL 20 s later.
 OUT=${OUT:-/tmp/out}; M=${MODELS:-/tmp/models}; R=/tmp/res-quant; mkdir -p $OUT $M $R
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-BW=${BW:-3350}  # GB/s for the rooflines (H100 SXM 3350, H200 4800)
-log() { echo "== $(date +%T) $*" | tee -a $OUT/quant-log.txt; }
-pack() { tar czf $OUT/quant.tgz -C /tmp res-quant; }
-lim() { timeout -s INT -k 20 "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.txt 2>&1
+grep -q H200 $R/gpu.txt && BW=${BW:-4800} || BW=${BW:-3350}  # GB/s for the rooflines (H100 SXM / H200)
+# Every step ends by DEADLINE seconds after the start (default 570: a device call's 600 s less the packing).
+T0=$(date +%s); DEADLINE=${DEADLINE:-570}
+log() { echo "== $(date +%T) +$(( $(date +%s) - T0 ))s $*" | tee -a $OUT/quant-log.txt; }
+pack() { tar czf $OUT/quant.tgz -C /tmp res-quant; }
+lim() {  # lim SECONDS cmd...: at most SECONDS, and never past the deadline
+  local left=$(( DEADLINE - ($(date +%s) - T0) - 25 )); local s=$1; shift
+  [ $left -lt $s ] && s=$left; [ $s -lt 5 ] && { echo "skipped: no time left" ; return 124; }
+  timeout -s INT -k 20 $s "$@"
+}
 cat $R/gpu.txt >> $OUT/quant-log.txt
 SB="python3 benchmarks/serve_bench.py --dtype bfloat16 --agent-turns 0 --joiner-words 0 --exit-streams 0 --no-abort --no-flags"
 synth() {  # synth DIR SHAPE QUANT [LAYERS]
