@@ -36,16 +36,17 @@ import outcome
 import trio
 
 from actors.adapter_registry import mounted_for
+from actors.options import resolve
 from actors.policy import device_memory, system_memory_bytes
-from actors.speculation_setup import SpecChoice, build_speculation
+from actors.speculation_setup import build_speculation, spec_choice
 from actors.tp_leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
 from model.abort_flags import AbortFlags
 from model.embedding_config import Pooling, plan_jobs
 from model.errors import ModelLoadError
-from model.kv_scheme import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KVScheme
+from model.kv_scheme import KVScheme
 from model.kv_scheme import resolve as resolve_kv_scheme
-from model.options import EngineOptions
+from model.options import ServerOptions
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
 if TYPE_CHECKING:  # these import MLX: only ever on the worker's thread
@@ -103,49 +104,30 @@ class GpuWorker:
     def __init__(
         self,
         model_dir: Path,
+        options: ServerOptions,
         *,
         name: str | None = None,
-        engine_options: EngineOptions = EngineOptions(),
         eos_token_ids: Iterable[int] | None = None,
         protected_ids: Iterable[int] = (),
-        prompt_cache_bytes: int = 0,
-        cache_retention_share: float = 0.5,
-        ssd_cache_dir: Path | str | None = None,
-        ssd_cache_max_bytes: int = 32 * 2**30,
-        ssd_verify: bool = True,
-        ssd_optional: bool = False,
-        warm_up_batch: int | Callable[[ModelInfo], int] = 0,
-        warm_up: str = "auto",
-        kv_quant: str = "off",
-        kv_group_size: int = DEFAULT_GROUP_SIZE,
-        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-        speculation: SpecChoice | None = None,
-        tensor_parallel: int = 1,
     ) -> None:
+        """The worker for `model_dir`, built as `options` say (the groups it reads: engine, kv,
+        speculation, caches; `--batch` and `--warm-up` through `actors.options.resolve`). Raises
+        ModelLoadError when --draft-model does not resolve."""
         self.model_dir = Path(model_dir)
-        # --kv-quant and its knobs: resolved into a KVScheme once the model is loaded.
-        self.kv_quant = (kv_quant, kv_group_size, quantized_kv_start)
-        self.speculation = speculation  # built into the engine's Speculation once the target loads
-        self.tp = TensorParallel(tensor_parallel)  # --tensor-parallel: actors/tp_leader.py
-        # Decode batch sizes 1..warm_up_batch are met once before serving ("auto": on a GPU only,
-        # where a new shape's first step stalls live streams; "on" / "off" force it). A callable
-        # is asked once the model is loaded (`--batch auto` is sized from the model and device).
-        self.warm_up_batch = warm_up_batch
-        self.warm_up = warm_up
-        self.engine_options = engine_options
+        self.options = options
+        self.speculation = spec_choice(options.speculation)  # built into the engine once the target loads
+        self.tp = TensorParallel(options.engine.tensor_parallel)  # --tensor-parallel: actors/tp_leader.py
         self.times = WorkerTimes()
         self.name = name
         self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
         self._protected = frozenset(protected_ids)
-        self.prompt_cache_bytes = max(0, int(prompt_cache_bytes))
-        self.cache_retention_share = cache_retention_share  # see cache/prompt_cache.py (retention)
+        caches = options.caches
+        self.prompt_cache_bytes = int(caches.prompt_cache_gb * 2**30)
         # Read from the trio side for /stats: plain ints only, so no lock is needed.
         self.prompt_cache: PromptCache | None = None
         self._tiered: TieredPromptCache | None = None
         # SSD tier: built on the MLX thread with the RAM tier; None when off or unusable.
-        self.ssd_cache_dir = None if ssd_cache_dir is None else Path(ssd_cache_dir)
-        self.ssd_cache_max_bytes = int(ssd_cache_max_bytes)
-        self.ssd_verify, self.ssd_optional = ssd_verify, ssd_optional  # (--ssd-optional: actors/ssd_open.py)
+        self.ssd_cache_dir = None if caches.ssd_cache_dir is None else Path(caches.ssd_cache_dir)
         self.ssd_store: SsdStore | None = None
         self._put_listener: Callable[[str, tuple[int, ...]], None] | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
@@ -161,7 +143,7 @@ class GpuWorker:
     @property
     def prefill_chunk(self) -> int:
         """Prompt tokens per prefill forward (the root sizes group prefills by it)."""
-        return self.engine_options.prefill_chunk
+        return self.options.engine.prefill_chunk
 
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
         self._trio_token = token = trio.lowlevel.current_trio_token()
@@ -233,7 +215,8 @@ class GpuWorker:
             self._tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
             self.prompt_cache = self._tiered
             if self.prompt_cache is None:
-                self.prompt_cache = PromptCache(self.prompt_cache_bytes, retention_share=self.cache_retention_share)
+                share = self.options.caches.cache_retention_share
+                self.prompt_cache = PromptCache(self.prompt_cache_bytes, retention_share=share)
         from model.grammar import make_compiler  # structured outputs: None if llguidance is absent
 
         grammars = make_compiler(
@@ -245,7 +228,7 @@ class GpuWorker:
             protected_ids=self._protected,
             prompt_cache=self.prompt_cache,
             grammar_compiler=grammars,
-            options=self.engine_options,
+            options=self.options.engine,
             aborts=self._aborts if self.tp.size == 1 else None,  # (a mid-forward stop cannot be mirrored)
             kv_scheme=kv_scheme,
             speculation=speculation,
@@ -259,6 +242,7 @@ class GpuWorker:
             kv_bytes_per_token=loaded.kv_bytes_per_token,
             eos_token_ids=eos,
             device=str(device.type).rsplit(".", 1)[-1],
+            backend="cpu" if device.type != mx.gpu else "metal" if mx.metal.is_available() else "cuda",
             memory_bytes=_device_memory_bytes(mx),
             model_type=loaded.config.model_type,
             speculation=spec_label,
@@ -271,13 +255,14 @@ class GpuWorker:
                 num_layers=len(loaded.model.layers),
                 dtype_name=str(loaded.kv_dtype),
                 dtype_bytes=loaded.kv_dtype.size,
-                prefill_chunk=self.engine_options.prefill_chunk,
+                prefill_chunk=self.options.engine.prefill_chunk,
             ),
         )
-        batch = self.warm_up_batch(self.info) if callable(self.warm_up_batch) else self.warm_up_batch
+        resolved = resolve(self.options, self.info)  # --batch auto is sized once the model is loaded
+        batch = resolved.batch if resolved.warm_up else 0
         if loaded.pooling is not None:
             batch = 0  # an embedding model never decodes
-        if batch > 0 and (self.warm_up == "on" or (self.warm_up == "auto" and device.type == mx.gpu)):
+        if batch > 0:
             started = time.perf_counter()
             engine.warm_up(batch)
             self.times.warm_up_s = time.perf_counter() - started
@@ -376,7 +361,7 @@ class GpuWorker:
         pooling = self.pooling
         if pooling is None:
             raise NotAnEmbeddingModel("this model is not an embedding model")
-        chunk = self.engine_options.prefill_chunk  # long inputs run in prefill's pieces
+        chunk = self.options.engine.prefill_chunk  # long inputs run in prefill's pieces
         vectors: list[list[float]] = [[] for _ in inputs]
         for group in plan_jobs([len(t) for t in inputs]):
             batch = [list(inputs[i]) for i in group]
@@ -402,11 +387,8 @@ class GpuWorker:
 
     def _kv_scheme(self, loaded: LoadedModel) -> KVScheme:
         """--kv-quant for the loaded model; a bad kv_config.json fails start-up in one line."""
-        mode, group_size, start = self.kv_quant
         try:
-            return resolve_kv_scheme(
-                mode, model_dir=loaded.path, num_layers=len(loaded.model.layers), group_size=group_size, start=start
-            )
+            return resolve_kv_scheme(self.options.kv, model_dir=loaded.path, num_layers=len(loaded.model.layers))
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
 
@@ -420,17 +402,18 @@ class GpuWorker:
         from actors.ssd_open import open_ssd_store
         from cache.tiered import TieredPromptCache
 
+        caches = self.options.caches
         store = open_ssd_store(
             self.ssd_cache_dir,
             loaded,
-            max_bytes=self.ssd_cache_max_bytes,
-            verify=self.ssd_verify,
-            optional=self.ssd_optional,
+            max_bytes=int(caches.ssd_cache_max_gb * 2**30),
+            verify=caches.ssd_verify,
+            optional=caches.ssd_optional,
         )
         if store is None:
             return None
         self.ssd_store = store
-        cache = TieredPromptCache(self.prompt_cache_bytes, store, retention_share=self.cache_retention_share)
+        cache = TieredPromptCache(self.prompt_cache_bytes, store, retention_share=caches.cache_retention_share)
         cache.on_put.append(self._forward_put)
         return cache
 

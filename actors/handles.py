@@ -13,11 +13,12 @@ from actors.adapter_registry import AdapterRegistry, ceiling_with_adapters
 from actors.admission import Admission
 from actors.arrivals import Arrivals
 from actors.messages import FlushResult
-from actors.options import ServeConfig
+from actors.options import Resolved
 from actors.policy import AdmissionCeiling, BatchMode
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.worker_api import ModelInfo, Worker
+from model.options import SamplingOptions, ServerOptions
 from model.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,7 +57,8 @@ class ReportsTimes(Protocol):
 class ServerHandles:
     """Everything the HTTP app may touch; built by `start_actors`."""
 
-    config: ServeConfig
+    options: ServerOptions
+    resolved: Resolved  # the options' autos, for this model and device
     info: ModelInfo
     tokenizer: Tokenizer
     mode: BatchMode
@@ -106,7 +108,7 @@ class ServerHandles:
                 **attrs.asdict(self.admission.counters),
             },
             "batch": {
-                "configured": self.config.batch,
+                "configured": self.resolved.batch,
                 "mode": self.mode,
                 "batched": self.mode == "batch",
                 "active_rows": sched.active_rows,
@@ -155,13 +157,13 @@ def speculation_stats(info: ModelInfo, drafted: int, accepted: int) -> dict[str,
 
 
 def sampling_defaults_for(
-    config: ServeConfig, info: ModelInfo, base: SamplingParams = SamplingParams()
+    options: SamplingOptions, info: ModelInfo, base: SamplingParams = SamplingParams()
 ) -> SamplingParams:
     """request > server flag > generation_config.json > fallback; this builds the last three."""
     fields = attrs.fields_dict(SamplingParams)
     values = {k: v for k, v in info.generation_defaults if k in fields}
     for key in ("temperature", "top_p", "top_k", "min_p"):
-        flag = getattr(config, key)
+        flag = getattr(options, key)
         if flag is not None:
             values[key] = flag
     return attrs.evolve(base, **{k: type(getattr(base, k))(v) for k, v in values.items()})

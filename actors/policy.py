@@ -8,20 +8,15 @@ each can be tested as a plain function call. The scheduler's own rules are in
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import attrs
 
 from actors.messages import Lane
-
-if TYPE_CHECKING:
-    from actors.options import ServeConfig
-    from actors.worker_api import ModelInfo
 
 BatchMode = Literal["off", "serial", "batch"]
 
@@ -260,19 +255,6 @@ AUTO_BATCH_ROWS = 32
 AUTO_ROW_CONTEXT = 2048
 
 
-def parse_batch(text: str) -> int | None:
-    """`--batch auto` → None (sized at start-up by `resolve_batch`), else an integer >= 1."""
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("must be auto or an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be auto or an integer >= 1")
-    return value
-
-
 def resolve_batch(
     requested: int | None,
     *,
@@ -304,17 +286,3 @@ def resolve_batch(
         return AUTO_BATCH_ROWS
     usable = budget_bytes - weights_bytes - PREFILL_TRANSIENT_BYTES
     return max(1, min(AUTO_BATCH_ROWS, usable // row_bytes))
-
-
-def batch_rows(config: ServeConfig, info: ModelInfo) -> int:
-    """`--batch` for the loaded model: the root's scheduler and the worker's warm-up both ask."""
-    return resolve_batch(
-        config.batch,
-        budget_bytes=memory_budget_bytes(config.memory_budget_gb, device_memory_bytes=info.memory_bytes),
-        weights_bytes=info.weights_bytes,
-        kv_bytes_per_token=info.kv_bytes_per_token,
-        context_length=info.context_length,
-        kv_quant_ratio=info.kv_quant_ratio,
-        kv_quantized_from=info.kv_quantized_from,
-        state_bytes_per_row=info.state_bytes_per_row,
-    )

@@ -1,15 +1,15 @@
 """Start-up checks of the command line's paths, before anything loads.
 
-`python -m actors.serve` runs `preflight(config)` after the flags are parsed and before the port
-is bound or a weight is read, so a mistake a user can fix costs them under a second and one line
-(`StartupFailed`, usage: exit 2; actors/startup.py):
+`python -m actors.serve` runs `preflight(options)` after the flags are parsed (and their rules
+across flags checked, actors/options.py `validate`) and before the port is bound or a weight is
+read, so a mistake a user can fix costs them under a second and one line (`StartupFailed`,
+usage: exit 2; actors/startup.py):
 
-* `--ssd-cache` with `--prompt-cache 0` (the SSD tier sits behind the RAM tier);
 * a `--model` that does not resolve, whose config.json is missing or names an unsupported
   `model_type`, or whose tokenizer (tokenizer.json, tokenizer_config.json, the chat template)
   is missing or does not load (the loader would read gigabytes of weights first and then fail);
 * an `--ssd-cache` directory that cannot be created or written — unless `--ssd-optional`, which
-  makes it a warning and serves without the SSD tier (the config returned has none).
+  makes it a warning and serves without the SSD tier (the options returned have none).
 
 A model without a chat template is a warning, not a failure: /v1/completions still works. An SSD
 directory another server holds is found only once the model is loaded (the lock is per model
@@ -24,27 +24,26 @@ from pathlib import Path
 
 import attrs
 
-from actors.options import ServeConfig
 from actors.startup import StartupFailed
+from model.options import ServerOptions
 
 log = logging.getLogger(__name__)
 
 SSD_OPTIONAL_HINT = "pass --ssd-optional to serve without the SSD tier"
 
 
-def preflight(config: ServeConfig) -> ServeConfig:
-    """`config` once its paths are usable (possibly without its SSD tier, with --ssd-optional);
+def preflight(options: ServerOptions) -> ServerOptions:
+    """`options` once its paths are usable (possibly without its SSD tier, with --ssd-optional);
     raises StartupFailed (usage) naming the first problem."""
-    if config.ssd_cache_dir and config.prompt_cache_gb <= 0:
-        raise StartupFailed("--ssd-cache requires the RAM prompt cache (--prompt-cache 0 disables it)", usage=True)
-    if config.model:
-        check_model_dir(config.model)
-    if config.ssd_cache_dir and (problem := ssd_dir_problem(Path(config.ssd_cache_dir))):
-        if not config.ssd_optional:
+    if options.model.model:
+        check_model_dir(options.model.model)
+    caches = options.caches
+    if caches.ssd_cache_dir and (problem := ssd_dir_problem(Path(caches.ssd_cache_dir))):
+        if not caches.ssd_optional:
             raise StartupFailed(f"{problem}; {SSD_OPTIONAL_HINT}", usage=True)
         log.warning("SSD cache disabled (--ssd-optional): %s", problem)
-        return attrs.evolve(config, ssd_cache_dir=None)
-    return config
+        return attrs.evolve(options, caches=attrs.evolve(caches, ssd_cache_dir=None))
+    return options
 
 
 def check_model_dir(spec: str) -> Path:

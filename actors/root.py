@@ -38,7 +38,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import attrs
 import trio
 from hypercorn.typing import ASGIFramework
 
@@ -48,8 +47,8 @@ from actors.arrivals import Arrivals
 from actors.durability import shutdown_flush, start_ssd_tier
 from actors.handles import CacheStats, ServerHandles, sampling_defaults_for
 from actors.messages import Control, FlushResult, Submit
-from actors.options import ServeConfig
-from actors.policy import admission_ceiling, batch_mode, batch_rows, memory_budget_bytes, waiting_rows
+from actors.options import resolve
+from actors.policy import admission_ceiling, batch_mode, waiting_rows
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.shutdown import Shutdown, ShutdownPlan
@@ -58,13 +57,10 @@ from actors.worker_api import ModelInfo, Worker
 from model.params import SamplingParams
 
 if TYPE_CHECKING:
+    from model.options import ServerOptions
     from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# The joiner's chunk while other rows decode, on CPU: the long-joiner workload's worst gap
-# between a running stream's tokens was a whole 2048-token chunk (1.8 s on the CPU machine).
-DECODING_PREFILL_CHUNK = 512
 
 FlushHook = Callable[[], Awaitable[object]]
 ServeHttp = Callable[[ASGIFramework, Callable[[], Awaitable[None]]], Awaitable[None]]
@@ -83,23 +79,16 @@ class HoldsPromptCache(Protocol):
     prompt_cache: CacheStats | None
 
 
-@runtime_checkable
-class ChunksPrefill(Protocol):
-    """A worker that says how many prompt tokens one prefill forward takes."""
-
-    prefill_chunk: int
-
-
 async def start_actors(
     nursery: trio.Nursery,
     worker: RunnableWorker,
     *,
-    config: ServeConfig,
+    options: ServerOptions,
     make_tokenizer: Callable[[ModelInfo], Tokenizer],
     sampling_defaults: SamplingParams = SamplingParams(),
 ) -> ServerHandles:
     """Start the worker (model load), the scheduler and admission; return the app's handles."""
-    log.info("loading model %s ...", config.model or "(demo)")
+    log.info("loading model %s ...", options.model.model or "(demo)")
     started = time.monotonic()
     info: ModelInfo = await nursery.start(worker.run)
     log.info(
@@ -111,7 +100,8 @@ async def start_actors(
         info.kv_scheme,
     )
     tokenizer = make_tokenizer(info)
-    budget = memory_budget_bytes(config.memory_budget_gb, device_memory_bytes=info.memory_bytes)
+    resolved = resolve(options, info)  # every auto, for this model on this device
+    budget = resolved.memory_budget_bytes
     ceiling = admission_ceiling(
         budget_bytes=budget,
         weights_bytes=info.weights_bytes,
@@ -136,20 +126,17 @@ async def start_actors(
             budget / 1e9,
             _kv_billing(info),
         )
-    rows = batch_rows(config, info)
-    log.info("batch %s -> %d rows", "auto" if config.batch is None else config.batch, rows)
-    config = attrs.evolve(config, batch=rows)  # /stats and every later reader see the rows in use
+    rows = resolved.batch
+    log.info("batch %s -> %d rows", "auto" if options.scheduling.batch is None else options.scheduling.batch, rows)
     mode = batch_mode(rows, batchable=info.batchable)
 
     inbox_send, inbox_recv = trio.open_memory_channel[Control](float("inf"))
-    # auto = on everywhere since 2026-12-05: on CPU too, once chat rows joined their groups
-    # (benchmarks/results/2026-12-05/NOTES.md, item 28), grouping measured +5-11% at c=8/32.
-    grouped = mode == "batch" and config.group_prefill != "off"
+    grouped = mode == "batch" and resolved.group_prefill
     arrivals = Arrivals()
     admission = Admission(
         ceiling=ceiling,
         mode=mode,
-        max_queue=config.max_queue,
+        max_queue=options.admission.max_queue,
         # Rows a free batch slot takes at once do not wait: --max-queue counts only the rest.
         waiting=lambda: waiting_rows(
             pending=scheduler.pending_rows(admission.enqueued), active=scheduler.active_rows, capacity=rows, mode=mode
@@ -163,15 +150,9 @@ async def start_actors(
         # A route counts itself as arriving until `admit` returns, which is when its row opens:
         # the requests admission already answered are in the queue, not on their way in.
         pending_arrivals=lambda: max(0, arrivals.pending - admission.queued),
-        arrival_window=config.arrival_window_ms / 1000,
-        group_prefill_tokens=(worker.prefill_chunk if isinstance(worker, ChunksPrefill) else 2048) if grouped else 0,
-        decoding_prefill_chunk=(
-            config.decoding_prefill_chunk
-            if config.decoding_prefill_chunk is not None
-            else DECODING_PREFILL_CHUNK
-            if info.device == "cpu"
-            else 0
-        ),
+        arrival_window=options.scheduling.arrival_window_ms / 1000,
+        group_prefill_tokens=resolved.engine.prefill_chunk if grouped else 0,
+        decoding_prefill_chunk=resolved.decoding_prefill_chunk,
     )
     arrivals.on_settled = scheduler.nudge
     admission.on_queued = scheduler.nudge
@@ -186,12 +167,13 @@ async def start_actors(
         nursery,
         worker,
         busy=lambda: scheduler.busy,
-        spill_queue_bytes=int(config.ssd_spill_queue_gb * 2**30),
-        demote_idle_s=config.ssd_demote_idle_s,
+        spill_queue_bytes=int(options.caches.ssd_spill_queue_gb * 2**30),
+        demote_idle_s=options.caches.ssd_demote_idle_s,
     )
 
     handles = ServerHandles(
-        config=config,
+        options=options,
+        resolved=resolved,
         info=info,
         tokenizer=tokenizer,
         mode=mode,
@@ -202,13 +184,13 @@ async def start_actors(
         admission=admission,
         scheduler=scheduler,
         arrivals=arrivals,
-        sampling_defaults=sampling_defaults_for(config, info, sampling_defaults),
+        sampling_defaults=sampling_defaults_for(options.sampling, info, sampling_defaults),
         prompt_cache=worker.prompt_cache if isinstance(worker, HoldsPromptCache) else None,
         worker=worker,
         ssd=ssd,
         adapters=AdapterRegistry(worker),
     )
-    await mount_flag_adapters(handles.adapters, config.adapters)  # --adapter: a bad one fails start-up
+    await mount_flag_adapters(handles.adapters, options.adapters.adapters)  # --adapter: a bad one fails start-up
     return handles
 
 
@@ -222,7 +204,7 @@ def _kv_billing(info: ModelInfo) -> str:
 async def run_server(
     worker: RunnableWorker,
     *,
-    config: ServeConfig,
+    options: ServerOptions,
     make_tokenizer: Callable[[ModelInfo], Tokenizer],
     serve_http: ServeHttp,
     shutdown: Shutdown,
@@ -233,7 +215,7 @@ async def run_server(
 ) -> FlushResult | None:
     """Bind, load, serve until shutdown; returns normally on a clean or a timed-out shutdown
     alike. Returns the shutdown durability flush's FlushResult (durable=False if it never ran),
-    or None without an SSD tier. `plan` defaults to the one `config` implies. A bind failure (or
+    or None without an SSD tier. `plan` defaults to the one `options` imply. A bind failure (or
     a worker that fails to load) propagates."""
     from api.lifecycle import LifecycleApp
 
@@ -242,8 +224,9 @@ async def run_server(
 
         make_app = create_app
     if plan is None:
-        plan = ShutdownPlan.for_options(config)
+        plan = ShutdownPlan.for_options(options)
     drain = plan.drain
+    bind = options.http
 
     lifecycle = LifecycleApp()  # answers 503 "loading" until the model is loaded
     handles: ServerHandles | None = None
@@ -296,7 +279,7 @@ async def run_server(
                 except Exception as exc:
                     if bound.is_set():
                         raise
-                    raise listen_failed(config.host, config.port, exc) from exc
+                    raise listen_failed(bind.host, bind.port, exc) from exc
             http_done.set()
 
         nursery.start_soon(escalate)
@@ -304,14 +287,14 @@ async def run_server(
         nursery.start_soon(http)
         await bound.wait()  # a bind failure raises out of the nursery instead
         trace("listening")
-        log.info("listening on http://%s:%d (OpenAI API at /v1)", config.host, config.port)
-        if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("listening on %s without --api-key: anyone who can reach this port can use /v1", config.host)
+        log.info("listening on http://%s:%d (OpenAI API at /v1)", bind.host, bind.port)
+        if not options.access.api_key and bind.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s without --api-key: anyone who can reach this port can use /v1", bind.host)
         with load_scope:
             try:
-                handles = await start_actors(nursery, worker, config=config, make_tokenizer=make_tokenizer)
+                handles = await start_actors(nursery, worker, options=options, make_tokenizer=make_tokenizer)
             except Exception as exc:
-                raise load_failed(config.model, exc) from exc
+                raise load_failed(options.model.model, exc) from exc
         if handles is not None:
             lifecycle.serve(make_app(handles))
             trace("serving")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from actors.options import ServeConfig
+from model.options import ServerOptions
 
 
 @attrs.define
@@ -51,12 +51,10 @@ class ShutdownPlan:
     hard_exit_after: float = 2.0
 
     @classmethod
-    def for_options(cls, options: ServeConfig) -> ShutdownPlan:
+    def for_options(cls, options: ServerOptions) -> ShutdownPlan:
         """The flush gets the drain's budget again when the SSD tier is on."""
-        return cls(
-            drain=options.shutdown_timeout,
-            durability_flush=options.shutdown_timeout if options.ssd_cache_dir else 0.0,
-        )
+        timeout = options.http.shutdown_timeout
+        return cls(drain=timeout, durability_flush=timeout if options.caches.ssd_cache_dir else 0.0)
 
     @property
     def http_deadline(self) -> float:

@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from actors.spec_flags import draft_kind
 from model.errors import ModelLoadError
+from model.options import SpeculationOptions
 
 if TYPE_CHECKING:
-    from actors.options import ServeConfig
     from model.speculation import Speculation
 
 log = logging.getLogger("actors.gpu_worker")
@@ -36,22 +35,22 @@ class SpecChoice:
     draft_dir: Path | None = None
 
 
-def spec_choice(config: ServeConfig) -> SpecChoice | None:
+def spec_choice(options: SpeculationOptions) -> SpecChoice | None:
     """The flags' speculative decoding, or None when it is off. Resolving --draft-model may raise
     ModelLoadError (a missing directory or cache entry): a bad command line, as for --model."""
-    kind = draft_kind(config.draft_kind, config.draft_model)
+    kind = options.kind
     if kind is None:
         return None
     draft_dir = None
-    if kind == "draft" and config.draft_model:
+    if kind == "draft" and options.draft_model:
         from model.resolve import resolve_model_dir
 
-        draft_dir = Path(resolve_model_dir(config.draft_model))
+        draft_dir = Path(resolve_model_dir(options.draft_model))
     return SpecChoice(
         kind=kind,
-        num_draft_tokens=config.num_draft_tokens,
-        ngram_max=config.ngram_max,
-        ngram_min=config.ngram_min,
+        num_draft_tokens=options.num_draft_tokens,
+        ngram_max=options.ngram_max,
+        ngram_min=options.ngram_min,
         draft_dir=draft_dir,
     )
 

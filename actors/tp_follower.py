@@ -61,10 +61,7 @@ def _build(setup: Setup) -> tuple[Any, int]:
     group = mx.distributed.init(strict=True, backend="ring")
     check_shardable(loaded.model, group.size())
     shard_model(loaded.model, group)  # type: ignore[arg-type]  # (checked: a DecoderModel)
-    mode, group_size, start = setup.kv_quant
-    kv_scheme = resolve_kv_scheme(
-        mode, model_dir=loaded.path, num_layers=len(loaded.model.layers), group_size=group_size, start=start
-    )
+    kv_scheme = resolve_kv_scheme(setup.kv, model_dir=loaded.path, num_layers=len(loaded.model.layers))
     grammars = make_compiler(
         loaded.path, vocab_size=int(loaded.config.raw.get("vocab_size") or 0), eos_token_ids=setup.eos_token_ids
     )

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from model.engine import Engine
     from model.loader import LoadedModel
-    from model.options import EngineOptions
+    from model.options import ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,9 @@ class WorkerSettings(Protocol):
     prompt_cache_bytes: int  # (set to 0: the prompt cache is off)
 
     @property
-    def engine_options(self) -> EngineOptions: ...
+    def options(self) -> ServerOptions: ...
     @property
     def _protected(self) -> frozenset[int]: ...
-    @property
-    def kv_quant(self) -> tuple[str, int, int]: ...
     @property
     def ssd_cache_dir(self) -> Path | None: ...
     @property
@@ -157,7 +155,8 @@ class TensorParallel:
         if worker.prompt_cache_bytes:
             log.warning("--tensor-parallel: the prompt cache is off (its ranks' caches could not stay in lockstep)")
             worker.prompt_cache_bytes = 0
-        setup = Setup(str(loaded.path), worker.engine_options, eos, worker._protected, worker.kv_quant)
+        options = worker.options
+        setup = Setup(str(loaded.path), options.engine, eos, worker._protected, options.kv)
         try:
             self._launch(setup, loaded)
         except BaseException:

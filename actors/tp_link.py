@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import attrs
 
-from model.options import EngineOptions
+from model.options import EngineOptions, KVOptions
 from model.rows import PrefillProgress, RowOpened, TokenOut
 
 _LENGTH = struct.Struct(">I")
@@ -38,7 +38,7 @@ class Setup:
     engine_options: EngineOptions
     eos_token_ids: frozenset[int]
     protected_ids: frozenset[int]
-    kv_quant: tuple[str, int, int]  # --kv-quant, --kv-group-size, --quantized-kv-start
+    kv: KVOptions
 
 
 @attrs.frozen

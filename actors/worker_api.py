@@ -42,6 +42,7 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     batchable: bool = True
     device: str = "cpu"
+    backend: str = "cpu"  # "cpu" | "metal" | "cuda": a GPU's kind
     # Memory the device can give this process (unified/GPU memory); 0 = unknown, in which case
     # admission's default budget falls back to system RAM.
     memory_bytes: int = 0

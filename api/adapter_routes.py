@@ -63,7 +63,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.get("/v1/adapters/available")
     async def available() -> Response:
-        directory = handles.config.adapters_dir
+        directory = handles.options.adapters.adapters_dir
         if not directory:
             return json_response({"object": "list", "adapters_dir": None, "data": []})
         entries = await offload.to_thread(_scan, handles, Path(directory))
@@ -92,8 +92,8 @@ def mount_request(handles: ServerHandles, body: dict[str, Any]) -> tuple[str, st
         raise bad_request("id must be a non-empty string", param="id")
     if problem := adapter_id_problem(adapter_id):
         raise bad_request(problem, param="id", code="adapter_not_mountable")
-    if path is None and handles.config.adapters_dir:
-        path = str(Path(handles.config.adapters_dir) / adapter_id)
+    if path is None and handles.options.adapters.adapters_dir:
+        path = str(Path(handles.options.adapters.adapters_dir) / adapter_id)
     if not isinstance(path, str) or not path:
         raise bad_request("path must be a non-empty string (the adapter directory)", param="path")
     return adapter_id, path
@@ -109,10 +109,10 @@ def _scan(handles: ServerHandles, directory: Path) -> list[dict[str, Any]]:
 def _model_dir(handles: ServerHandles) -> Path | None:
     """The served model's directory (its config.json has the sizes to compare with)."""
     try:
-        if handles.config.model:
+        if handles.options.model.model:
             from model.resolve import resolve_model_dir
 
-            return Path(resolve_model_dir(handles.config.model))
+            return Path(resolve_model_dir(handles.options.model.model))
         from model.demo import ensure_demo_model
 
         return Path(ensure_demo_model())

@@ -35,7 +35,7 @@ def create_app(handles: ServerHandles) -> QuartTrio:
     # Quart's 60 s default silently cuts any stream that runs longer.
     app.config["RESPONSE_TIMEOUT"] = None
     # Auth / CORS / body cap first, then /health's truth, per-request logs and /metrics.
-    install_security(app, handles.config)
+    install_security(app, handles.options)
     install_health(app, handles)
     install_request_log(app, handles)
     install_metrics(app, handles)
@@ -44,7 +44,7 @@ def create_app(handles: ServerHandles) -> QuartTrio:
     app.register_blueprint(anthropic_routes.blueprint(handles))
     app.register_blueprint(responses_routes.blueprint(handles))
     app.register_blueprint(admin_routes.blueprint(handles))  # POST /admin/cache/flush
-    app.register_blueprint(ui_routes.blueprint(handles.config.ui))  # GET / and /ui/*: the chat page
+    app.register_blueprint(ui_routes.blueprint(handles.options.http.ui))  # GET / and /ui/*: the chat page
     app.register_blueprint(adapter_routes.blueprint(handles))  # /v1/adapters*
     app.register_blueprint(embeddings_blueprint(handles))  # POST /v1/embeddings
     install_embedding_guard(app, handles)  # an embedding model refuses the generation routes

@@ -278,7 +278,7 @@ def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
     generation = resolve_generation(
         fields,
         defaults=handles.sampling_defaults,
-        default_max_tokens=handles.config.max_tokens or CHAT_DEFAULT_MAX_TOKENS,
+        default_max_tokens=handles.options.sampling.max_tokens or CHAT_DEFAULT_MAX_TOKENS,
         constraint=request.constraint,
         tool_format=tool_format,
     )
@@ -318,7 +318,7 @@ def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
     generation = resolve_generation(
         request.generation,
         defaults=handles.sampling_defaults,
-        default_max_tokens=handles.config.max_tokens or TEXT_DEFAULT_MAX_TOKENS,
+        default_max_tokens=handles.options.sampling.max_tokens or TEXT_DEFAULT_MAX_TOKENS,
         constraint=request.constraint,
     )
     sink = CompletionSink(tokenizer.detokenizer(), stop=request.stop)
@@ -450,4 +450,4 @@ _FAMILIES = itertools.count(1)  # sibling keys: unique among this process's requ
 
 def max_choices(handles: ServerHandles) -> int:
     """The largest `n` this server runs: every choice is a row of one batch."""
-    return min(MAX_CHOICES, handles.config.batch or 1) if handles.mode == "batch" else 1
+    return min(MAX_CHOICES, handles.resolved.batch) if handles.mode == "batch" else 1

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from urllib.parse import SplitResult, urlsplit
 
-from actors.proxy_flags import parse_hosts
 from api.errors import ApiError
 from api.forwarded import ip_of
+from model.options.values import parse_hosts
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 DEFAULT_PORTS = {"http": 80, "https": 443}

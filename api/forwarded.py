@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from actors.proxy_flags import parse_allow_ips
+from model.options.values import parse_allow_ips
 
 # Headers only a proxy adds: a request carrying any of them came through one.
 PROXY_HEADERS = ("x-forwarded-for", "forwarded", "x-real-ip", "x-forwarded-host", "x-forwarded-proto", "via")

@@ -26,10 +26,10 @@ import attrs
 import trio
 
 from actors.handles import ServerHandles
-from actors.options import ServeConfig
 from api import images
 from api.errors import bad_request
 from api.images import ImagePart, ImagePlan
+from model.options import AdmissionOptions
 from model.rows import ImageInput
 
 THREADS = 2  # images decode two at a time: each is CPU-bound and the cores are shared with the MLX thread
@@ -108,20 +108,20 @@ class MediaMemory:
             waiter.granted.set()
 
 
-def total_bytes(config: ServeConfig) -> int:
-    return int(config.media_memory_gb * GIB)
+def total_bytes(options: AdmissionOptions) -> int:
+    return int(options.media_memory_gb * GIB)
 
 
-def request_limit(config: ServeConfig) -> int:
+def request_limit(options: AdmissionOptions) -> int:
     """The most one request may be billed: its own cap, never more than the total."""
-    return min(int(config.media_request_memory_gb * GIB), total_bytes(config))
+    return min(int(options.media_request_memory_gb * GIB), total_bytes(options))
 
 
 def memory(handles: ServerHandles) -> MediaMemory:
     """The server's media ledger (one per server, made on first use)."""
     ledger = _ledgers.get(handles)
     if ledger is None:
-        ledger = _ledgers[handles] = MediaMemory(total_bytes(handles.config))
+        ledger = _ledgers[handles] = MediaMemory(total_bytes(handles.options.admission))
     return ledger
 
 
@@ -136,7 +136,7 @@ async def decoded(
         yield ()
         return
     nbytes = images.request_bytes(plans)
-    limit = request_limit(handles.config)
+    limit = request_limit(handles.options.admission)
     if nbytes > limit:
         raise bad_request(
             f"decoding these {len(parts)} images takes up to {_mib(nbytes)} MiB of memory, over this "

@@ -34,7 +34,7 @@ _LISTED_MAX = 8  # served names (adapters included) a 404 lists before "and N mo
 
 def served_names(handles: ServerHandles) -> tuple[str, ...]:
     """The names /v1/models lists, the reply name first."""
-    return tuple(dict.fromkeys(handles.config.served_model_name or (handles.info.name,)))
+    return tuple(dict.fromkeys(handles.options.model.served_model_name or (handles.info.name,)))
 
 
 def model_name(handles: ServerHandles, adapters: Sequence[str] = ()) -> str:
@@ -47,7 +47,7 @@ def model_name(handles: ServerHandles, adapters: Sequence[str] = ()) -> str:
 def accepted_names(handles: ServerHandles) -> frozenset[str]:
     """Every `model` value a request may name: the served names and the aliases."""
     names = {*served_names(handles), DEFAULT_MODEL_ALIAS}
-    spec = handles.config.model
+    spec = handles.options.model.model
     if spec:
         names.add(spec)
         names.update(_resolved(spec))

@@ -432,11 +432,11 @@ class RequestLog:
 
 
 def install_request_log(app: QuartTrio, handles: ServerHandles, *, log_prompts: bool | None = None) -> RequestLog:
-    """One log line per request; `log_prompts` defaults to `handles.config.log_prompts`."""
+    """One log line per request; `log_prompts` defaults to `--log-prompts`."""
     if log_prompts is None:
-        log_prompts = handles.config.log_prompts
+        log_prompts = handles.options.observability.log_prompts
     request_log = RequestLog(tokenizer=handles.tokenizer, log_prompts=log_prompts)
     monitor = request_monitor(app)
-    monitor.proxies = TrustedProxies.parse(handles.config.forwarded_allow_ips)
+    monitor.proxies = TrustedProxies.parse(handles.options.access.forwarded_allow_ips)
     monitor.listeners.append(request_log)
     return request_log

@@ -62,14 +62,15 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
-from actors.options import ServeConfig
 from api.connection import install_connection_guard
 from api.cross_site import content_type_refusal, host_refusal, origin_refusal, served_hosts
 from api.errors import ApiError, error_response_for
 from api.forwarded import PROXY_HEADERS
 from api.strict_json import StrictJsonRequest
+from model.options import AccessOptions, HttpOptions, ServerOptions
+from model.options.flags import default_of
+from model.options.values import parse_origins
 
-DEFAULT_MAX_BODY_MB = 16.0  # Quart's and Flask's usual cap; ~4M tokens of text, past any context
 CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_DEFAULT_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, openai-beta"
 CORS_EXPOSE_HEADERS = "Retry-After, X-Request-Id"
@@ -89,19 +90,19 @@ class SecurityOptions:
     api_key: str | None = None
     admin_token: str | None = None
     cors_origins: tuple[str, ...] = ()
-    max_body_bytes: int | None = int(DEFAULT_MAX_BODY_MB * 2**20)  # None: no cap
+    max_body_bytes: int | None = int(default_of(HttpOptions, "max_body_mb") * 2**20)  # None: no cap
     # Host names served besides IP literals and localhost (api/cross_site.py); "*" = any.
     served_hosts: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, config: ServeConfig) -> SecurityOptions:
-        mb = config.max_body_mb
+    def from_options(cls, http: HttpOptions, access: AccessOptions) -> SecurityOptions:
+        mb = http.max_body_mb
         return cls(
-            api_key=config.api_key or None,
-            admin_token=config.admin_token or None,
-            cors_origins=parse_origins(config.cors_origins),
+            api_key=access.api_key or None,
+            admin_token=access.admin_token or None,
+            cors_origins=parse_origins(access.cors_origins),
             max_body_bytes=int(mb * 2**20) if mb else None,
-            served_hosts=served_hosts(config.host, config.allowed_hosts),
+            served_hosts=served_hosts(http.host, access.allowed_hosts),
         )
 
     @property
@@ -110,19 +111,6 @@ class SecurityOptions:
 
     def origin_allowed(self, origin: str) -> bool:
         return "*" in self.cors_origins or origin.rstrip("/") in self.cors_origins
-
-
-def parse_origins(values: Iterable[str] | str) -> tuple[str, ...]:
-    """`--cors-origin` values: each may hold several, comma-separated; trailing slashes dropped."""
-    if isinstance(values, str):
-        values = [values]
-    out: list[str] = []
-    for value in values:
-        for origin in value.split(","):
-            origin = origin.strip().rstrip("/")
-            if origin and origin not in out:
-                out.append(origin)
-    return tuple(out)
 
 
 def route_class(path: str) -> str:
@@ -229,14 +217,15 @@ def _too_large(what: str, cap: int | None) -> ApiError:
     return ApiError(413, f"{what}; this server accepts at most {cap} bytes (--max-body-mb)", code="request_too_large")
 
 
-def install_security(app: QuartTrio, options: SecurityOptions | ServeConfig) -> SecurityOptions:
+def install_security(app: QuartTrio, options: SecurityOptions | ServerOptions) -> SecurityOptions:
     """Register the gate (before_request) and CORS headers (after_request) on `app`.
 
-    `options` is a `SecurityOptions` or a `ServeConfig` (read with `SecurityOptions.from_config`).
-    Call it before other before_request hooks are registered so refusals come first.
+    `options` is a `SecurityOptions` or the server's options (read with
+    `SecurityOptions.from_options`). Call it before other before_request hooks are registered so
+    refusals come first.
     """
     if not isinstance(options, SecurityOptions):
-        options = SecurityOptions.from_config(options)
+        options = SecurityOptions.from_options(options.http, options.access)
     app.config["MAX_CONTENT_LENGTH"] = options.max_body_bytes
     app.request_class = StrictJsonRequest  # hostile bytes are a 400, never a 500
     install_connection_guard(app)  # an early answer drains or closes; keep-alive ends on time

@@ -8,7 +8,7 @@ from the request's record once it ends (docs/tracing.md has the tree and the att
 
 Both settings name the collector's base URL, as the standard variable does (`/v1/traces` is
 appended unless the URL already ends with it); the flag wins. The packages are the optional
-`[otel]` extra: with the flag and without them the server does not start (actors/trace_flags.py);
+`[otel]` extra: with the flag and without them the server does not start (model/options/values.py `NeedsOtel`);
 with only the variable (often set for a whole fleet) it logs a warning and serves untraced.
 Spans leave in batches from the SDK's own thread; what is still queued at exit is flushed then.
 """
@@ -19,8 +19,9 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from actors.trace_flags import INSTALL_HINT, otel_installed
 from api.request_log import request_monitor
+from model.options.values import TRACING_INSTALL_HINT as INSTALL_HINT
+from model.options.values import otel_installed
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
@@ -59,7 +60,7 @@ def install_tracing(
     """Traces every HTTP request of `app` when tracing is configured, or when a test hands an
     `exporter` (spans exported one by one, as they end) or a `processor`; else None, importing
     nothing."""
-    endpoint = trace_endpoint(handles.config.otlp_endpoint)
+    endpoint = trace_endpoint(handles.options.observability.otlp_endpoint)
     if endpoint is None and exporter is None and processor is None:
         return None
     if not otel_installed():  # only the variable can get here: the flag checks at start-up

@@ -27,6 +27,7 @@ from actors.worker_api import kv_fields  # noqa: E402
 from model import kv_scheme  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loader import load_model  # noqa: E402
+from model.options import KVOptions  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402
 
@@ -47,9 +48,7 @@ def main() -> None:
     prompt = tuple(3 + (i * 7919) % 1000 for i in range(args.tokens))
     rows = []
     for mode in args.modes.split(","):
-        scheme = kv_scheme.resolve(
-            mode, model_dir=Path(args.model), num_layers=layers, start=kv_scheme.DEFAULT_QUANTIZED_KV_START
-        )
+        scheme = kv_scheme.resolve(KVOptions(kv_quant=mode), model_dir=Path(args.model), num_layers=layers)
         engine = Engine(model, eos_token_ids=[], kv_scheme=scheme)
         fields = kv_fields(
             scheme,

@@ -28,6 +28,11 @@ import numpy as np
 
 from cache.prefix_match import common_prefix_length
 from model.kv_cache import KVCache
+from model.options import CacheOptions
+from model.options.flags import default_of
+
+# The share of the cache breakpoint entries may hold protected (--cache-retention-share's default).
+RETENTION_SHARE: float = default_of(CacheOptions, "cache_retention_share")
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ def _coverage(caches: Sequence[KVCache]) -> int | None:
 
 class PromptCache:
     def __init__(
-        self, max_bytes: int, *, retention_share: float = 0.5, now: Callable[[], float] = time.monotonic
+        self, max_bytes: int, *, retention_share: float = RETENTION_SHARE, now: Callable[[], float] = time.monotonic
     ) -> None:
         self.max_bytes = max(0, int(max_bytes))
         self.retention_share = min(1.0, max(0.0, retention_share))

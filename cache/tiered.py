@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cache.prompt_cache import EntryKey, PromptCache
+from cache.prompt_cache import RETENTION_SHARE, EntryKey, PromptCache
 from cache.spill_item import KV, LAYER_TENSORS, QKV, LayerMeta, SpillItem, SpillTensor
 from cache.ssd_index import IndexEntry
 from cache.ssd_store import SsdStore, TensorSpec
@@ -150,7 +150,7 @@ class TieredPromptCache(PromptCache):
         *,
         min_restore_tokens: int = MIN_RESTORE_TOKENS,
         clock: Callable[[], float] = time.monotonic,
-        retention_share: float = 0.5,
+        retention_share: float = RETENTION_SHARE,
     ) -> None:
         super().__init__(max_bytes, retention_share=retention_share, now=clock)
         self.ssd = ssd

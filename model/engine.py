@@ -22,7 +22,7 @@ exactly the tokens it covers (prompt + every generated token fed into a forward)
 is read from the cache offset, never assumed: when it cannot be matched to known tokens, nothing is put.
 
 Prefill shapes (CUDA): group prefills round to recurring buckets, a prefill after a hit runs its
-attention unfused, a cold solo prompt keeps mlx-lm's exact width (model/options.py says why).
+attention unfused, a cold solo prompt keeps mlx-lm's exact width (model/options/groups.py says why).
 KV quantization (model/kv_scheme.py, model/kv_rows.py): a row's caches turn quantized after the
 forward that reaches its conversion point; a prefill chunk ends there.
 """
@@ -45,7 +45,7 @@ from model.kv_cache import BatchKVCache, KVCache, LayerCache, PrefixCache
 from model.kv_rows import convert_at, is_merged, merge_batch, quantize_due, quantize_due_rows
 from model.kv_scheme import KVScheme
 from model.language_model import LanguageModel
-from model.options import EngineOptions, padding
+from model.options import EngineOptions, padding, resolve_engine
 from model.prefill_abort import forward_unless_aborted
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.sampling import RowSampler
@@ -104,7 +104,7 @@ class Engine:
         self.protected = frozenset(protected_ids) | self.eos
         gpu = mx.default_device().type == mx.gpu
         cuda = gpu and not mx.metal.is_available()
-        self.options = options.resolve(gpu=gpu, cuda=cuda)  # what each one does: model/options.py
+        self.options = resolve_engine(options, gpu=gpu, cuda=cuda)  # what each one does: model/options/
         self.aborts = aborts if aborts is not None else AbortFlags()
         self.kv_scheme = kv_scheme
         # (Quantized rows turn at exact positions; recurrent states cannot take drafts back.)

@@ -21,9 +21,10 @@ from typing import Any
 
 import attrs
 
+from model.options import KVOptions
+from model.options.flags import default_of
+
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-DEFAULT_GROUP_SIZE = 64
-DEFAULT_QUANTIZED_KV_START = 5000  # mlx-lm's default
 KV_CONFIG_FILE = "kv_config.json"
 
 
@@ -39,7 +40,7 @@ class KVScheme:
 
     mode: str = "off"  # "off" | "4" | "8" | "config": what the operator asked for
     layers: tuple[LayerQuant | None, ...] = ()
-    start: int = DEFAULT_QUANTIZED_KV_START
+    start: int = default_of(KVOptions, "quantized_kv_start")
 
     @property
     def quantized(self) -> bool:
@@ -148,10 +149,9 @@ def from_config(model_dir: Path, num_layers: int, group_size: int, start: int) -
     return KVScheme("config", tuple(layers), start)
 
 
-def resolve(
-    mode: str, *, model_dir: Path | None, num_layers: int, group_size: int = DEFAULT_GROUP_SIZE, start: int = 0
-) -> KVScheme:
-    """The scheme for `--kv-quant MODE` on a model of `num_layers` layers."""
+def resolve(options: KVOptions, *, model_dir: Path | None, num_layers: int) -> KVScheme:
+    """The scheme `options` (--kv-quant and its knobs) give a model of `num_layers` layers."""
+    mode, group_size, start = options.kv_quant, options.kv_group_size, options.quantized_kv_start
     if mode == "off":
         return KVScheme("off", (), start)
     if mode == "config":

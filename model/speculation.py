@@ -16,21 +16,20 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
+from model.options import SpeculationOptions
+from model.options.flags import default_of
+
 if TYPE_CHECKING:
     from model.language_model import LanguageModel
-
-DEFAULT_DRAFT_TOKENS = 3
-DEFAULT_NGRAM_MAX = 4
-DEFAULT_NGRAM_MIN = 2
 
 
 @attrs.frozen
 class Speculation:
     kind: str  # "draft" (a draft model) or "ngram"
-    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    num_draft_tokens: int = default_of(SpeculationOptions, "num_draft_tokens")
     draft_model: LanguageModel | None = attrs.field(default=None, eq=False)
-    ngram_max: int = DEFAULT_NGRAM_MAX
-    ngram_min: int = DEFAULT_NGRAM_MIN
+    ngram_max: int = default_of(SpeculationOptions, "ngram_max")
+    ngram_min: int = default_of(SpeculationOptions, "ngram_min")
     # Verify drafts at every step, not only while measured faster (benchmarks, tests).
     always: bool = False
 

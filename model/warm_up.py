@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from model.kv_cache import STEP, KVCache
 from model.language_model import LanguageModel
-from model.options import ResolvedOptions
+from model.options import ResolvedEngine
 from model.params import SamplingParams
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
@@ -27,7 +27,7 @@ class Engine(Protocol):
     can call into this module without an import cycle)."""
 
     model: LanguageModel
-    options: ResolvedOptions
+    options: ResolvedEngine
 
     def open_row(self, spec: RowSpec) -> RowOpened: ...
     def prefill(self, row_id: int, max_tokens: int | None = None) -> PrefillProgress: ...
@@ -44,7 +44,7 @@ HIT_WARM_PREFIX = 256
 HIT_WARM_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 
 
-def prefill_shapes(options: ResolvedOptions, max_batch: int, group_pad_tokens: int) -> list[tuple[int, int]]:
+def prefill_shapes(options: ResolvedEngine, max_batch: int, group_pad_tokens: int) -> list[tuple[int, int]]:
     """(rows, width) of the fresh-prompt prefill forwards worth meeting before serving: with
     `prefill_bucket`, one row at 1, 2, 4 ... 32 buckets (up to a chunk); with `group_bucket`,
     groups of 2, 4 ... `max_batch` rows at one and two buckets (while rows x width stays within

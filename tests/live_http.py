@@ -17,11 +17,11 @@ from typing import Any
 
 import trio
 
-from actors.gpu_worker import GpuWorker
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown
 from model.tokenizer import Tokenizer
+from tests.helpers.workers import gpu_worker
 
 SHUTDOWN_TIMEOUT_S = 5
 
@@ -34,7 +34,7 @@ def serve_in_thread(
     shutdown = Shutdown()
     trio_token: list[trio.lowlevel.TrioToken] = []
     if worker is None:
-        worker = GpuWorker(model_dir, prompt_cache_bytes=prompt_cache_bytes)
+        worker = gpu_worker(model_dir, prompt_cache_gb=prompt_cache_bytes / 2**30)
 
     async def serve_http(app: Any, shutdown_trigger: Any) -> None:
         from hypercorn.config import Config
@@ -53,7 +53,7 @@ def serve_in_thread(
         trio_token.append(trio.lowlevel.current_trio_token())
         await run_server(
             worker,
-            config=ServeConfig(model=str(model_dir), shutdown_timeout=SHUTDOWN_TIMEOUT_S, **config),
+            options=serve_options(model=str(model_dir), shutdown_timeout=SHUTDOWN_TIMEOUT_S, **config),
             make_tokenizer=lambda info: Tokenizer.from_dir(model_dir, eos_token_ids_from_config=info.eos_token_ids),
             serve_http=serve_http,
             shutdown=shutdown,

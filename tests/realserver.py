@@ -24,13 +24,13 @@ import trio
 
 from actors.gpu_worker import GpuWorker
 from actors.handles import ServerHandles
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.worker_api import ModelInfo
 from api.app import create_app
-from model.options import EngineOptions
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.tokenizer import Tokenizer
+from tests.helpers.workers import gpu_worker
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -159,10 +159,10 @@ async def real_server(
     **config: Any,
 ) -> AsyncIterator[RealServer]:
     worker = RecordingWorker(
-        GpuWorker(
+        gpu_worker(
             model_dir,
-            engine_options=EngineOptions(prefill_chunk=prefill_chunk),
-            prompt_cache_bytes=prompt_cache_bytes,
+            prefill_chunk=prefill_chunk,
+            prompt_cache_gb=prompt_cache_bytes / 2**30,
             eos_token_ids=eos_token_ids,
         )
     )
@@ -176,7 +176,7 @@ async def real_server(
         handles = await start_actors(
             nursery,
             worker,
-            config=ServeConfig(batch=batch, prompt_cache_gb=prompt_cache_bytes / 2**30, **config),
+            options=serve_options(batch=batch, prompt_cache_gb=prompt_cache_bytes / 2**30, **config),
             make_tokenizer=make_tokenizer,
         )
         yield RealServer(create_app(handles).test_client(), handles, worker, tokenizers[0])

@@ -19,6 +19,11 @@ LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
 COMPOSITION_ROOT = {"actors.serve", "actors.root"}
 MAX_MODULE_LINES = 500
 MAX_FAMILY_LINES = 250
+# A module past the cap because its one job is long, with why; never split to meet a count.
+LONG_MODULES = {
+    "model.options.groups": "every option of the server, one declaration each (flag, default, help)",
+}
+MAX_LONG_MODULE_LINES = 1000
 # The only environment variables shipped code reads: secrets and deployment paths (docs/operations.md),
 # and OpenTelemetry's standard collector setting, a deployment's (api/tracing.py).
 DEPLOYMENT_VARIABLES = {"MLX_TRIO_API_KEY", "MLX_TRIO_ADMIN_TOKEN", "MLX_TRIO_CACHE", "OTEL_EXPORTER_OTLP_ENDPOINT"}
@@ -133,6 +138,8 @@ def test_modules_stay_small(module: str) -> None:
     path = MODULES[module]
     lines = len(path.read_text(encoding="utf-8").splitlines())
     limit = MAX_FAMILY_LINES if module.startswith("model.families.") else MAX_MODULE_LINES
+    if module in LONG_MODULES:
+        limit = MAX_LONG_MODULE_LINES
     assert lines <= limit, f"{path.relative_to(ROOT)} has {lines} lines (limit {limit})"
 
 

@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import trio
 
-from actors import serve
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.startup import StartupFailed, find, load_failed, startup_failure
 from tests.fakes import FakeTokenizer, FakeWorker
+from tests.helpers.options import parsed
 
 
 def test_flags_fill_the_config():
-    args = serve.parse_args(["--adapter", "a=/x/a", "--adapter", "b.v2=rel/b", "--adapters-dir", "/srv/ad"])
-    config = serve.serve_config(args)
+    args = parsed(["--adapter", "a=/x/a", "--adapter", "b.v2=rel/b", "--adapters-dir", "/srv/ad"])
+    config = args
     assert config.adapters == (("a", "/x/a"), ("b.v2", "rel/b"))
     assert config.adapters_dir == "/srv/ad"
-    default = serve.serve_config(serve.parse_args([]))
+    default = parsed([])
     assert default.adapters == () and default.adapters_dir is None
 
 
@@ -37,16 +37,16 @@ def test_flags_fill_the_config():
 )
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exited:
-        serve.parse_args(argv)
+        parsed(argv)
     assert exited.value.code == 2
     assert "--adapter" in capsys.readouterr().err
 
 
 async def test_flag_adapters_are_mounted_at_start_up_in_order(autojump_clock):
     worker = FakeWorker()
-    config = ServeConfig(adapters=(("a", "/p/a"), ("b", "/p/b")))
+    config = serve_options(adapters=(("a", "/p/a"), ("b", "/p/b")))
     async with trio.open_nursery() as nursery:
-        handles = await start_actors(nursery, worker, config=config, make_tokenizer=lambda info: FakeTokenizer())
+        handles = await start_actors(nursery, worker, options=config, make_tokenizer=lambda info: FakeTokenizer())
         assert [r.id for r in handles.adapters.infos()] == ["a", "b"]
         assert list(worker.adapters) == ["a", "b"]
         assert handles.ceiling.adapter_bytes == 1000 + 2000
@@ -54,10 +54,10 @@ async def test_flag_adapters_are_mounted_at_start_up_in_order(autojump_clock):
 
 
 async def test_a_bad_flag_adapter_is_a_one_line_usage_failure(autojump_clock):
-    config = ServeConfig(adapters=(("a", "/p/a"), ("b", "/p/bad")))
+    config = serve_options(adapters=(("a", "/p/a"), ("b", "/p/bad")))
     with pytest.raises(BaseExceptionGroup) as raised:
         async with trio.open_nursery() as nursery:
-            await start_actors(nursery, FakeWorker(), config=config, make_tokenizer=lambda info: FakeTokenizer())
+            await start_actors(nursery, FakeWorker(), options=config, make_tokenizer=lambda info: FakeTokenizer())
     failed = find(raised.value, StartupFailed)
     assert isinstance(failed, StartupFailed) and failed.usage and failed.message.startswith("--adapter b=/p/bad: ")
     assert "shapes do not fit" in failed.message and "\n" not in failed.message

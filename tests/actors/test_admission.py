@@ -10,7 +10,7 @@ import trio.testing
 
 from actors.admission import Admission
 from actors.messages import Abort, Admitted, Enqueue, GenerationRequest, Rejected, Siblings, Submit
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.policy import (
     PREFILL_TRANSIENT_BYTES,
     SeedSource,
@@ -23,6 +23,7 @@ from actors.policy import (
 )
 from actors.request import RequestActor, RequestRejected
 from actors.root import start_actors
+from model.options import ServerOptions
 from model.params import SamplingParams
 from tests.fakes import FakeTokenizer, FakeWorker
 
@@ -217,7 +218,7 @@ async def test_a_zero_ceiling_is_a_warning_not_a_refusal(autojump_clock, caplog)
         handles = await start_actors(
             nursery,
             FakeWorker(),
-            config=ServeConfig(memory_budget_gb=0.001),
+            options=serve_options(memory_budget_gb=0.001),
             make_tokenizer=lambda info: FakeTokenizer(),
         )
         assert handles.ceiling.max_safe_context == 0
@@ -274,7 +275,7 @@ class _Sink:
         return []
 
 
-async def _burst(config: ServeConfig, families: list[int], later: list[int] = ()) -> list[int]:
+async def _burst(config: ServerOptions, families: list[int], later: list[int] = ()) -> list[int]:
     """Requests of `families[i]` choices (OpenAI's `n`) all submitted at the same moment, on an
     idle server, then (no time passed, every task settled) those of `later`: the status each one
     got (200 admitted)."""
@@ -282,7 +283,7 @@ async def _burst(config: ServeConfig, families: list[int], later: list[int] = ()
     kept: list[RequestActor] = []  # an actor dropped aborts its row
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, FakeWorker(step_cost=10.0), config=config, make_tokenizer=lambda info: FakeTokenizer()
+            nursery, FakeWorker(step_cost=10.0), options=config, make_tokenizer=lambda info: FakeTokenizer()
         )
 
         async def one(i: int, n: int) -> None:
@@ -309,23 +310,23 @@ async def _burst(config: ServeConfig, families: list[int], later: list[int] = ()
 
 async def test_requests_that_fit_the_free_rows_are_not_counted_as_waiting(autojump_clock):
     # An idle server of 32 rows with --max-queue 4: 10 at once all start, none waits.
-    assert await _burst(ServeConfig(batch=32, max_queue=4), [1] * 10) == [200] * 10
+    assert await _burst(serve_options(batch=32, max_queue=4), [1] * 10) == [200] * 10
     # 40 at once: 32 start, 4 may wait, the other 4 are refused.
-    statuses = await _burst(ServeConfig(batch=32, max_queue=4), [1] * 40)
+    statuses = await _burst(serve_options(batch=32, max_queue=4), [1] * 40)
     assert statuses.count(200) == 36 and statuses.count(503) == 4
 
 
 async def test_a_serial_server_has_one_free_row(autojump_clock):
-    statuses = await _burst(ServeConfig(batch=1, max_queue=4), [1] * 10)
+    statuses = await _burst(serve_options(batch=1, max_queue=4), [1] * 10)
     assert statuses.count(200) == 5 and statuses.count(503) == 5  # one runs, four wait
 
 
 async def test_each_choice_of_a_request_takes_a_row(autojump_clock):
     # 4 rows: two requests of n=3 take 6, so 2 rows wait; with --max-queue 2 a third is refused.
-    assert await _burst(ServeConfig(batch=4, max_queue=2), [3, 3], later=[1]) == [200, 200, 503]
-    assert await _burst(ServeConfig(batch=4, max_queue=3), [3, 3], later=[1]) == [200, 200, 200]
+    assert await _burst(serve_options(batch=4, max_queue=2), [3, 3], later=[1]) == [200, 200, 503]
+    assert await _burst(serve_options(batch=4, max_queue=3), [3, 3], later=[1]) == [200, 200, 200]
     # Two requests of n=2 fill 4 rows and none waits; of two more, one may wait (--max-queue 1).
-    statuses = await _burst(ServeConfig(batch=4, max_queue=1), [2, 2], later=[1, 1])
+    statuses = await _burst(serve_options(batch=4, max_queue=1), [2, 2], later=[1, 1])
     assert statuses[:2] == [200, 200] and sorted(statuses[2:]) == [200, 503]
 
 
@@ -334,10 +335,10 @@ async def test_a_burst_counts_every_choice_of_the_requests_already_admitted(auto
     # choices are submitted, so those must count from the first. 4 rows, --max-queue 2: n=3 x3
     # takes 3 + 3 (2 wait), the third would make 5 wait; n=2 x4 takes 4 + 2 (2 wait), the fourth 4.
     # (Which of them is refused is the order the burst's tasks happen to run in.)
-    assert sorted(await _burst(ServeConfig(batch=4, max_queue=2), [3, 3, 3])) == [200, 200, 503]
-    assert sorted(await _burst(ServeConfig(batch=4, max_queue=2), [2, 2, 2, 2])) == [200, 200, 200, 503]
+    assert sorted(await _burst(serve_options(batch=4, max_queue=2), [3, 3, 3])) == [200, 200, 503]
+    assert sorted(await _burst(serve_options(batch=4, max_queue=2), [2, 2, 2, 2])) == [200, 200, 200, 503]
     # and a request whose choices would wait past the cap is refused whole (3 + 3 > 4 + 1)
-    assert sorted(await _burst(ServeConfig(batch=4, max_queue=1), [3, 3])) == [200, 503]
+    assert sorted(await _burst(serve_options(batch=4, max_queue=1), [3, 3])) == [200, 503]
 
 
 async def test_a_request_gone_between_its_choices_leaves_no_rows_counted(autojump_clock):
@@ -346,7 +347,7 @@ async def test_a_request_gone_between_its_choices_leaves_no_rows_counted(autojum
         handles = await start_actors(
             nursery,
             FakeWorker(step_cost=10.0),
-            config=ServeConfig(batch=4, max_queue=1),
+            options=serve_options(batch=4, max_queue=1),
             make_tokenizer=lambda info: FakeTokenizer(),
         )
         leader = RequestActor(handles.ports, request(5, 5, siblings=Siblings(key=1, index=0, count=3)), _Sink())
@@ -367,7 +368,7 @@ async def test_stats_show_the_queued_rows_and_those_that_wait(autojump_clock):
         handles = await start_actors(
             nursery,
             FakeWorker(step_cost=10.0),
-            config=ServeConfig(batch=4, max_queue=8),
+            options=serve_options(batch=4, max_queue=8),
             make_tokenizer=lambda info: FakeTokenizer(),
         )
 

@@ -8,19 +8,19 @@ import logging
 import attrs
 import pytest
 
-from actors import serve
-from actors.options import ServeConfig
+from actors.options import options as serve_options
+from actors.options import resolve
 from actors.policy import (
     AUTO_BATCH_ROWS,
     AUTO_ROW_CONTEXT,
     PREFILL_TRANSIENT_BYTES,
-    batch_rows,
     device_memory,
-    parse_batch,
     resolve_batch,
 )
 from actors.root import start_actors
+from model.options.values import batch_rows as parse_batch
 from tests.fakes import FakeTokenizer, FakeWorker
+from tests.helpers.options import parsed
 
 GB = 10**9
 KV = 100_000  # bytes per token
@@ -64,19 +64,19 @@ def test_the_batch_flag_takes_auto_or_a_positive_integer():
     for bad in ("0", "-3", "x", "8.5", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="auto or an integer"):
             parse_batch(bad)
-    assert serve.parse_args([]).batch is None and ServeConfig().batch is None  # auto is the default
-    assert serve.parse_args(["--batch", "auto"]).batch is None
-    assert serve.parse_args(["--batch", "4"]).batch == 4
+    assert parsed([]).batch is None and serve_options().scheduling.batch is None  # auto is the default
+    assert parsed(["--batch", "auto"]).batch is None
+    assert parsed(["--batch", "4"]).batch == 4
     with pytest.raises(SystemExit):
-        serve.parse_args(["--batch", "0"])
+        parsed(["--batch", "0"])
 
 
 def test_batch_rows_reads_the_budget_flag_and_the_model():
     info = FakeWorker().info
     tight = (info.weights_bytes + PREFILL_TRANSIENT_BYTES + 3 * AUTO_ROW_CONTEXT * info.kv_bytes_per_token) / 1e9
-    assert batch_rows(ServeConfig(), attrs.evolve(info, context_length=10**6)) == 32  # 0.75 x 10^12 bytes
-    assert batch_rows(ServeConfig(memory_budget_gb=tight), attrs.evolve(info, context_length=10**6)) == 3
-    assert batch_rows(ServeConfig(batch=5, memory_budget_gb=tight), info) == 5
+    assert resolve(serve_options(), attrs.evolve(info, context_length=10**6)).batch == 32  # 0.75 x 10^12 bytes
+    assert resolve(serve_options(memory_budget_gb=tight), attrs.evolve(info, context_length=10**6)).batch == 3
+    assert resolve(serve_options(batch=5, memory_budget_gb=tight), info).batch == 5
 
 
 # -- which memory the budget comes from ---------------------------------------------------------
@@ -106,15 +106,17 @@ def test_device_memory_is_gpu_memory_on_cuda_the_working_set_on_metal_and_ram_on
 async def test_the_root_resolves_auto_for_the_scheduler_and_stats(nursery, caplog):
     worker = FakeWorker()
     with caplog.at_level(logging.INFO, logger="actors.root"):
-        handles = await start_actors(nursery, worker, config=ServeConfig(), make_tokenizer=lambda info: FakeTokenizer())
+        handles = await start_actors(
+            nursery, worker, options=serve_options(), make_tokenizer=lambda info: FakeTokenizer()
+        )
     assert handles.scheduler.table.capacity == 32 and handles.mode == "batch"
-    assert handles.config.batch == 32 and handles.stats()["batch"]["configured"] == 32
+    assert handles.resolved.batch == 32 and handles.stats()["batch"]["configured"] == 32
     assert "batch auto -> 32 rows" in caplog.text
 
 
 async def test_an_explicit_batch_reaches_the_scheduler_unchanged(nursery):
     worker = FakeWorker()
     handles = await start_actors(
-        nursery, worker, config=ServeConfig(batch=3), make_tokenizer=lambda info: FakeTokenizer()
+        nursery, worker, options=serve_options(batch=3), make_tokenizer=lambda info: FakeTokenizer()
     )
-    assert handles.scheduler.table.capacity == 3 and handles.config.batch == 3
+    assert handles.scheduler.table.capacity == 3 and handles.resolved.batch == 3

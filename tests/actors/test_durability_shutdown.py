@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown, ShutdownPlan
 from tests.actors.test_shutdown import fake_http, names, order_is, streamer
@@ -29,13 +29,13 @@ async def run(worker, clients, *, timeout, signals_at, demote_idle_s=300.0):
         note("flush")
 
     shutdown = Shutdown()
-    config = ServeConfig(shutdown_timeout=timeout, ssd_cache_dir="/fake", ssd_demote_idle_s=demote_idle_s)
+    config = serve_options(shutdown_timeout=timeout, ssd_cache_dir="/fake", ssd_demote_idle_s=demote_idle_s)
     out = {}
 
     async def serve():
         out["result"] = await run_server(
             worker,
-            config=config,
+            options=config,
             make_tokenizer=lambda info: FakeTokenizer(),
             serve_http=fake_http(
                 [partial(c, note) for c in clients], graceful=ShutdownPlan.for_options(config).http_deadline, note=note

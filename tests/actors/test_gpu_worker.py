@@ -7,13 +7,14 @@ import threading
 import pytest
 import trio
 
-from actors.gpu_worker import GpuWorker, WorkerDied
+from actors.gpu_worker import WorkerDied
 from model.engine import Engine
 from model.errors import ModelLoadError
 from model.loader import load_model
 from model.params import SamplingParams
 from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
+from tests.helpers.workers import gpu_worker
 
 PROMPT = (5, 17, 42, 99, 3, 250, 11, 7)
 
@@ -22,7 +23,7 @@ async def test_jobs_run_on_one_thread_and_match_inline_engine(qwen3_dir):
     expected = generate_tokens(
         Engine(load_model(qwen3_dir).model, eos_token_ids=[]), [RowSpec(1, PROMPT, SamplingParams(), 12)]
     )[1]
-    worker = GpuWorker(qwen3_dir, eos_token_ids=[])
+    worker = gpu_worker(qwen3_dir, eos_token_ids=[])
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             info = await nursery.start(worker.run)
@@ -47,7 +48,7 @@ async def test_jobs_run_on_one_thread_and_match_inline_engine(qwen3_dir):
 
 
 async def test_cancelled_caller_does_not_interrupt_the_job(qwen3_dir):
-    worker = GpuWorker(qwen3_dir, eos_token_ids=[])
+    worker = gpu_worker(qwen3_dir, eos_token_ids=[])
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
@@ -61,7 +62,7 @@ async def test_cancelled_caller_does_not_interrupt_the_job(qwen3_dir):
 
 async def test_load_error_surfaces_from_start(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt9"}')
-    worker = GpuWorker(tmp_path)
+    worker = gpu_worker(tmp_path)
     with pytest.RaisesGroup(
         pytest.RaisesExc(ModelLoadError, match="unsupported model_type 'gpt9'"), flatten_subgroups=True
     ):
@@ -70,7 +71,7 @@ async def test_load_error_surfaces_from_start(tmp_path):
 
 
 async def test_a_job_whose_caller_is_cancelled_while_queued_never_runs(qwen3_dir):
-    worker = GpuWorker(qwen3_dir, eos_token_ids=[])
+    worker = gpu_worker(qwen3_dir, eos_token_ids=[])
     release, ran = threading.Event(), []
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:

@@ -13,12 +13,13 @@ import trio
 
 from actors import serve
 from actors.gpu_worker import GpuWorker
-from actors.options import ServeConfig
+from actors.options import options as serve_options
+from actors.options import parse_options
+from actors.options import resolve as resolve_options
 from actors.policy import (
     AUTO_ROW_CONTEXT,
     PREFILL_TRANSIENT_BYTES,
     admission_ceiling,
-    batch_rows,
     kv_bill,
     max_tokens_billed,
     resolve_batch,
@@ -27,8 +28,11 @@ from actors.root import start_actors
 from actors.startup import load_failed
 from actors.worker_api import ModelInfo, kv_fields
 from model.errors import ModelLoadError
-from model.kv_scheme import DEFAULT_QUANTIZED_KV_START, KVScheme, resolve
+from model.kv_scheme import KVScheme, resolve
+from model.options import KVOptions
 from tests.fakes import FakeTokenizer, FakeWorker
+from tests.helpers.options import parsed
+from tests.helpers.workers import gpu_worker
 
 GB = 10**9
 # An 8B llama's shape: 32 layers, 8 KV heads of 128, bf16 → K and V of 32·8·128 elements, 2 bytes.
@@ -41,7 +45,8 @@ FROM = 6144  # the first 2048-token chunk end at or past mlx-lm's start of 5000
 
 
 def scheme(mode: str, **kw) -> KVScheme:
-    return resolve(mode, model_dir=None, num_layers=LAYERS, start=DEFAULT_QUANTIZED_KV_START, **kw)
+    group = {"kv_group_size": kw["group_size"]} if "group_size" in kw else {}
+    return resolve(KVOptions(kv_quant=mode, **group), model_dir=None, num_layers=LAYERS)
 
 
 def ceiling(usable: int, ratio: float = 1.0, quantized_from: int = 0, context: int = 10**9) -> int:
@@ -90,12 +95,12 @@ def test_model_info_fields_of_each_scheme():
 
 def test_a_mixed_kv_config_reports_each_layers_bits(tmp_path):
     (tmp_path / "kv_config.json").write_text(json.dumps({"bits": 8, "layers": {"0": 4, "2": None}}))
-    mixed = resolve("config", model_dir=tmp_path, num_layers=4, start=100)
+    mixed = resolve(KVOptions(kv_quant="config", quantized_kv_start=100), model_dir=tmp_path, num_layers=4)
     fields = kv_fields(mixed, num_layers=4, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=64)
     assert fields["kv_scheme"] == "mixed (kv_config.json)" and fields["kv_bits"] == (4, 8, None, 8)
     assert fields["kv_quantized_from"] == 128 and fields["kv_quant_ratio"] == pytest.approx((KV4 + 2 * KV8 + 1) / 4)
     # no kv_config.json: config mode stores full precision
-    plain = resolve("config", model_dir=tmp_path / "none", num_layers=4)
+    plain = resolve(KVOptions(kv_quant="config", quantized_kv_start=0), model_dir=tmp_path / "none", num_layers=4)
     assert (
         kv_fields(plain, num_layers=4, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=64)["kv_quantized_from"] == 0
     )
@@ -169,12 +174,12 @@ async def test_the_root_bills_admission_and_batch_with_the_models_scheme(autojum
     )
     worker = FakeWorker(info=info)
     usable = 40 * GB
-    config = ServeConfig(memory_budget_gb=(usable + info.weights_bytes + PREFILL_TRANSIENT_BYTES) / GB)
+    config = serve_options(memory_budget_gb=(usable + info.weights_bytes + PREFILL_TRANSIENT_BYTES) / GB)
     async with trio.open_nursery() as nursery:
-        handles = await start_actors(nursery, worker, config=config, make_tokenizer=lambda info: FakeTokenizer())
+        handles = await start_actors(nursery, worker, options=config, make_tokenizer=lambda info: FakeTokenizer())
         assert handles.ceiling.max_safe_context == ceiling(usable, KV8, FROM)
         assert handles.ceiling.max_safe_context > 1.8 * (usable // FP)
-        assert batch_rows(config, info) == 32
+        assert resolve_options(config, info).batch == 32
         nursery.cancel_scope.cancel()
     loaded = next(r.getMessage() for r in caplog.records if "loaded in" in r.getMessage())
     assert loaded.endswith("KV kv8)")  # the start-up lines name the scheme and its billing
@@ -185,13 +190,13 @@ async def test_the_root_bills_admission_and_batch_with_the_models_scheme(autojum
 
 
 def test_kv_flags_reach_the_options_and_the_planned_worker(qwen3_dir):
-    default = serve.serve_config(serve.parse_args([]))
+    default = parsed([])
     assert (default.kv_quant, default.kv_group_size, default.quantized_kv_start) == ("off", 64, 5000)
     args = ["--model", str(qwen3_dir), "--kv-quant", "4", "--kv-group-size", "32", "--quantized-kv-start", "0"]
-    config = serve.serve_config(serve.parse_args(args))
+    config = parsed(args)
     assert (config.kv_quant, config.kv_group_size, config.quantized_kv_start) == ("4", 32, 0)
-    _, worker, _ = serve._load_plan(config)
-    assert isinstance(worker, GpuWorker) and worker.kv_quant == ("4", 32, 0)
+    _, worker, _ = serve._load_plan(parse_options(args))
+    assert isinstance(worker, GpuWorker) and worker.options.kv == KVOptions("4", 32, 0)
 
 
 @pytest.mark.parametrize(
@@ -200,12 +205,12 @@ def test_kv_flags_reach_the_options_and_the_planned_worker(qwen3_dir):
 )
 def test_bad_kv_flags_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exited:
-        serve.parse_args(argv)
+        parsed(argv)
     assert exited.value.code == 2
 
 
 async def test_the_worker_reports_its_scheme(qwen3_dir):
-    worker = GpuWorker(qwen3_dir, eos_token_ids=[], kv_quant="8", kv_group_size=32, quantized_kv_start=64)
+    worker = gpu_worker(qwen3_dir, eos_token_ids=[], kv_quant="8", kv_group_size=32, quantized_kv_start=64)
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             info: ModelInfo = await nursery.start(worker.run)
@@ -221,7 +226,7 @@ async def test_the_worker_reports_its_scheme(qwen3_dir):
 async def test_a_bad_kv_config_fails_start_up_in_one_line_as_a_usage_error(qwen3_dir, tmp_path):
     model_dir = shutil.copytree(qwen3_dir, tmp_path / "model")
     (model_dir / "kv_config.json").write_text(json.dumps({"bits": 7}))
-    worker = GpuWorker(model_dir, eos_token_ids=[], kv_quant="config")
+    worker = gpu_worker(model_dir, eos_token_ids=[], kv_quant="config")
     with pytest.RaisesGroup(pytest.RaisesExc(ModelLoadError, match="bits 7"), flatten_subgroups=True) as caught:
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:

@@ -20,7 +20,7 @@ from functools import partial
 import pytest
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown
 from actors.startup import USAGE_EXIT, startup_failure
@@ -93,13 +93,13 @@ async def run(worker, clients, *, signals_at, timeout=30.0, batch=1, bound=None)
         events.append((trio.current_time(), what))
 
     shutdown = Shutdown()
-    config = ServeConfig(shutdown_timeout=timeout, batch=batch, group_prefill="off")
+    config = serve_options(shutdown_timeout=timeout, batch=batch, group_prefill="off")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
             partial(
                 run_server,
                 worker,
-                config=config,
+                options=config,
                 make_tokenizer=lambda info: FakeTokenizer(),
                 serve_http=lifecycle_http([partial(c, note) for c in clients], note=note, bound=bound),
                 shutdown=shutdown,
@@ -270,7 +270,7 @@ async def test_a_busy_port_is_a_usage_failure_before_any_load(autojump_clock):
     with pytest.raises(BaseException) as caught:
         await run_server(
             Watched(),
-            config=ServeConfig(port=8123),
+            options=serve_options(port=8123),
             make_tokenizer=lambda info: FakeTokenizer(),
             serve_http=busy,
             shutdown=Shutdown(),

@@ -13,12 +13,11 @@ import time
 
 import trio
 
-from actors.gpu_worker import GpuWorker
 from actors.messages import Abort
-from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowOpened, RowSpec, TokenOut
 from tests.fakes import scheduler_harness
+from tests.helpers.workers import gpu_worker
 
 LAYERS = 24
 CHUNK = 768
@@ -26,11 +25,7 @@ BOUND_S = 0.5  # abort -> the next request's row opened
 
 
 async def test_an_abort_mid_chunk_lets_the_next_request_start_at_once(tiny_model_factory):
-    worker = GpuWorker(
-        tiny_model_factory("qwen3", num_hidden_layers=LAYERS),
-        eos_token_ids=[],
-        engine_options=EngineOptions(prefill_chunk=CHUNK),
-    )
+    worker = gpu_worker(tiny_model_factory("qwen3", num_hidden_layers=LAYERS), eos_token_ids=[], prefill_chunk=CHUNK)
     rng = random.Random(3)
     long_prompt = tuple(rng.randrange(3, 500) for _ in range(2 * CHUNK + 1))
     with trio.fail_after(120):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import trio
 
 from actors.handles import sampling_defaults_for
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.worker_api import ModelInfo
 from model.params import SamplingParams
+from tests.helpers.workers import gpu_worker
 
 
 def info(**generation) -> ModelInfo:
@@ -22,28 +23,27 @@ def info(**generation) -> ModelInfo:
 
 
 def test_fallback_is_greedy():
-    assert sampling_defaults_for(ServeConfig(), info()) == SamplingParams()
+    assert sampling_defaults_for(serve_options().sampling, info()) == SamplingParams()
 
 
 def test_generation_config_applies_when_no_flag():
-    got = sampling_defaults_for(ServeConfig(), info(temperature=0.6, top_p=0.95, top_k=20))
+    got = sampling_defaults_for(serve_options().sampling, info(temperature=0.6, top_p=0.95, top_k=20))
     assert (got.temperature, got.top_p, got.top_k) == (0.6, 0.95, 20)
     assert isinstance(got.top_k, int)
 
 
 def test_server_flag_beats_generation_config():
-    got = sampling_defaults_for(ServeConfig(temperature=0.0, min_p=0.05), info(temperature=0.6, top_k=20))
+    got = sampling_defaults_for(serve_options(temperature=0.0, min_p=0.05).sampling, info(temperature=0.6, top_k=20))
     assert (got.temperature, got.top_k, got.min_p) == (0.0, 20, 0.05)
 
 
 async def test_request_beats_defaults(tiny_model_factory):
-    from actors.gpu_worker import GpuWorker
 
     model_dir = tiny_model_factory("qwen3", generation_defaults={"temperature": 0.7, "top_p": 0.8})
-    worker = GpuWorker(model_dir)
+    worker = gpu_worker(model_dir)
     async with trio.open_nursery() as nursery:
         loaded = await nursery.start(worker.run)
-        defaults = sampling_defaults_for(ServeConfig(), loaded)
+        defaults = sampling_defaults_for(serve_options().sampling, loaded)
         assert (defaults.temperature, defaults.top_p) == (0.7, 0.8)
         from api.chat import resolve_generation
         from api.fields import parse_generation

@@ -9,7 +9,7 @@ from functools import partial
 
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown, ShutdownPlan
 from tests.api.test_anthropic_api import post_stream
@@ -45,13 +45,13 @@ async def run(worker, clients, *, timeout, signals_at, ready=None, **options):
         note("flush")
 
     shutdown = Shutdown()
-    config = ServeConfig(shutdown_timeout=timeout, **options)
+    config = serve_options(shutdown_timeout=timeout, **options)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
             partial(
                 run_server,
                 worker,
-                config=config,
+                options=config,
                 make_tokenizer=lambda info: FakeTokenizer(),
                 serve_http=fake_http(
                     [partial(c, note) for c in clients],

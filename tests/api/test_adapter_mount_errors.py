@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import trio
 
-from actors.gpu_worker import GpuWorker
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from model.tokenizer import Tokenizer
 from tests.fixtures.lora import write_adapter
+from tests.helpers.workers import gpu_worker
 
 UNREADABLE = "adapter 'x': PATH is not a readable adapter directory (adapter_config.json + adapters.safetensors)"
 
@@ -31,8 +31,8 @@ async def real_server(model_dir: Path, **config: Any) -> AsyncIterator[Any]:
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
             nursery,
-            GpuWorker(model_dir),
-            config=ServeConfig(batch=2, **config),
+            gpu_worker(model_dir),
+            options=serve_options(batch=2, **config),
             make_tokenizer=lambda info: Tokenizer.from_dir(model_dir, eos_token_ids_from_config=info.eos_token_ids),
         )
         yield create_app(handles).test_client()

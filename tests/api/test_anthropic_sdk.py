@@ -22,6 +22,7 @@ import pytest
 from actors.gpu_worker import GpuWorker
 from model.tokenizer import Tokenizer
 from tests.fixtures.synth import write_scripted_model_dir
+from tests.helpers.workers import gpu_worker
 from tests.live_http import serve_in_thread
 
 anthropic = pytest.importorskip("anthropic")
@@ -77,7 +78,7 @@ class Live:
 
 @contextmanager
 def live_server(model_dir: Path, *, failing: bool = False, prompt_cache_bytes: int = 64 << 20) -> Iterator[Live]:
-    inner = GpuWorker(model_dir, prompt_cache_bytes=prompt_cache_bytes)
+    inner = gpu_worker(model_dir, prompt_cache_gb=prompt_cache_bytes / 2**30)
     worker = FailingWorker(inner) if failing else inner
     # served as "m", the name these tests' (and test_responses_sdk's) requests carry
     with serve_in_thread(model_dir, worker=worker, served_model_name=("m",)) as base:

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.policy import PREFILL_TRANSIENT_BYTES
 from actors.root import start_actors
 from api.app import create_app
@@ -22,7 +22,7 @@ async def server(worker: FakeWorker | None = None, **config):
     worker = worker or FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         yield create_app(handles).test_client(), handles, worker
         nursery.cancel_scope.cancel()

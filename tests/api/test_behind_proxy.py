@@ -15,7 +15,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker
@@ -46,7 +46,7 @@ async def proxied(**config: object) -> AsyncIterator[httpx.AsyncClient]:
     worker = FakeWorker(prefill_cost=0.01, join_cost=0.01, step_cost=0.01)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         hc = Config()
         hc.bind = ["127.0.0.1:0"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from model.rows import TokenOut, TopLogprob
@@ -66,7 +66,7 @@ async def server(token_fn: Callable[[tuple[int, ...], int], int] | None = None, 
     )
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: ThinkingTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: ThinkingTokenizer()
         )
         yield create_app(handles).test_client()
         nursery.cancel_scope.cancel()

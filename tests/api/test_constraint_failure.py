@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from model.rows import TokenOut
@@ -37,7 +37,7 @@ async def server(**config):
     worker = FailingGrammarWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         app = create_app(handles)
         yield app.test_client(), app.extensions["mlx_trio.metrics"], worker

@@ -10,7 +10,7 @@ import attrs
 import numpy as np
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from model.embedding_config import Pooling
@@ -32,7 +32,7 @@ async def server(worker: FakeWorker | None = None, **config):
     worker = worker or embedding_worker()
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         yield create_app(handles).test_client(), handles, worker
         nursery.cancel_scope.cancel()

@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api import offload
 from api.app import create_app
@@ -633,7 +633,9 @@ async def server():
     worker = FakeWorker(prefill_cost=0.01, join_cost=0.01, step_cost=0.01)
     worker.info = attrs.evolve(worker.info, context_length=CONTEXT)
     async with trio.open_nursery() as nursery:
-        handles = await start_actors(nursery, worker, config=ServeConfig(), make_tokenizer=lambda info: FakeTokenizer())
+        handles = await start_actors(
+            nursery, worker, options=serve_options(), make_tokenizer=lambda info: FakeTokenizer()
+        )
         yield create_app(handles).test_client(), handles, worker
         nursery.cancel_scope.cancel()
 

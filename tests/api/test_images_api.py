@@ -17,7 +17,7 @@ import pytest
 import trio
 from PIL import Image
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.worker_api import ModelInfo
 from api.app import create_app
@@ -58,7 +58,7 @@ async def server(vision: bool = True):
     worker = FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1, info=info(vision))
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(), make_tokenizer=lambda info: VisionTokenizer()
+            nursery, worker, options=serve_options(), make_tokenizer=lambda info: VisionTokenizer()
         )
         yield create_app(handles).test_client(), worker
         nursery.cancel_scope.cancel()

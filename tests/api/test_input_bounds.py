@@ -12,7 +12,7 @@ import attrs
 import pytest
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api import fields, offload, prompt_bounds
 from api.anthropic_translate import messages_request
@@ -37,7 +37,9 @@ async def server(worker: FakeWorker | None = None):
     worker = worker or FakeWorker(prefill_cost=0.01, join_cost=0.01, step_cost=0.01)
     worker.info = attrs.evolve(worker.info, context_length=CONTEXT)
     async with trio.open_nursery() as nursery:
-        handles = await start_actors(nursery, worker, config=ServeConfig(), make_tokenizer=lambda info: FakeTokenizer())
+        handles = await start_actors(
+            nursery, worker, options=serve_options(), make_tokenizer=lambda info: FakeTokenizer()
+        )
         yield create_app(handles).test_client(), worker
         nursery.cancel_scope.cancel()
 

@@ -7,24 +7,26 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.worker_api import kv_fields
 from api.app import create_app
 from model.kv_scheme import resolve
+from model.options import KVOptions
 from tests.fakes import FakeTokenizer, FakeWorker
 
 
 @asynccontextmanager
-async def server(mode: str, **scheme_kw):
+async def server(mode: str, *, group_size: int = 64, start: int = 5000):
     fake = FakeWorker()
-    scheme = resolve(mode, model_dir=None, num_layers=4, **scheme_kw)
+    options = KVOptions(kv_quant=mode, kv_group_size=group_size, quantized_kv_start=start)
+    scheme = resolve(options, model_dir=None, num_layers=4)
     info = attrs.evolve(
         fake.info, **kv_fields(scheme, num_layers=4, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=256)
     )
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, FakeWorker(info=info), config=ServeConfig(), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, FakeWorker(info=info), options=serve_options(), make_tokenizer=lambda info: FakeTokenizer()
         )
         yield create_app(handles).test_client()
         nursery.cancel_scope.cancel()

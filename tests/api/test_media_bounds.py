@@ -18,7 +18,7 @@ import trio
 from PIL import Image
 
 from actors.handles import ServerHandles
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api import media, offload
 from api.app import create_app
@@ -34,6 +34,7 @@ from tests.api.test_images_api import (
     responses_body,
 )
 from tests.fakes import FakeWorker
+from tests.helpers.options import parsed
 from tests.model.test_vision_header import png_header
 
 CHAT = "/v1/chat/completions"
@@ -55,7 +56,7 @@ async def server(*, context_length: int = 8192, **config: Any) -> AsyncIterator[
     worker = FakeWorker(chunk=1024, prefill_cost=0.01, join_cost=0.01, step_cost=0.01, info=model)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: VisionTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: VisionTokenizer()
         )
         yield Server(create_app(handles).test_client(), worker, handles)
         nursery.cancel_scope.cancel()
@@ -145,7 +146,7 @@ async def test_a_request_over_the_per_request_memory_cap_is_a_400(autojump_clock
 
 
 async def test_the_per_request_cap_never_exceeds_the_total():
-    config = ServeConfig(media_memory_gb=1, media_request_memory_gb=3)
+    config = serve_options(media_memory_gb=1, media_request_memory_gb=3).admission
     assert media.request_limit(config) == media.total_bytes(config) == GIB
 
 
@@ -217,10 +218,10 @@ async def test_count_tokens_reads_headers_only(autojump_clock):
 
 
 def test_the_flags_fill_the_options():
-    from actors import serve
 
-    config = serve.serve_config(serve.parse_args(["--media-memory", "2", "--media-request-memory", "0.5"]))
+    config = parsed(["--media-memory", "2", "--media-request-memory", "0.5"])
     assert (config.media_memory_gb, config.media_request_memory_gb) == (2.0, 0.5)
-    assert media.request_limit(config) == GIB // 2 and media.total_bytes(config) == 2 * GIB
+    admission = serve_options(media_memory_gb=2.0, media_request_memory_gb=0.5).admission
+    assert media.request_limit(admission) == GIB // 2 and media.total_bytes(admission) == 2 * GIB
     with pytest.raises(SystemExit):
-        serve.parse_args(["--media-memory", "0"])
+        parsed(["--media-memory", "0"])

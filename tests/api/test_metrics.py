@@ -12,7 +12,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from api.metrics import Metrics, token_buckets
@@ -27,7 +27,7 @@ async def server(worker: FakeWorker | None = None, **config):
     worker = worker or FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         app = create_app(handles)
         yield app.test_client(), app.extensions["mlx_trio.metrics"], handles

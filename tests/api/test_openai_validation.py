@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from api.fields import REASONING_EFFORT_MESSAGE
@@ -52,7 +52,7 @@ async def server(sampling_defaults: SamplingParams = SamplingParams(), **config)
         handles = await start_actors(
             nursery,
             worker,
-            config=ServeConfig(**config),
+            options=serve_options(**config),
             make_tokenizer=lambda info: tokenizer,
             sampling_defaults=sampling_defaults,
         )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker, ScriptDetokenizer
@@ -51,7 +51,7 @@ async def server():
     )
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(), make_tokenizer=lambda info: ScriptTokenizer()
+            nursery, worker, options=serve_options(), make_tokenizer=lambda info: ScriptTokenizer()
         )
         yield create_app(handles).test_client()
         nursery.cancel_scope.cancel()

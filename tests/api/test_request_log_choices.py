@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from model.rows import RowOpened, RowSpec
@@ -36,7 +36,7 @@ async def server(**config):
     worker = CachingWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         app = create_app(handles)
         yield app.test_client(), app.extensions["mlx_trio.metrics"]

@@ -9,14 +9,15 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from actors.options import ServeConfig
-from actors.proxy_flags import parse_hosts
+from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.shutdown import ShutdownPlan
 from api.app import create_app
 from api.cross_site import content_type_refusal, host_allowed, same_origin, served_hosts
-from api.security import SecurityOptions, check_access, is_loopback, parse_origins, presented_credentials
+from api.security import SecurityOptions, check_access, is_loopback, presented_credentials
+from model.options.values import parse_hosts, parse_origins
 from tests.fakes import FakeTokenizer, FakeWorker
+from tests.helpers.options import parsed
 
 KEY = "sk-test-key"
 ADMIN = "admin-secret"
@@ -31,7 +32,7 @@ async def server(worker: FakeWorker | None = None, **config):
     worker = worker or FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         yield create_app(handles).test_client(), handles
         nursery.cancel_scope.cancel()
@@ -78,10 +79,14 @@ def test_credentials_from_both_headers():
 
 
 def test_options_from_config():
-    options = SecurityOptions.from_config(ServeConfig(max_body_mb=0, cors_origins=("https://x/",)))
+    def security(**fields):
+        options = serve_options(**fields)
+        return SecurityOptions.from_options(options.http, options.access)
+
+    options = security(max_body_mb=0, cors_origins=("https://x/",))
     assert options.max_body_bytes is None and options.cors_origins == ("https://x",)
-    assert SecurityOptions.from_config(ServeConfig()).max_body_bytes == 16 * 2**20
-    assert SecurityOptions.from_config(ServeConfig(api_key="", admin_token="")) == SecurityOptions()  # empty: none
+    assert security().max_body_bytes == 16 * 2**20
+    assert security(api_key="", admin_token="") == SecurityOptions()  # empty: none
 
 
 # --- /v1/* and the API key -------------------------------------------------------------------
@@ -309,7 +314,8 @@ def test_host_rules():
     assert host_allowed("anything.example", ("*",))
     assert served_hosts("0.0.0.0", ["a.example,B.example."]) == ("a.example", "b.example")
     assert served_hosts("myhost.lan", []) == ("myhost.lan",) and served_hosts("10.0.0.2", []) == ()
-    assert SecurityOptions.from_config(ServeConfig(host="box.lan", allowed_hosts=("a.example",))).served_hosts == (
+    options = serve_options(host="box.lan", allowed_hosts=("a.example",))
+    assert SecurityOptions.from_options(options.http, options.access).served_hosts == (
         "a.example",
         "box.lan",
     )
@@ -481,9 +487,8 @@ async def test_hostile_bodies_are_400_in_each_api_shape(autojump_clock):
 
 
 def test_flags_and_environment(monkeypatch):
-    from actors import serve
 
-    args = serve.parse_args([])
+    args = parsed([])
     assert (
         args.api_key,
         args.admin_token,
@@ -491,10 +496,10 @@ def test_flags_and_environment(monkeypatch):
         args.max_body_mb,
         args.log_prompts,
         args.idle_timeout,
-    ) == (None, None, [], 16.0, False, 5.0)
+    ) == (None, None, (), 16.0, False, 5.0)
     monkeypatch.setenv("MLX_TRIO_API_KEY", "from-env")
     monkeypatch.setenv("MLX_TRIO_ADMIN_TOKEN", "admin-env")
-    args = serve.parse_args(
+    args = parsed(
         [
             "--cors-origin",
             "https://a,https://b",
@@ -510,13 +515,12 @@ def test_flags_and_environment(monkeypatch):
     assert args.api_key == "from-env" and args.admin_token == "admin-env"
     assert parse_origins(args.cors_origins) == ("https://a", "https://b", "*")
     assert args.max_body_mb == 0 and args.log_prompts and args.idle_timeout == 30
-    assert serve.parse_args(["--api-key", "flag"]).api_key == "flag"  # the flag wins
+    assert parsed(["--api-key", "flag"]).api_key == "flag"  # the flag wins
 
 
 def test_proxy_flags(capsys):
-    from actors import serve
 
-    config = serve.serve_config(serve.parse_args([]))
+    config = parsed([])
     assert config.allowed_hosts == () and config.forwarded_allow_ips == ("127.0.0.1", "::1")
     args = [
         "--allowed-hosts",
@@ -528,14 +532,14 @@ def test_proxy_flags(capsys):
         "--forwarded-allow-ips",
         "fd00::/8",
     ]
-    config = serve.serve_config(serve.parse_args(args))
+    config = parsed(args)
     assert config.allowed_hosts == ("chat.example", "api.example")
     assert config.forwarded_allow_ips == ("10.0.0.0/8", "192.168.1.1/32", "fd00::/8")  # the default replaced
-    assert serve.serve_config(serve.parse_args(["--forwarded-allow-ips", ""])).forwarded_allow_ips == ()
-    assert serve.parse_args(["--forwarded-allow-ips", "*"]).forwarded_allow_ips == ["*"]
+    assert parsed(["--forwarded-allow-ips", ""]).forwarded_allow_ips == ()
+    assert parsed(["--forwarded-allow-ips", "*"]).forwarded_allow_ips == ("*",)
     for bad in (["--forwarded-allow-ips", "proxy.lan"], ["--allowed-hosts", "https://chat.example"]):
         with pytest.raises(SystemExit) as exited:
-            serve.parse_args(bad)
+            parsed(bad)
         assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "'proxy.lan' is not an IP address" in err and "without scheme or port" in err
@@ -550,7 +554,7 @@ async def test_serve_http_sets_the_idle_timeout_and_no_read_timeout(monkeypatch)
         seen["config"] = config
 
     monkeypatch.setattr("hypercorn.trio.serve", fake_serve)
-    config = ServeConfig(idle_timeout=7.5, port=0, shutdown_timeout=3.0)
+    config = serve_options(idle_timeout=7.5, port=0, shutdown_timeout=3.0)
     await serve._serve_http(config, ShutdownPlan.for_options(config), None, None)
     config = seen["config"]
     assert config.keep_alive_timeout == 7.5

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from model.rows import RowSpec
@@ -42,7 +42,7 @@ FIVE = {"drafted": 9, "accepted": 3}
 async def server(worker: FakeWorker, **config):
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         app = create_app(handles)
         yield app.test_client(), app.extensions["mlx_trio.metrics"]

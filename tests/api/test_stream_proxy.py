@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from api.wire import KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S
@@ -32,7 +32,7 @@ STREAMS = {
 async def server(worker: FakeWorker, **config):
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         yield create_app(handles).test_client()
         nursery.cancel_scope.cancel()

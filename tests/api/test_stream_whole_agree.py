@@ -19,7 +19,7 @@ import httpx
 import pytest
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from api.partial_json import MAX_DEPTH
@@ -84,7 +84,7 @@ async def server(script: list[str]):
         eos_at=lambda spec: len(script),
     )
     async with trio.open_nursery() as nursery:
-        handles = await start_actors(nursery, worker, config=ServeConfig(), make_tokenizer=lambda info: Tokenizer())
+        handles = await start_actors(nursery, worker, options=serve_options(), make_tokenizer=lambda info: Tokenizer())
         yield create_app(handles).test_client()
         nursery.cancel_scope.cancel()
 

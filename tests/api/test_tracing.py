@@ -16,13 +16,13 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from actors import trace_flags
-from actors.options import ServeConfig
+from actors.options import options as serve_options
+from actors.options import parse_options
 from actors.root import start_actors
-from actors.serve import parse_args, serve_config
 from api.app import create_app
 from api.tracing import ENDPOINT_VARIABLE, install_tracing, trace_endpoint
 from tests.fakes import FakeTokenizer, FakeWorker
+from tests.helpers.options import parsed
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
@@ -38,7 +38,7 @@ async def traced(worker: FakeWorker | None = None, **config):
     exporter = InMemorySpanExporter()
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         app = create_app(handles)
         assert install_tracing(app, handles, exporter=exporter) is not None
@@ -186,8 +186,8 @@ async def test_a_refused_request_ends_at_the_queue_and_a_5xx_is_an_error(autojum
 def test_the_flag_and_the_standard_variable_name_the_collector(monkeypatch):
     monkeypatch.delenv(ENDPOINT_VARIABLE, raising=False)
     assert trace_endpoint(None) is None
-    assert serve_config(parse_args([])).otlp_endpoint is None
-    config = serve_config(parse_args(["--otlp-endpoint", "http://collector:4318"]))
+    assert parsed([]).otlp_endpoint is None
+    config = parsed(["--otlp-endpoint", "http://collector:4318"])
     assert config.otlp_endpoint == "http://collector:4318"
     assert trace_endpoint(config.otlp_endpoint) == "http://collector:4318/v1/traces"
     assert trace_endpoint("http://c:4318/v1/traces/") == "http://c:4318/v1/traces"
@@ -198,15 +198,15 @@ def test_the_flag_and_the_standard_variable_name_the_collector(monkeypatch):
 
 def test_a_bad_url_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--otlp-endpoint", "collector:4318"])
+        parse_options(["--otlp-endpoint", "collector:4318"])
     assert exit_.value.code == 2
     assert "--otlp-endpoint: must be an http:// or https:// URL" in capsys.readouterr().err
 
 
 def test_the_flag_without_the_packages_stops_start_up_in_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(trace_flags, "otel_installed", lambda: False)
+    monkeypatch.setattr("model.options.values.otel_installed", lambda: False)
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--otlp-endpoint", "http://localhost:4318"])
+        parse_options(["--otlp-endpoint", "http://localhost:4318"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'mlx-trio-server[otel]'" in err
@@ -216,7 +216,7 @@ _UNTRACED = textwrap.dedent(
     """
     import sys
     import trio
-    from actors.options import ServeConfig
+    from actors.options import options as serve_options
     from actors.root import start_actors
     from api.app import create_app
     from tests.fakes import FakeTokenizer, FakeWorker
@@ -224,7 +224,7 @@ _UNTRACED = textwrap.dedent(
     async def main():
         async with trio.open_nursery() as nursery:
             handles = await start_actors(
-                nursery, FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1), config=ServeConfig(),
+                nursery, FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1), options=serve_options(),
                 make_tokenizer=lambda info: FakeTokenizer(),
             )
             client = create_app(handles).test_client()

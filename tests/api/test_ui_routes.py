@@ -12,12 +12,12 @@ from pathlib import Path
 
 import trio
 
-from actors.options import ServeConfig
+from actors.options import options as serve_options
 from actors.root import start_actors
-from actors.serve import parse_args, serve_config
 from api.app import create_app
 from api.ui_routes import ASSETS, STATIC_DIR
 from tests.fakes import FakeTokenizer, FakeWorker
+from tests.helpers.options import parsed
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-ui-test"
@@ -29,7 +29,7 @@ async def server(**config):
     worker = FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(
-            nursery, worker, config=ServeConfig(**config), make_tokenizer=lambda info: FakeTokenizer()
+            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
         )
         yield create_app(handles).test_client()
         nursery.cancel_scope.cancel()
@@ -84,8 +84,8 @@ async def test_no_ui_turns_the_page_back_into_404(autojump_clock):
 
 
 def test_the_no_ui_flag_fills_serve_config():
-    assert serve_config(parse_args([])).ui is True
-    assert serve_config(parse_args(["--no-ui"])).ui is False
+    assert parsed([]).ui is True
+    assert parsed(["--no-ui"]).ui is False
 
 
 async def test_with_an_api_key_the_page_is_open_and_the_api_is_not(autojump_clock):

@@ -173,23 +173,29 @@ def test_ssd_cache_requires_the_ram_tier(qwen3_dir, tmp_path):
 
 @pytest.mark.parametrize("flag", ["--no-ssd-verify"])
 def test_flags_parse(flag):
-    from actors.serve import parse_args
+    from tests.helpers.options import parsed
 
-    args = parse_args(
+    args = parsed(
         ["--ssd-cache", "/x", "--ssd-cache-max", "4", "--ssd-spill-queue", "0", "--ssd-demote-idle", "0", flag]
     )
-    assert (args.ssd_cache, args.ssd_cache_max, args.ssd_spill_queue, args.ssd_demote_idle, args.ssd_verify) == (
+    assert (
+        args.ssd_cache_dir,
+        args.ssd_cache_max_gb,
+        args.ssd_spill_queue_gb,
+        args.ssd_demote_idle_s,
+        args.ssd_verify,
+    ) == (
         "/x",
         4.0,
         0.0,
         0.0,
         False,
     )
-    defaults = parse_args([])
+    defaults = parsed([])
     assert (
-        defaults.ssd_cache,
-        defaults.ssd_cache_max,
-        defaults.ssd_spill_queue,
-        defaults.ssd_demote_idle,
+        defaults.ssd_cache_dir,
+        defaults.ssd_cache_max_gb,
+        defaults.ssd_spill_queue_gb,
+        defaults.ssd_demote_idle_s,
         defaults.ssd_verify,
     ) == (None, 32.0, 2.0, 300.0, True)

@@ -17,7 +17,7 @@ from model.kv_quant import QuantizedKVCache
 from model.kv_rows import restorable
 from model.kv_scheme import KVScheme, LayerQuant
 from model.loader import load_model
-from model.options import EngineOptions
+from model.options import EngineOptions, KVOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
 from tests.engine_helpers import decode_to_the_end, generate_tokens
@@ -209,7 +209,8 @@ def test_per_layer_config_batched_equals_solo_and_differs_from_uniform(tiny_mode
         (config_dir / f.name).symlink_to(f)
     (config_dir / "kv_config.json").write_text('{"bits": 4, "layers": {"0": null}}')
     loaded = load_model(config_dir).model
-    scheme = kv_scheme.resolve("config", model_dir=config_dir, num_layers=len(loaded.layers), start=10)
+    options = KVOptions(kv_quant="config", quantized_kv_start=10)
+    scheme = kv_scheme.resolve(options, model_dir=config_dir, num_layers=len(loaded.layers))
     assert scheme.layer(0) is None and scheme.layer(1) == LayerQuant(4, 64)
     assert scheme.label == "mixed (kv_config.json)"
     engine = Engine(loaded, eos_token_ids=[], options=EngineOptions(prefill_chunk=2048), kv_scheme=scheme)

@@ -10,9 +10,11 @@ import pytest
 
 from actors import serve
 from actors.gpu_worker import GpuWorker
-from actors.options import ServeConfig
+from actors.options import options as serve_options
+from actors.options import parse_options
 from model.loader import load_model
 from model.resolve import model_name, resolve_model_dir
+from tests.helpers.options import parsed
 
 
 def fake_hub(tmp_path: Path, source: Path, repo: str = "models--acme--tiny-chat", commit: str = "0f1e2d3c") -> Path:
@@ -53,18 +55,18 @@ def test_the_demo_keeps_its_name(tmp_path):
 
 
 def test_served_model_name_flag():
-    config = serve.serve_config(serve.parse_args(["--served-model-name", "public", "alias"]))
+    config = parsed(["--served-model-name", "public", "alias"])
     assert config.served_model_name == ("public", "alias")
-    assert serve.serve_config(serve.parse_args([])).served_model_name == ()
-    assert ServeConfig(served_model_name=["a"]).served_model_name == ("a",)  # hashable, as the rest
+    assert parsed([]).served_model_name == ()
+    assert serve_options(served_model_name=["a"]).model.served_model_name == ("a",)  # hashable, as the rest
     for bad in (["--served-model-name"], ["--served-model-name", ""]):
         with pytest.raises(SystemExit):
-            serve.parse_args(bad)
+            parsed(bad)
 
 
 def test_the_first_served_name_names_the_loaded_model(qwen3_dir):
-    config = serve.serve_config(serve.parse_args(["--model", str(qwen3_dir), "--served-model-name", "public", "b"]))
+    config = parse_options(["--model", str(qwen3_dir), "--served-model-name", "public", "b"])
     _, worker, _ = serve._load_plan(config)
     assert isinstance(worker, GpuWorker) and worker.name == "public"  # ModelInfo.name: the log line's name
-    _, plain, _ = serve._load_plan(serve.serve_config(serve.parse_args(["--model", str(qwen3_dir)])))
+    _, plain, _ = serve._load_plan(parse_options(["--model", str(qwen3_dir)]))
     assert isinstance(plain, GpuWorker) and plain.name is None  # the loader names it

@@ -3,6 +3,7 @@ idle afterwards and real rows decode exactly as on an engine that never warmed u
 
 from __future__ import annotations
 
+import attrs
 import trio
 
 from actors.gpu_worker import GpuWorker
@@ -13,6 +14,7 @@ from model.options import EngineOptions
 from model.params import SamplingParams
 from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
+from tests.helpers.workers import gpu_worker
 
 SPECS = [RowSpec(i, (5 + i, 17, 42, 99, 3, 250 - i, 11, 7), SamplingParams(), 10) for i in range(1, 4)]
 
@@ -34,7 +36,7 @@ def test_warm_up_leaves_the_engine_idle_and_outputs_unchanged(qwen3_dir):
 
 
 async def test_worker_warms_up_when_asked_and_counts_its_time(qwen3_dir):
-    worker = GpuWorker(qwen3_dir, eos_token_ids=[], warm_up_batch=3, warm_up="on")
+    worker = gpu_worker(qwen3_dir, eos_token_ids=[], batch=3, warm_up="on")
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
@@ -52,7 +54,7 @@ async def test_worker_warms_up_when_asked_and_counts_its_time(qwen3_dir):
 
 
 async def test_auto_warm_up_skips_the_cpu(qwen3_dir):
-    worker = GpuWorker(qwen3_dir, eos_token_ids=[], warm_up_batch=3, warm_up="auto")
+    worker = gpu_worker(qwen3_dir, eos_token_ids=[], batch=3, warm_up="auto")
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
@@ -96,14 +98,19 @@ def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
 
 
 async def test_prefill_bucket_flag_reaches_the_engine(qwen3_dir):
-    from actors.options import ServeConfig
-    from actors.serve import _load_plan, parse_args
+    from actors.options import options as serve_options
+    from actors.options import parse_options
+    from actors.serve import _load_plan
 
-    args = parse_args(["--prefill-bucket", "16"])
-    assert args.prefill_bucket == 16 and parse_args([]).prefill_bucket == 0
-    _, planned, _ = _load_plan(ServeConfig(model=str(qwen3_dir), prefill_bucket=args.prefill_bucket))
-    assert planned.engine_options.prefill_bucket == 16
-    worker = GpuWorker(qwen3_dir, eos_token_ids=[], engine_options=planned.engine_options)
+    args = parse_options(["--prefill-bucket", "16"])
+    assert args.engine.prefill_bucket == 16 and parse_options([]).engine.prefill_bucket == 0
+    _, planned, _ = _load_plan(serve_options(model=str(qwen3_dir), prefill_bucket=args.engine.prefill_bucket))
+    assert isinstance(planned, GpuWorker) and planned.options.engine.prefill_bucket == 16
+    worker = GpuWorker(
+        qwen3_dir,
+        attrs.evolve(planned.options, caches=attrs.evolve(planned.options.caches, prompt_cache_gb=0)),
+        eos_token_ids=[],
+    )
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)

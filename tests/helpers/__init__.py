@@ -1,0 +1,1 @@
+"""Helpers the test modules share (instead of importing from each other)."""
