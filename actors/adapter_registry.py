@@ -129,6 +129,7 @@ def ceiling_with_adapters(ceiling: AdmissionCeiling, info: ModelInfo, adapter_by
         weights_bytes=ceiling.weights_bytes,
         kv_bytes_per_token=info.kv_bytes_per_token,
         context_length=info.context_length,
+        transient_bytes=ceiling.transient_bytes,
         kv_quant_ratio=info.kv_quant_ratio,
         kv_quantized_from=info.kv_quantized_from,
         adapter_bytes=adapter_bytes,

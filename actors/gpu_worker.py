@@ -47,6 +47,7 @@ from model.errors import ModelLoadError
 from model.kv_scheme import KVScheme
 from model.kv_scheme import resolve as resolve_kv_scheme
 from model.options import ServerOptions
+from model.prefill_memory import prefill_transient_bytes
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 
 if TYPE_CHECKING:  # these import MLX: only ever on the worker's thread
@@ -246,6 +247,9 @@ class GpuWorker:
             memory_bytes=_device_memory_bytes(mx),
             model_type=loaded.config.model_type,
             speculation=spec_label,
+            prefill_transient_bytes=prefill_transient_bytes(
+                loaded.config.raw, chunk=self.options.engine.prefill_chunk, dtype_bytes=loaded.kv_dtype.size
+            ),
             **loaded_fields(loaded),
             generation_defaults=tuple(
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None

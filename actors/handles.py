@@ -101,6 +101,7 @@ class ServerHandles:
                 "memory_budget_bytes": self.ceiling.memory_budget_bytes,
                 "usable_bytes": self.ceiling.usable_bytes,
                 "weights_bytes": self.ceiling.weights_bytes,
+                "prefill_transient_bytes": self.ceiling.transient_bytes,
                 "adapter_bytes": self.ceiling.adapter_bytes,
                 "max_queue": self.admission.max_queue,
                 "accepting": not self.admission.closed,

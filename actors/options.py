@@ -100,6 +100,7 @@ def resolve(options: ServerOptions, info: ModelInfo) -> Resolved:
         weights_bytes=info.weights_bytes,
         kv_bytes_per_token=info.kv_bytes_per_token,
         context_length=info.context_length,
+        transient_bytes=info.prefill_transient_bytes,
         kv_quant_ratio=info.kv_quant_ratio,
         kv_quantized_from=info.kv_quantized_from,
         state_bytes_per_row=info.state_bytes_per_row,

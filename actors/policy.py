@@ -79,9 +79,6 @@ def waiting_rows(*, pending: int, active: int, capacity: int, mode: BatchMode) -
 
 # --- memory admission ------------------------------------------------------------------------
 
-PREFILL_CHUNK_TOKENS = 2048
-PREFILL_BYTES_PER_TOKEN = 550_000  # 0.55 MB per chunk token: activations of one 2048-token chunk
-PREFILL_TRANSIENT_BYTES = PREFILL_CHUNK_TOKENS * PREFILL_BYTES_PER_TOKEN
 DEFAULT_BUDGET_FRACTION = 0.75
 
 
@@ -118,6 +115,7 @@ class AdmissionCeiling:
     memory_budget_bytes: int
     usable_bytes: int  # budget − weights − mounted adapters − prefill transient (may be negative)
     weights_bytes: int
+    transient_bytes: int  # one prefill forward's peak (the chunk in use, the model's shape)
     max_safe_context: int  # the longest one row alone may grow to: min(memory, window)
     adapter_bytes: int = 0  # the mounted LoRA adapters' weights
     context_length: int = 0  # the model's window, per row (0: not known, memory alone bounds)
@@ -179,20 +177,23 @@ def admission_ceiling(
     weights_bytes: int,
     kv_bytes_per_token: int,
     context_length: int,
+    transient_bytes: int,
     kv_quant_ratio: float = 1.0,
     kv_quantized_from: int = 0,
     adapter_bytes: int = 0,
     state_bytes_per_row: int = 0,
 ) -> AdmissionCeiling:
     """The limits of one request's rows: the model's context window per row, and the KV the
-    budget holds after weights, the mounted adapters' weights and the prefill transient, billed
-    at the scheme's true bytes (`kv_bill`); `max_safe_context` is the smaller, for one row."""
+    budget holds after weights, the mounted adapters' weights and the prefill transient
+    (`transient_bytes`: model/prefill_memory.py), billed at the scheme's true bytes (`kv_bill`);
+    `max_safe_context` is the smaller, for one row."""
     rate = KvRate(kv_bytes_per_token, kv_quant_ratio, kv_quantized_from, state_bytes_per_row)
-    usable = budget_bytes - weights_bytes - adapter_bytes - PREFILL_TRANSIENT_BYTES
+    usable = budget_bytes - weights_bytes - adapter_bytes - transient_bytes
     ceiling = AdmissionCeiling(
         memory_budget_bytes=budget_bytes,
         usable_bytes=usable,
         weights_bytes=weights_bytes,
+        transient_bytes=transient_bytes,
         max_safe_context=0,
         adapter_bytes=adapter_bytes,
         context_length=context_length,
@@ -262,6 +263,7 @@ def resolve_batch(
     weights_bytes: int,
     kv_bytes_per_token: int,
     context_length: int,
+    transient_bytes: int,
     kv_quant_ratio: float = 1.0,
     kv_quantized_from: int = 0,
     state_bytes_per_row: int = 0,
@@ -284,5 +286,5 @@ def resolve_batch(
     )
     if row_bytes <= 0:
         return AUTO_BATCH_ROWS
-    usable = budget_bytes - weights_bytes - PREFILL_TRANSIENT_BYTES
+    usable = budget_bytes - weights_bytes - transient_bytes
     return max(1, min(AUTO_BATCH_ROWS, usable // row_bytes))

@@ -60,6 +60,9 @@ class ModelInfo:
     kv_start: int = 0  # --quantized-kv-start
     # Bytes every row holds whatever its length (a hybrid model's recurrent states).
     state_bytes_per_row: int = 0
+    # One prefill forward's peak beyond weights and KV, for the chunk in use and the model's
+    # shape (model/prefill_memory.py): admission keeps it out of the KV budget.
+    prefill_transient_bytes: int = 0
     # Speculative decoding: "" = off, else "draft:<name> k=K" or "ngram k=K n=MIN..MAX".
     speculation: str = ""
     # An embedding model's pooling (sentence-transformers files): it serves /v1/embeddings only.

@@ -12,7 +12,6 @@ from actors.admission import Admission
 from actors.messages import Abort, Admitted, Enqueue, GenerationRequest, Rejected, Siblings, Submit
 from actors.options import options as serve_options
 from actors.policy import (
-    PREFILL_TRANSIENT_BYTES,
     SeedSource,
     admission_ceiling,
     batch_mode,
@@ -27,11 +26,18 @@ from model.options import ServerOptions
 from model.params import SamplingParams
 from tests.fakes import FakeTokenizer, FakeWorker
 
+# One prefill forward's transient, as the model would report it (model/prefill_memory.py).
+TRANSIENT = 2048 * 550_000
+
 
 def make_admission(*, max_safe=1000, waiting=0, max_queue=4, mode="batch"):
     sent, received = trio.open_memory_channel(math.inf)
     ceiling = admission_ceiling(
-        budget_bytes=PREFILL_TRANSIENT_BYTES + max_safe, weights_bytes=0, kv_bytes_per_token=1, context_length=10**9
+        transient_bytes=TRANSIENT,
+        budget_bytes=TRANSIENT + max_safe,
+        weights_bytes=0,
+        kv_bytes_per_token=1,
+        context_length=10**9,
     )
     admission = Admission(
         ceiling=ceiling,
@@ -50,19 +56,23 @@ def request(n=10, max_tokens=100, **kw):
 
 def test_ceiling_subtracts_weights_and_prefill_transient_and_caps_at_positions():
     c = admission_ceiling(
-        budget_bytes=10_000_000_000, weights_bytes=2_000_000_000, kv_bytes_per_token=100_000, context_length=10**9
+        transient_bytes=TRANSIENT,
+        budget_bytes=10_000_000_000,
+        weights_bytes=2_000_000_000,
+        kv_bytes_per_token=100_000,
+        context_length=10**9,
     )
     assert c.usable_bytes == 8_000_000_000 - 2048 * 550_000
     assert c.max_safe_context == c.usable_bytes // 100_000
     assert (
         admission_ceiling(
-            budget_bytes=10**12, weights_bytes=0, kv_bytes_per_token=1, context_length=4096
+            transient_bytes=TRANSIENT, budget_bytes=10**12, weights_bytes=0, kv_bytes_per_token=1, context_length=4096
         ).max_safe_context
         == 4096
     )
     assert (
         admission_ceiling(
-            budget_bytes=1, weights_bytes=10**9, kv_bytes_per_token=1, context_length=4096
+            transient_bytes=TRANSIENT, budget_bytes=1, weights_bytes=10**9, kv_bytes_per_token=1, context_length=4096
         ).max_safe_context
         == 0
     )
@@ -125,9 +135,14 @@ async def test_decisions():
 
 def _ceiling(*, memory: int, window: int, state: int = 0):
     """A budget that holds `memory` tokens of one row (1 byte a token, plus `state` bytes a row)."""
-    budget = PREFILL_TRANSIENT_BYTES + memory + state
+    budget = TRANSIENT + memory + state
     return admission_ceiling(
-        budget_bytes=budget, weights_bytes=0, kv_bytes_per_token=1, context_length=window, state_bytes_per_row=state
+        transient_bytes=TRANSIENT,
+        budget_bytes=budget,
+        weights_bytes=0,
+        kv_bytes_per_token=1,
+        context_length=window,
+        state_bytes_per_row=state,
     )
 
 

@@ -13,7 +13,6 @@ from actors.options import resolve
 from actors.policy import (
     AUTO_BATCH_ROWS,
     AUTO_ROW_CONTEXT,
-    PREFILL_TRANSIENT_BYTES,
     device_memory,
     resolve_batch,
 )
@@ -23,18 +22,25 @@ from tests.fakes import FakeTokenizer, FakeWorker
 from tests.helpers.options import parsed
 
 GB = 10**9
+# One prefill forward's transient, as the model would report it (model/prefill_memory.py).
+TRANSIENT = 2048 * 550_000
 KV = 100_000  # bytes per token
 
 
 def auto(budget: int, *, weights: int = 2 * GB, kv: int = KV, context: int = 40_960) -> int:
     return resolve_batch(
-        None, budget_bytes=budget, weights_bytes=weights, kv_bytes_per_token=kv, context_length=context
+        None,
+        budget_bytes=budget,
+        weights_bytes=weights,
+        kv_bytes_per_token=kv,
+        context_length=context,
+        transient_bytes=TRANSIENT,
     )
 
 
 def room_for(rows: int, *, weights: int = 2 * GB, context: int = AUTO_ROW_CONTEXT) -> int:
     """The budget that leaves KV room for exactly `rows` rows of `context` tokens."""
-    return weights + PREFILL_TRANSIENT_BYTES + rows * context * KV
+    return weights + TRANSIENT + rows * context * KV
 
 
 def test_auto_is_32_rows_where_their_kv_fits_and_fewer_where_it_does_not():
@@ -55,6 +61,7 @@ def test_auto_sizes_rows_by_the_models_context_when_it_is_shorter():
 
 def test_an_explicit_batch_is_kept_whatever_the_memory():
     tight = {"budget_bytes": 1, "weights_bytes": GB, "kv_bytes_per_token": KV, "context_length": 4096}
+    tight["transient_bytes"] = TRANSIENT
     assert [resolve_batch(n, **tight) for n in (1, 8, 32, 100)] == [1, 8, 32, 100]
 
 
@@ -73,7 +80,7 @@ def test_the_batch_flag_takes_auto_or_a_positive_integer():
 
 def test_batch_rows_reads_the_budget_flag_and_the_model():
     info = FakeWorker().info
-    tight = (info.weights_bytes + PREFILL_TRANSIENT_BYTES + 3 * AUTO_ROW_CONTEXT * info.kv_bytes_per_token) / 1e9
+    tight = (info.weights_bytes + info.prefill_transient_bytes + 3 * AUTO_ROW_CONTEXT * info.kv_bytes_per_token) / 1e9
     assert resolve(serve_options(), attrs.evolve(info, context_length=10**6)).batch == 32  # 0.75 x 10^12 bytes
     assert resolve(serve_options(memory_budget_gb=tight), attrs.evolve(info, context_length=10**6)).batch == 3
     assert resolve(serve_options(batch=5, memory_budget_gb=tight), info).batch == 5

@@ -18,7 +18,6 @@ from actors.options import parse_options
 from actors.options import resolve as resolve_options
 from actors.policy import (
     AUTO_ROW_CONTEXT,
-    PREFILL_TRANSIENT_BYTES,
     admission_ceiling,
     kv_bill,
     max_tokens_billed,
@@ -35,6 +34,8 @@ from tests.helpers.options import parsed
 from tests.helpers.workers import gpu_worker
 
 GB = 10**9
+# One prefill forward's transient, as the model would report it (model/prefill_memory.py).
+TRANSIENT = 2048 * 550_000
 # An 8B llama's shape: 32 layers, 8 KV heads of 128, bf16 → K and V of 32·8·128 elements, 2 bytes.
 LAYERS = 32
 FP = 2 * LAYERS * 8 * 128 * 2  # 131072 bytes per token
@@ -51,7 +52,8 @@ def scheme(mode: str, **kw) -> KVScheme:
 
 def ceiling(usable: int, ratio: float = 1.0, quantized_from: int = 0, context: int = 10**9) -> int:
     return admission_ceiling(
-        budget_bytes=usable + PREFILL_TRANSIENT_BYTES,
+        transient_bytes=TRANSIENT,
+        budget_bytes=usable + TRANSIENT,
         weights_bytes=0,
         kv_bytes_per_token=FP,
         context_length=context,
@@ -149,10 +151,11 @@ def test_auto_batch_sizes_rows_with_the_same_bill():
     def rows(ratio: float, quantized_from: int) -> int:
         return resolve_batch(
             None,
-            budget_bytes=PREFILL_TRANSIENT_BYTES + 8 * AUTO_ROW_CONTEXT * FP,
+            budget_bytes=TRANSIENT + 8 * AUTO_ROW_CONTEXT * FP,
             weights_bytes=0,
             kv_bytes_per_token=FP,
             context_length=40_960,
+            transient_bytes=TRANSIENT,
             kv_quant_ratio=ratio,
             kv_quantized_from=quantized_from,
         )
@@ -174,7 +177,7 @@ async def test_the_root_bills_admission_and_batch_with_the_models_scheme(autojum
     )
     worker = FakeWorker(info=info)
     usable = 40 * GB
-    config = serve_options(memory_budget_gb=(usable + info.weights_bytes + PREFILL_TRANSIENT_BYTES) / GB)
+    config = serve_options(memory_budget_gb=(usable + info.weights_bytes + info.prefill_transient_bytes) / GB)
     async with trio.open_nursery() as nursery:
         handles = await start_actors(nursery, worker, options=config, make_tokenizer=lambda info: FakeTokenizer())
         assert handles.ceiling.max_safe_context == ceiling(usable, KV8, FROM)
@@ -239,8 +242,11 @@ def test_a_rows_fixed_recurrent_state_is_billed_before_its_tokens():
     from actors.policy import admission_ceiling, resolve_batch
 
     kv = 1000  # bytes per token
-    plain = admission_ceiling(budget_bytes=10**10, weights_bytes=10**9, kv_bytes_per_token=kv, context_length=10**9)
+    plain = admission_ceiling(
+        transient_bytes=TRANSIENT, budget_bytes=10**10, weights_bytes=10**9, kv_bytes_per_token=kv, context_length=10**9
+    )
     hybrid = admission_ceiling(
+        transient_bytes=TRANSIENT,
         budget_bytes=10**10,
         weights_bytes=10**9,
         kv_bytes_per_token=kv,
@@ -255,6 +261,7 @@ def test_a_rows_fixed_recurrent_state_is_billed_before_its_tokens():
             weights_bytes=0,
             kv_bytes_per_token=kv,
             context_length=4096,
+            transient_bytes=TRANSIENT,
             state_bytes_per_row=state,
         )
         for state in (0, 300 * 10**6)

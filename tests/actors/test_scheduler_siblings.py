@@ -233,7 +233,7 @@ def _admission(max_safe_context: int, max_queue: int = 8, free: int = 0) -> tupl
             sent.append(message)
 
     ceiling = AdmissionCeiling(
-        memory_budget_bytes=0, usable_bytes=0, weights_bytes=0, max_safe_context=max_safe_context
+        memory_budget_bytes=0, usable_bytes=0, weights_bytes=0, transient_bytes=0, max_safe_context=max_safe_context
     )
     admission = Admission(
         ceiling=ceiling,

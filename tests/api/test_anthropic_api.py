@@ -14,7 +14,6 @@ import pytest
 import trio
 
 from actors.options import options as serve_options
-from actors.policy import PREFILL_TRANSIENT_BYTES
 from actors.root import start_actors
 from api import anthropic_routes
 from api.app import create_app
@@ -260,7 +259,9 @@ async def test_errors_use_the_anthropic_envelope(autojump_clock):
 async def test_admission_errors_keep_their_status(autojump_clock):
     worker = FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     room = 20
-    budget_gb = (worker.info.weights_bytes + PREFILL_TRANSIENT_BYTES + room * worker.info.kv_bytes_per_token) / 1e9
+    budget_gb = (
+        worker.info.weights_bytes + worker.info.prefill_transient_bytes + room * worker.info.kv_bytes_per_token
+    ) / 1e9
     async with server(worker, memory_budget_gb=budget_gb) as (client, _, _):
         response = await client.post(MESSAGES, json=body("y" * 40))
         assert response.status_code == 400

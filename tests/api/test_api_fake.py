@@ -9,7 +9,6 @@ import attrs
 import trio
 
 from actors.options import options as serve_options
-from actors.policy import PREFILL_TRANSIENT_BYTES
 from actors.root import start_actors
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
@@ -185,7 +184,9 @@ async def test_completions_stream_and_whole(autojump_clock):
 async def test_prompt_over_the_memory_budget_is_400_and_max_tokens_is_clamped(autojump_clock):
     worker = FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
     room = 20  # tokens of KV the budget leaves
-    budget_gb = (worker.info.weights_bytes + PREFILL_TRANSIENT_BYTES + room * worker.info.kv_bytes_per_token) / 1e9
+    budget_gb = (
+        worker.info.weights_bytes + worker.info.prefill_transient_bytes + room * worker.info.kv_bytes_per_token
+    ) / 1e9
     async with server(worker, memory_budget_gb=budget_gb) as (client, handles, _):
         assert handles.ceiling.max_safe_context == room
         long = await client.post("/v1/completions", json={"prompt": "x" * 25})
@@ -207,7 +208,9 @@ async def test_n_choices_share_the_memory_budget_but_each_has_the_whole_window(a
         assert [c["finish_reason"] for c in ok["choices"]] == ["length", "length"]
         assert ok["usage"]["completion_tokens"] == 2 * 24
     room = 70  # tokens of KV the budget leaves: one row of 40 + 24 fits, two do not
-    budget_gb = (worker.info.weights_bytes + PREFILL_TRANSIENT_BYTES + room * worker.info.kv_bytes_per_token) / 1e9
+    budget_gb = (
+        worker.info.weights_bytes + worker.info.prefill_transient_bytes + room * worker.info.kv_bytes_per_token
+    ) / 1e9
     async with server(worker, memory_budget_gb=budget_gb, batch=4) as (client, _, _):
         over = await client.post("/v1/completions", json=body)
         assert over.status_code == 400
