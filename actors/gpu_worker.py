@@ -38,17 +38,14 @@ import trio
 from actors.adapter_registry import mounted_for
 from actors.options import resolve
 from actors.policy import device_memory, system_memory_bytes
-from actors.speculation_setup import build_speculation, spec_choice
 from actors.tp_leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
 from model.abort_flags import AbortFlags
 from model.embedding_config import Pooling, plan_jobs
-from model.errors import ModelLoadError
-from model.kv_scheme import KVScheme
-from model.kv_scheme import resolve as resolve_kv_scheme
 from model.options import ServerOptions
 from model.prefill_memory import prefill_transient_bytes
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
+from model.speculation_setup import spec_choice
 
 if TYPE_CHECKING:  # these import MLX: only ever on the worker's thread
     from cache.prompt_cache import PromptCache
@@ -202,14 +199,13 @@ class GpuWorker:
         import mlx.core as mx
 
         from cache.prompt_cache import PromptCache
-        from model.engine import Engine
+        from model.engine_build import build_engine, eos_of, kv_scheme_for
         from model.loader import load_model
 
         self.thread_ident = threading.get_ident()
         loaded = load_model(self.model_dir, name=self.name)
-        kv_scheme = self._kv_scheme(loaded)
-        speculation, spec_label = build_speculation(self.speculation, loaded.path, kv_quantized=kv_scheme.quantized)
-        eos = self._eos if self._eos is not None else frozenset(loaded.config.eos_token_ids)
+        kv_scheme = kv_scheme_for(loaded, self.options.kv)  # (a bad kv_config.json: before anything starts)
+        eos = eos_of(loaded, self._eos)
         self.tp.start(self, loaded, eos, self._trio_token)  # (size 1: nothing)
         self.pooling = loaded.pooling
         if self.prompt_cache_bytes > 0:
@@ -218,23 +214,17 @@ class GpuWorker:
             if self.prompt_cache is None:
                 share = self.options.caches.cache_retention_share
                 self.prompt_cache = PromptCache(self.prompt_cache_bytes, retention_share=share)
-        from model.grammar import make_compiler  # structured outputs: None if llguidance is absent
-
-        grammars = make_compiler(
-            loaded.path, vocab_size=int(loaded.config.raw.get("vocab_size") or 0), eos_token_ids=eos
-        )
-        engine = Engine(
-            loaded.model,
+        built = build_engine(
+            loaded,
+            engine=self.options.engine,
+            kv_scheme=kv_scheme,
+            speculation=self.speculation,
             eos_token_ids=eos,
             protected_ids=self._protected,
             prompt_cache=self.prompt_cache,
-            grammar_compiler=grammars,
-            options=self.options.engine,
             aborts=self._aborts if self.tp.size == 1 else None,  # (a mid-forward stop cannot be mirrored)
-            kv_scheme=kv_scheme,
-            speculation=speculation,
         )
-        engine = self.tp.wrap(engine)  # --tensor-parallel: its row calls mirrored to the followers
+        engine = self.tp.wrap(built.engine)  # --tensor-parallel: its row calls mirrored to the followers
         device = mx.default_device()
         self.info = ModelInfo(
             name=loaded.name,
@@ -246,7 +236,7 @@ class GpuWorker:
             backend="cpu" if device.type != mx.gpu else "metal" if mx.metal.is_available() else "cuda",
             memory_bytes=_device_memory_bytes(mx),
             model_type=loaded.config.model_type,
-            speculation=spec_label,
+            speculation=built.speculation,
             prefill_transient_bytes=prefill_transient_bytes(
                 loaded.config.raw, chunk=self.options.engine.prefill_chunk, dtype_bytes=loaded.kv_dtype.size
             ),
@@ -388,13 +378,6 @@ class GpuWorker:
     async def run_exclusive(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the MLX thread between steps (cache maintenance, snapshots)."""
         return await self._call(fn)
-
-    def _kv_scheme(self, loaded: LoadedModel) -> KVScheme:
-        """--kv-quant for the loaded model; a bad kv_config.json fails start-up in one line."""
-        try:
-            return resolve_kv_scheme(self.options.kv, model_dir=loaded.path, num_layers=len(loaded.model.layers))
-        except ValueError as e:
-            raise ModelLoadError(str(e)) from e
 
     # -- the SSD tier: what durability / demotion need --------------------------------
 

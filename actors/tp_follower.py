@@ -51,9 +51,7 @@ def main() -> int:
 def _build(setup: Setup) -> tuple[Any, int]:
     import mlx.core as mx
 
-    from model.engine import Engine
-    from model.grammar import make_compiler
-    from model.kv_scheme import resolve as resolve_kv_scheme
+    from model.engine_build import build_engine, kv_scheme_for
     from model.loader import load_model
     from model.tensor_parallel import check_shardable, shard_model
 
@@ -61,19 +59,14 @@ def _build(setup: Setup) -> tuple[Any, int]:
     group = mx.distributed.init(strict=True, backend="ring")
     check_shardable(loaded.model, group.size())
     shard_model(loaded.model, group)  # type: ignore[arg-type]  # (checked: a DecoderModel)
-    kv_scheme = resolve_kv_scheme(setup.kv, model_dir=loaded.path, num_layers=len(loaded.model.layers))
-    grammars = make_compiler(
-        loaded.path, vocab_size=int(loaded.config.raw.get("vocab_size") or 0), eos_token_ids=setup.eos_token_ids
-    )
-    engine = Engine(
-        loaded.model,
+    built = build_engine(
+        loaded,
+        engine=setup.engine_options,
+        kv_scheme=kv_scheme_for(loaded, setup.kv),
         eos_token_ids=setup.eos_token_ids,
         protected_ids=setup.protected_ids,
-        grammar_compiler=grammars,
-        options=setup.engine_options,
-        kv_scheme=kv_scheme,
     )
-    return engine, group.rank()
+    return built.engine, group.rank()
 
 
 def _serve(engine: Any, commands: IO[bytes], acks: IO[bytes]) -> int:

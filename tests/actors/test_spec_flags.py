@@ -16,7 +16,7 @@ import trio
 from actors import serve
 from actors.gpu_worker import GpuWorker
 from actors.options import parse_options
-from actors.speculation_setup import SpecChoice, spec_choice
+from model.speculation_setup import SpecChoice, spec_choice
 from actors.startup import load_failed
 from actors.worker_api import ModelInfo
 from model.errors import ModelLoadError

@@ -1,5 +1,6 @@
-"""Speculative decoding at start-up: the flags' choice (`SpecChoice`, built with the rest of the
-load plan) turned into the engine's `model.speculation.Speculation` on the worker's MLX thread.
+"""Speculative decoding at start-up: the options' choice (`SpecChoice`, resolved with the rest of
+the load plan) turned into the engine's `model.speculation.Speculation` on the MLX thread
+(model/engine_build.py).
 
 A draft model must share the target's tokenizer vocabulary (its tokens are the target's
 candidates): one that does not is refused at start-up like a bad --model. Speculation needs
@@ -21,7 +22,7 @@ from model.options import SpeculationOptions
 if TYPE_CHECKING:
     from model.speculation import Speculation
 
-log = logging.getLogger("actors.gpu_worker")
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
