@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from model.embedding_config import Pooling
-from model.kv_scheme import KVScheme
+from model.kv.scheme import KVScheme
 from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.vision.preprocess import ImageProcessorConfig
 
@@ -49,7 +49,7 @@ class ModelInfo:
     # generation_config.json sampling defaults the checkpoint ships (only the keys it gives).
     generation_defaults: tuple[tuple[str, float], ...] = ()
     model_type: str = ""  # config.json's model_type (tool-call format detection falls back on it)
-    # The KV cache's storage (model/kv_scheme.py). `kv_bytes_per_token` stays the full-precision
+    # The KV cache's storage (model/kv/scheme.py). `kv_bytes_per_token` stays the full-precision
     # rate; a quantized row costs `kv_quant_ratio` of it per token once it is past
     # `kv_quantized_from` positions (0 = never quantized): actors/policy.py `kv_bill`.
     kv_scheme: str = "bf16"  # its label

@@ -39,7 +39,7 @@ from model import engine as engine_module  # noqa: E402
 from model.compiled_decode import CompiledDecode  # noqa: E402
 from model.decoder import DecoderModel  # noqa: E402
 from model.engine import Engine  # noqa: E402
-from model.kv_cache import make_caches  # noqa: E402
+from model.kv.cache import make_caches  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.options import EngineOptions  # noqa: E402
 from model.params import SamplingParams  # noqa: E402

@@ -1,4 +1,4 @@
-"""Compile the CUDA kernels of model/quant_kernel.py and model/kv_quant_kernel.py with nvcc, as
+"""Compile the CUDA kernels of model/quant_kernel.py and model/kv/quant_kernel.py with nvcc, as
 MLX's `mx.fast.cuda_kernel` would build them (its default header + ours + the generated
 signature + the body), for sm_90a, without a GPU: syntax, templates and register use per
 configuration (ptxas -v: registers, spills, shared memory).
@@ -116,7 +116,7 @@ def main() -> int:
                 failed += 1
                 print(log[-3000:])
     if args.only in (None, "attn"):
-        from model import kv_quant_kernel
+        from model.kv import quant_kernel as kv_quant_kernel
 
         for name, header, body, inputs, outputs in kv_quant_kernel.compile_check_sources(args.quick):
             ok, log = compile_one(args.out / f"{name}.cu", build(name, header, body, inputs, outputs), args.mlx_src)

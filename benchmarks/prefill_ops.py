@@ -29,7 +29,7 @@ import mlx.nn as nn  # noqa: E402
 
 from benchmarks.synth_fast import SHAPES  # noqa: E402
 from model.decoder import swiglu  # noqa: E402
-from model.kv_cache import make_caches  # noqa: E402
+from model.kv.cache import make_caches  # noqa: E402
 from model.loader import load_model  # noqa: E402
 
 

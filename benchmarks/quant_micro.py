@@ -7,7 +7,7 @@ bandwidth roofline of the weight bytes each reads.
 Dense shapes: the Llama-3-8B linears (q, k/v, o, gate/up, down, LM head); `--search` times every
 tiling per shape at 32 rows first (quant_kernel.tune). `--moe`: Qwen3-30B-A3B's expert products
 (128 experts, top 8) for 2-64 tokens, sorted pairs, ours vs `gather_qmm(sorted_indices=True)`.
-`--kv`: decode attention over 4k/16k-token caches, 8-bit and 4-bit (model/kv_quant_kernel.py)
+`--kv`: decode attention over 4k/16k-token caches, 8-bit and 4-bit (model/kv/quant_kernel.py)
 against bf16 SDPA over a bf16 cache and the quantized cache's dequantizing path.
 """
 
@@ -128,9 +128,9 @@ def moe(args: argparse.Namespace) -> dict:
 def kv(args: argparse.Namespace) -> dict:
     """Decode attention at B=8, 32/8 heads, head_dim 128: bf16 SDPA over a bf16 cache ("off"),
     the quantized cache's previous CUDA path (dequantize, then matmuls) and our fused kernel."""
-    from model import kv_quant_kernel
-    from model.kv_quant import quantized_attention
-    from model.kv_scheme import LayerQuant
+    from model.kv import quant_kernel as kv_quant_kernel
+    from model.kv.quant import quantized_attention
+    from model.kv.scheme import LayerQuant
 
     out: dict = {}
     B, hq, hkv, D = 8, 32, 8, 128

@@ -30,7 +30,7 @@ import cache.ssd_store as ssd_store  # noqa: E402
 from cache.ssd_identity import Identity  # noqa: E402
 from cache.ssd_store import SsdStore  # noqa: E402
 from cache.tiered import TieredPromptCache, spill_item  # noqa: E402
-from model.kv_cache import KVCache  # noqa: E402
+from model.kv.cache import KVCache  # noqa: E402
 
 
 def import_variants(count: int, shape: tuple[int, ...]) -> dict:

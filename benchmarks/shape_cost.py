@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from model.kv_cache import make_caches  # noqa: E402
+from model.kv.cache import make_caches  # noqa: E402
 from model.loader import load_model  # noqa: E402
 
 

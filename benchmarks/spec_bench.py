@@ -29,7 +29,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.engine import Engine  # noqa: E402
-from model.kv_cache import make_caches  # noqa: E402
+from model.kv.cache import make_caches  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.params import SamplingParams  # noqa: E402
 from model.rows import RowSpec  # noqa: E402

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 
 from cache.prefix_match import common_prefix_length
-from model.kv_cache import KVCache
+from model.kv.cache import KVCache
 from model.options import CacheOptions
 from model.options.flags import default_of
 

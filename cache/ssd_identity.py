@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-from model.kv_scheme import dtype_label
+from model.kv.scheme import dtype_label
 
 _WEIGHT_SAMPLES = 16
 _SAMPLE_BYTES = 4096

@@ -1,7 +1,7 @@
 """The prompt cache with an SSD tier under it: what the engine is given when `--ssd-cache` is on.
 
 `TieredPromptCache` is a `PromptCache` (same take / put / find_exact / stats / on_put): the
-engine sees either as a `model.kv_cache.PrefixCache`. What it adds, all on the GPU-worker thread:
+engine sees either as a `model.kv.cache.PrefixCache`. What it adds, all on the GPU-worker thread:
 
 * `take` tiers: the SSD entry wins only with a strictly longer usable prefix than the best RAM
   entry (and at least `min_restore_tokens`); it is read, verified, turned into owned KV caches
@@ -30,9 +30,9 @@ from cache.prompt_cache import RETENTION_SHARE, EntryKey, PromptCache
 from cache.spill_item import KV, LAYER_TENSORS, QKV, LayerMeta, SpillItem, SpillTensor
 from cache.ssd_index import IndexEntry
 from cache.ssd_store import SsdStore, TensorSpec
-from model.kv_cache import KVCache
-from model.kv_quant import QuantizedKVCache
-from model.kv_scheme import LayerQuant
+from model.kv.cache import KVCache
+from model.kv.quant import QuantizedKVCache
+from model.kv.scheme import LayerQuant
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +124,11 @@ def spill_item(namespace: str, tokens: Sequence[int], caches: Sequence[Any]) -> 
     n = len(tokens)
     layers, tensors = [], []
     for i, cache in enumerate(caches):
-        if type(cache) not in (KVCache, QuantizedKVCache) or cache.offset != n:
+        kind = cache.spill_kind
+        if kind not in (KV, QKV) or cache.offset != n:
             return None
         if cache.keys is None or cache.values is None:
             return None
-        kind = KV if type(cache) is KVCache else QKV
         names = tuple(f"l{i}.{suffix}" for suffix in LAYER_TENSORS[kind])
         arrays = [cache.keys, cache.values] if kind == KV else [*cache.keys, *cache.values]
         for name, full in zip(names, arrays):

@@ -11,7 +11,7 @@ import mlx.nn as nn
 from model import lora
 from model.decoder import DecoderLayer, DecoderModel
 from model.fused_projections import fuse_projections
-from model.kv_cache import LayerCache
+from model.kv.cache import LayerCache
 from model.lora_delta import PACKED_KEYS
 
 # What a compiled stage takes per layer: {"p": its parameters, "h": its hidden arrays (fused

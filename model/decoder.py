@@ -19,9 +19,8 @@ import mlx.nn as nn
 
 from model.kernels import cpu_attention, cpu_swiglu, unfused_attention
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
-from model.kv_cache import LayerCache
-from model.kv_mixed import ATTENDING_CACHES
-from model.language_model import AfterLayer, LanguageModel
+from model.kv.cache import LayerCache
+from model.language_model import AfterLayer, Capabilities, LanguageModel
 from model.lora_delta import fused_product
 
 # A decode step of at most this many rows multiplies by a layer's fused q/k/v (and gate/up)
@@ -174,10 +173,7 @@ class Attention(nn.Module):
         self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any, cache: LayerCache
     ) -> mx.array:
         """Store the step's keys and values in `cache`, then attend over everything it holds."""
-        if isinstance(cache, ATTENDING_CACHES):  # quantized storage: the cache runs the attention
-            return cache.attend(queries, keys, values, self.scale, mask, self.attend)
-        keys, values = cache.update_and_fetch(keys, values)
-        return self.attend(queries, keys, values, mask)
+        return cache.attend(queries, keys, values, self.scale, mask, self.attend)
 
     # The three stages, split so a compiled decode step (model/compiled_decode.py) can run the
     # shape-stable ones fused and only the cache update + attention eagerly.
@@ -273,6 +269,10 @@ class DecoderBody(nn.Module):
 
 
 class DecoderModel(LanguageModel):
+    # The shared decoder's blocks are the ones the compiled decode, the fused projections and
+    # tensor parallelism are written for.
+    capabilities = Capabilities(compiled_decode=True, fused_projections=True, sharding=True)
+
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.args = args

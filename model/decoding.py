@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 import attrs
 import mlx.core as mx
 
-from model.kv_cache import KVCache
+from model.kv.cache import KVCache
 from model.rows import TokenOut, TopLogprob
 from model.sampling import RowSampler, logprobs_of, observe_batch
 

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from model.embedding_config import Pooling
-from model.kv_cache import KVCache
+from model.kv.cache import KVCache
 from model.language_model import LanguageModel
 
 PREFILL_CHUNK = 2048

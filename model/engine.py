@@ -23,7 +23,7 @@ is read from the cache offset, never assumed: when it cannot be matched to known
 
 Prefill shapes (CUDA): group prefills round to recurring buckets, a prefill after a hit runs its
 attention unfused, a cold solo prompt keeps mlx-lm's exact width (model/options/groups.py says why).
-KV quantization (model/kv_scheme.py, model/kv_rows.py): a row's caches turn quantized after the
+KV quantization (model/kv/scheme.py, model/kv/rows.py): a row's caches turn quantized after the
 forward that reaches its conversion point; a prefill chunk ends there.
 """
 
@@ -41,9 +41,9 @@ from model.adapters import AdapterInfo, AdapterSet
 from model.compiled_decode import CompiledDecode
 from model.decoder import DecoderModel
 from model.decoding import Inflight, Row, read, record, sample_batch, sample_row
-from model.kv_cache import BatchKVCache, KVCache, LayerCache, PrefixCache
-from model.kv_rows import convert_at, is_merged, merge_batch, quantize_due, quantize_due_rows
-from model.kv_scheme import KVScheme
+from model.kv.cache import BatchKVCache, KVCache, LayerCache, PrefixCache
+from model.kv.rows import convert_at, is_merged, merge_batch, quantize_due, quantize_due_rows
+from model.kv.scheme import KVScheme
 from model.language_model import LanguageModel
 from model.options import EngineOptions, padding, resolve_engine
 from model.prefill_abort import forward_unless_aborted
@@ -95,7 +95,7 @@ class Engine:
         grammar_compiler: GrammarCompiler | None = None,  # enforces SamplingParams.constraint
         options: EngineOptions = EngineOptions(),
         aborts: AbortFlags | None = None,  # rows to stop prefilling (set from another thread)
-        kv_scheme: KVScheme = KVScheme(),  # how the rows' KV is stored (model/kv_scheme.py)
+        kv_scheme: KVScheme = KVScheme(),  # how the rows' KV is stored (model/kv/scheme.py)
         speculation: Speculation | None = None,  # drafts verified when the batch holds one row
     ) -> None:
         self.model = model
@@ -108,7 +108,11 @@ class Engine:
         self.aborts = aborts if aborts is not None else AbortFlags()
         self.kv_scheme = kv_scheme
         # (Quantized rows turn at exact positions; recurrent states cannot take drafts back.)
-        can = not kv_scheme.quantized and all(c.is_trimmable() for c in model.make_caches())
+        can = (
+            model.capabilities.speculation
+            and not kv_scheme.quantized
+            and all(c.is_trimmable() for c in model.make_caches())
+        )
         self.speculator = Speculator(speculation) if speculation and can else None
         self.adapters = AdapterSet(model)  # LoRA adapters mounted at runtime (model/adapters.py)
         self._gpu, self._heads = gpu, model.attention_heads
@@ -128,8 +132,10 @@ class Engine:
         self.prefill_tokens = 0  # prompt tokens forwarded by prefill (a join feeds the last; a fork none)
         self._cuda = cuda
         self._compiled: CompiledDecode | None = None
-        if self.options.compile_decode and isinstance(self.model, DecoderModel):
-            self._compiled = CompiledDecode(self.model, fuse=self._cuda)  # (adapters: model/lora.py)
+        capable = model.capabilities
+        if self.options.compile_decode and capable.compiled_decode:
+            fuse = self._cuda and capable.fused_projections  # (adapters: model/lora.py)
+            self._compiled = CompiledDecode(cast(DecoderModel, self.model), fuse=fuse)
 
     # -- row lifecycle ---------------------------------------------------------------------
 

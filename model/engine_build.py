@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from model.errors import ModelLoadError
-from model.kv_scheme import KVScheme
-from model.kv_scheme import resolve as resolve_kv_scheme
+from model.kv.scheme import KVScheme
+from model.kv.scheme import resolve as resolve_kv_scheme
 from model.options import EngineOptions, KVOptions
 from model.speculation_setup import SpecChoice, build_speculation
 

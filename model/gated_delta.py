@@ -3,7 +3,7 @@ path, which mlx-lm itself takes off Metal), so greedy tokens equal mlx_lm.genera
 
 Per token: a causal depthwise convolution over the q/k/v projections (its last kernel-1 inputs are
 state), L2-normalized q and k, then the delta rule on a per-head [Dv, Dk] matrix decayed by a
-learned gate. The state lives in a `StateCache` / `BatchStateCache` (model/kv_state.py).
+learned gate. The state lives in a `StateCache` / `BatchStateCache` (model/kv/state.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.kv_state import StateCache
+from model.kv.state import StateCache
 
 
 @attrs.frozen
@@ -128,11 +128,7 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
-        B, S, _ = x.shape
-        if isinstance(cache, StateCache) and B > 1 and S > 1:
-            # A group prefill: rows may be right-padded, so each row's own state is recomputed
-            # from this input when it is split off (StateCache.row).
-            cache.replay = (self._replay, x, cache.clone())
+        cache.before_forward(self._replay, x)  # (a group prefill keeps its input: StateCache.row)
         return self.forward(x, cache)
 
     def _replay(self, x: mx.array, cache: StateCache) -> None:

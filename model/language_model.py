@@ -8,14 +8,27 @@ follow the checkpoint, so `load_weights` fills it by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.kv_cache import KVCache, LayerCache
+from model.kv.cache import KVCache, LayerCache, SoloCache
 
 # `after_layer(index, hidden)`: called by a forward after each of its blocks.
 AfterLayer = Callable[[int, mx.array], None]
+
+
+@attrs.frozen
+class Capabilities:
+    """What a family's model can take part in, declared by its class (the engine and the
+    tensor-parallel code read it; they never recognise a family by its class)."""
+
+    compiled_decode: bool = False  # decode steps as compiled stages (model/compiled_decode.py)
+    fused_projections: bool = False  # q/k/v and gate/up fused for decode on CUDA (model/fused_projections.py)
+    sharding: bool = False  # split across tensor-parallel ranks (model/tensor_parallel.py)
+    speculation: bool = True  # drafts verified and taken back (its caches can be trimmed)
 
 
 class LanguageModel(nn.Module):
@@ -23,7 +36,11 @@ class LanguageModel(nn.Module):
 
     The LM head is separate so callers project only the positions they sample from (a prefill
     chunk never materializes an [L, vocab] transient). `caches` holds one KV cache per layer.
+    `capabilities` says what the family's model can take part in (none of the optional paths by
+    default: a family's own blocks serve through the plain forward).
     """
+
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __call__(
         self,
@@ -53,7 +70,7 @@ class LanguageModel(nn.Module):
         """Query heads per layer: sizes a prefill's attention scores."""
         raise NotImplementedError
 
-    def make_caches(self) -> list[LayerCache]:
+    def make_caches(self) -> list[SoloCache]:
         """Fresh caches for one row, one per layer (a family with sliding layers overrides it)."""
         return [KVCache() for _ in self.layers]
 

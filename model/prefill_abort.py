@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from model.abort_flags import AbortFlags
-from model.kv_cache import LayerCache
+from model.kv.cache import LayerCache
 
 if TYPE_CHECKING:
     from model.decoding import Row

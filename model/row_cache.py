@@ -2,7 +2,7 @@
 
 Keys are exact token tuples, namespaced by the KV scheme's `cache_key` (entries of one scheme
 never serve another), and a restore must hold what the row's own cold run would
-(`model.kv_rows.restorable`): anything else is a miss, never a different result.
+(`model.kv.rows.restorable`): anything else is a miss, never a different result.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from model.kv_cache import KVCache, PrefixCache
-from model.kv_rows import restorable
-from model.kv_scheme import KVScheme
+from model.kv.cache import PrefixCache, SoloCache
+from model.kv.rows import restorable
+from model.kv.scheme import KVScheme
 
 if TYPE_CHECKING:
     from model.decoding import Row
@@ -24,8 +24,8 @@ def namespaced(scheme: KVScheme, namespace: str) -> str:
 
 
 def take(
-    cache: PrefixCache | None, scheme: KVScheme, row: Row, fresh: list[KVCache], min_tokens: int = 1
-) -> tuple[list[KVCache], int]:
+    cache: PrefixCache | None, scheme: KVScheme, row: Row, fresh: list[SoloCache], min_tokens: int = 1
+) -> tuple[list[Any], int]:
     """The longest usable cached prefix of the row's prompt as its caches, or `fresh` (the
     model's own per-layer kinds: `LanguageModel.make_caches`)."""
     if cache is not None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from model import lora
 from model.decoding import Row, read, record
-from model.kv_cache import KVCache
+from model.kv.cache import SoloCache
 from model.language_model import LanguageModel
 from model.rows import TokenOut
 from model.sampling import logprobs_of
@@ -39,7 +39,7 @@ DRAFT_PREFILL_CHUNK = 2048
 class DraftState:
     """A draft model's caches for one row: `covered` known tokens, then `pending` drafts fed."""
 
-    caches: list[KVCache]
+    caches: list[SoloCache]
     covered: int = 0
     pending: int = 0
 
@@ -184,10 +184,7 @@ def speculative_step(
         samples = [cast(list[int], t.tolist()) for t in per_row]
     kept = [next((i for i in range(len(d)) if d[i] != s[i]), len(d)) for d, s in zip(drafts, samples)]
     for c in caches:
-        if isinstance(c, KVCache):
-            c.trim(k - kept[0])
-        else:
-            c.reject([n + 1 for n in kept], k + 1)
+        c.reject([n + 1 for n in kept], k + 1)
     outs: list[TokenOut] = []
     for b, (row, d, n) in enumerate(zip(rows, drafts, kept)):
         emitted = samples[b][: n + 1]

@@ -32,7 +32,7 @@ def check_shardable(model: Any, size: int) -> None:
     """Raise ValueError, saying what does not divide, when `model` cannot be split `size` ways."""
     if size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, not {size}")
-    if not isinstance(model, DecoderModel):
+    if not model.capabilities.sharding:
         raise ValueError(f"tensor parallelism supports the dense decoder families only, not {type(model).__name__}")
     a = model.args
     for name, value in (

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from model.kv_cache import STEP, KVCache
+from model.kv.cache import STEP, KVCache
 from model.language_model import LanguageModel
 from model.options import ResolvedEngine
 from model.params import SamplingParams

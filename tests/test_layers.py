@@ -128,7 +128,7 @@ def test_no_import_cycles() -> None:
 
 def test_the_checks_see_real_imports() -> None:
     """Guards the guard: the parser finds imports known to exist, so an empty result above means something."""
-    assert "model.kv_cache" in GRAPH["model.engine"]
+    assert "model.kv.cache" in GRAPH["model.engine"]
     assert "actors.messages" in GRAPH["actors.scheduler"]
     assert any(target.startswith("api.") for target in GRAPH["actors.root"])
 
@@ -148,3 +148,52 @@ def test_shipped_code_reads_only_deployment_variables() -> None:
     for path in MODULES.values():
         names |= set(re.findall(r"(?:MLX|OTEL)_[A-Z0-9_]+", path.read_text(encoding="utf-8")))
     assert names <= DEPLOYMENT_VARIABLES, sorted(names - DEPLOYMENT_VARIABLES)
+
+
+# The cache kinds model/kv/ defines: code outside it asks them through the protocol (model/kv/cache.py).
+CACHE_CLASSES = {
+    "KVCache",
+    "BatchKVCache",
+    "QuantizedKVCache",
+    "QuantizedBatchKVCache",
+    "RotatingKVCache",
+    "BatchRotatingKVCache",
+    "StateCache",
+    "BatchStateCache",
+    "MixedBatchKVCache",
+}
+# Families are recognised by what they declare (`LanguageModel.capabilities`), not by class.
+MODEL_CLASSES = {"DecoderModel"}
+
+
+def _class_tests(tree: ast.AST) -> set[str]:
+    """Names tested as classes: in isinstance/issubclass, or compared with `type(x)`."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("isinstance", "issubclass") and len(node.args) == 2:
+                found |= {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                found |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Call) and isinstance(s.func, ast.Name) and s.func.id == "type" for s in sides):
+                found |= {n.id for s in sides for n in ast.walk(s) if isinstance(n, ast.Name)}
+    return found
+
+
+def test_no_code_outside_model_kv_tests_a_caches_class_or_a_familys() -> None:
+    offenders = []
+    for module, path in MODULES.items():
+        tested = _class_tests(ast.parse(path.read_text(encoding="utf-8")))
+        kinds = tested & CACHE_CLASSES if not module.startswith("model.kv") else set()
+        families = tested & MODEL_CLASSES
+        if kinds or families:
+            offenders.append(f"{module}: {sorted(kinds | families)}")
+    assert offenders == []
+
+
+def test_the_class_test_finder_sees_class_tests() -> None:
+    """Guards the guard: each form is found."""
+    code = "isinstance(c, KVCache)\nisinstance(c, (StateCache, kv.RotatingKVCache))\ntype(c) is BatchKVCache\n"
+    assert _class_tests(ast.parse(code)) >= {"KVCache", "StateCache", "RotatingKVCache", "BatchKVCache"}
+

@@ -5,7 +5,7 @@ Its own blocks, op for op as mlx-lm's gemma3_text (greedy tokens equal mlx_lm.ge
 RMSNorm scaled by (1 + weight), embeddings scaled by sqrt(hidden), q/k norms, norms before and
 after both the attention and the GELU-tanh MLP, local layers on their own RoPE base, global ones
 on `rope_theta` with the config's scaling, scores scaled by `query_pre_attn_scalar`. Sliding
-layers keep a `RotatingKVCache` of `sliding_window` positions (model/kv_rotating.py); each cache
+layers keep a `RotatingKVCache` of `sliding_window` positions (model/kv/rotating.py); each cache
 kind builds its own mask. Admission bills every layer at full length (`kv_bytes_per_token`):
 conservative, as a sliding layer never holds more than its window.
 """
@@ -21,9 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from model.decoder import DecoderArgs, make_rope
-from model.kv_cache import KVCache, LayerCache
-from model.kv_mixed import ATTENDING_CACHES
-from model.kv_rotating import RotatingKVCache
+from model.kv.cache import KVCache, LayerCache, SoloCache
+from model.kv.rotating import RotatingKVCache
 from model.language_model import AfterLayer, LanguageModel
 
 MODEL_TYPES: tuple[str, ...] = ("gemma3_text",)
@@ -87,11 +86,7 @@ class Attention(nn.Module):
         queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
-        if isinstance(cache, ATTENDING_CACHES):  # quantized storage: the cache runs the attention
-            out = cache.attend(queries, keys, values, self.scale, mask, self.attend)
-        else:
-            keys, values = cache.update_and_fetch(keys, values)
-            out = self.attend(queries, keys, values, mask)
+        out = cache.attend(queries, keys, values, self.scale, mask, self.attend)  # (a quantized one its own way)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> mx.array:
@@ -178,7 +173,7 @@ class Gemma3TextModel(LanguageModel):
         cap = self.args.final_logit_softcapping
         return out if cap is None else mx.tanh(out / cap) * cap
 
-    def make_caches(self) -> list[LayerCache]:
+    def make_caches(self) -> list[SoloCache]:
         window = self.args.sliding_window
         return [KVCache() if self.args.is_global(i) else RotatingKVCache(window) for i in range(len(self.layers))]
 

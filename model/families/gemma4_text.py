@@ -6,7 +6,7 @@ RMSNorms; `layer_types` name layers sliding or full; full ones have their own he
 values are RMS-normalized, scores unscaled, each block scaled by its `layer_scalar`. Small models
 add per-layer inputs (a token embedding per layer gating a last residual branch) and KV sharing:
 the last `num_kv_shared_layers` layers attend over the KV of the last unshared layer of their
-kind (model/kv_shared.py), so only unshared layers have caches. Not served, refused at load: MoE
+kind (model/kv/shared.py), so only unshared layers have caches. Not served, refused at load: MoE
 blocks (`enable_moe_block`) and bidirectional attention.
 """
 
@@ -23,9 +23,9 @@ import mlx.nn as nn
 from model.decoder import rope_for
 from model.errors import ModelLoadError
 from model.families import gemma3_text
-from model.kv_cache import KVCache, LayerCache
-from model.kv_rotating import RotatingKVCache
-from model.kv_shared import KVShare, SharingAttention
+from model.kv.cache import KVCache, LayerCache, SoloCache
+from model.kv.rotating import RotatingKVCache
+from model.kv.shared import KVShare, SharingAttention
 from model.language_model import AfterLayer, LanguageModel
 
 MODEL_TYPES: tuple[str, ...] = ("gemma4_text", "gemma4")
@@ -122,7 +122,7 @@ class Block(nn.Module):
         self.layer_scalar = mx.ones((1,))
 
     def __call__(
-        self, x: mx.array, mask: Any, cache: LayerCache, per_layer: mx.array | None, shared: KVShare | None
+        self, x: mx.array, mask: Any, cache: LayerCache | None, per_layer: mx.array | None, shared: KVShare | None
     ) -> tuple[mx.array, KVShare]:
         r, shared = self.self_attn(self.input_layernorm(x), mask, cache, shared)
         h = x + self.post_attention_layernorm(r)
@@ -189,7 +189,7 @@ class Gemma4TextModel(LanguageModel):
         cap = self.args.final_logit_softcapping
         return out if cap is None else logit_softcap(cap, out)
 
-    def make_caches(self) -> list[LayerCache]:
+    def make_caches(self) -> list[SoloCache]:
         """One per unshared layer (the shared ones read their source's)."""
         a = self.args
         return [KVCache() if t == FULL else RotatingKVCache(a.sliding_window) for t in a.layer_types[: a.first_shared]]

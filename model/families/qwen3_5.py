@@ -4,7 +4,7 @@ layer every `full_attention_interval`-th (or where `layer_types` says "full_atte
 Its own blocks, op for op as mlx-lm's qwen3_5 (greedy tokens equal mlx_lm.generate's): full
 attention is Qwen3's with q/k norms, RoPE over `partial_rotary_factor` of each head, and an
 output gate (q_proj yields queries and a sigmoid gate per head). Linear layers keep a fixed-size
-`StateCache` (model/kv_state.py), attention layers a `KVCache`. Admission bills only the attention
+`StateCache` (model/kv/state.py), attention layers a `KVCache`. Admission bills only the attention
 layers per token (`kv_bytes_per_token`); a row's fixed state is `state_bytes_per_row`.
 """
 
@@ -22,10 +22,9 @@ from model.families.common import head_dim_of, tie_embeddings
 from model.gated_delta import DeltaArgs, GatedDeltaNet
 from model.kernels import cpu_attention, unfused_attention
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
-from model.kv_cache import KVCache, LayerCache
-from model.kv_mixed import ATTENDING_CACHES
-from model.kv_state import StateCache
-from model.language_model import AfterLayer, LanguageModel
+from model.kv.cache import KVCache, LayerCache, SoloCache
+from model.kv.state import StateCache
+from model.language_model import AfterLayer, Capabilities, LanguageModel
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3_5",)
 
@@ -67,11 +66,7 @@ class Attention(nn.Module):
         keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         queries, keys = self.rope(queries, offset=cache.offset), self.rope(keys, offset=cache.offset)
-        if isinstance(cache, ATTENDING_CACHES):  # quantized storage: the cache runs the attention
-            out = cache.attend(queries, keys, values, self.scale, mask, self.attend)
-        else:
-            keys, values = cache.update_and_fetch(keys, values)
-            out = self.attend(queries, keys, values, mask)
+        out = cache.attend(queries, keys, values, self.scale, mask, self.attend)  # (a quantized one its own way)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out if gate is None else out * mx.sigmoid(gate))
 
@@ -111,6 +106,9 @@ class HybridBody(nn.Module):
 
 
 class Qwen35Model(LanguageModel):
+    # Recurrent states cannot take drafts back; its own blocks take none of the decoder's paths.
+    capabilities = Capabilities(speculation=False)
+
     def __init__(self, args: HybridArgs):
         super().__init__()
         self.args = args
@@ -152,7 +150,7 @@ class Qwen35Model(LanguageModel):
     def attention_heads(self) -> int:
         return self.args.base.num_attention_heads
 
-    def make_caches(self) -> list[LayerCache]:
+    def make_caches(self) -> list[SoloCache]:
         return [StateCache() if lin else KVCache() for lin in self.args.linear]
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

@@ -345,7 +345,7 @@ class CacheOptions:
 
 @attrs.frozen
 class KVOptions:
-    """KV cache storage: quantized or the activation dtype (model/kv_scheme.py)."""
+    """KV cache storage: quantized or the activation dtype (model/kv/scheme.py)."""
 
     kv_quant: str = option(
         "off",

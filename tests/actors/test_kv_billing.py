@@ -27,7 +27,7 @@ from actors.root import start_actors
 from actors.startup import load_failed
 from actors.worker_api import ModelInfo, kv_fields
 from model.errors import ModelLoadError
-from model.kv_scheme import KVScheme, resolve
+from model.kv.scheme import KVScheme, resolve
 from model.options import KVOptions
 from tests.fakes import FakeTokenizer, FakeWorker
 from tests.helpers.options import parsed

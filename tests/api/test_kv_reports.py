@@ -11,7 +11,7 @@ from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.worker_api import kv_fields
 from api.app import create_app
-from model.kv_scheme import resolve
+from model.kv.scheme import resolve
 from model.options import KVOptions
 from tests.fakes import FakeTokenizer, FakeWorker
 

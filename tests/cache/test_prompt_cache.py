@@ -12,7 +12,7 @@ import pytest
 
 from cache.prefix_match import common_prefix_length
 from cache.prompt_cache import PromptCache
-from model.kv_cache import KVCache
+from model.kv.cache import KVCache
 
 LAYERS = 2
 HEAD_DIM = 4

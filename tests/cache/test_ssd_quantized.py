@@ -21,10 +21,10 @@ from cache.ssd_identity import Identity
 from cache.ssd_store import QUARANTINE, SsdStore
 from cache.tiered import TieredPromptCache, spill_item
 from model.engine import Engine
-from model.kv_cache import KVCache
-from model.kv_quant import QuantizedKVCache
-from model.kv_rows import restorable
-from model.kv_scheme import LayerQuant, uniform
+from model.kv.cache import KVCache
+from model.kv.quant import QuantizedKVCache
+from model.kv.rows import restorable
+from model.kv.scheme import LayerQuant, uniform
 from model.loader import load_model
 from model.options import EngineOptions
 from model.params import SamplingParams

@@ -292,7 +292,7 @@ def test_snapshot_views_never_change_under_later_cache_writes():
     import mlx.core as mx
 
     from cache.tiered import spill_item
-    from model.kv_cache import KVCache
+    from model.kv.cache import KVCache
 
     cache = KVCache()
     cache.update_and_fetch(mx.random.normal((1, 2, 10, 4)), mx.random.normal((1, 2, 10, 4)))

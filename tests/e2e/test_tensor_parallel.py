@@ -35,7 +35,7 @@ pytestmark = [
 _SHARD_SCRIPT = """
 import json, sys
 import mlx.core as mx
-from model.kv_cache import make_caches
+from model.kv.cache import make_caches
 from model.loader import load_model
 from model.tensor_parallel import shard_model
 

@@ -1,4 +1,4 @@
-"""A NumPy emulation of model/kv_quant_kernel.py's decode attention, lane by lane: the queries'
+"""A NumPy emulation of model/kv/quant_kernel.py's decode attention, lane by lane: the queries'
 A fragments in the keys' permuted order, the keys dequantized into B fragments, mma.sync
 m16n8k16 by its fragment layout, the online softmax across the quad, the values dequantized
 into shared memory and read back by `ldmatrix.x4.trans`, P @ V from the score fragments, and the

@@ -172,7 +172,7 @@ def test_rows_closed_between_two_steps_leave_the_kv_in_one_filter_and_the_rest_s
     """Three of five rows closed together (a group finishing, or aborts) are dropped from the
     batch's KV by one filter at the next step, not one copy of the whole batch each; the rows
     left decode exactly as alone, and closing the last rows frees the batch at once."""
-    from model import kv_cache
+    from model.kv import cache as kv_cache
 
     alone = {r: solo(engine, r) for r in (3, 5)}
     got = {r: [] for r in PROMPTS}

@@ -17,7 +17,7 @@ import pytest
 from cache.prompt_cache import PromptCache
 from model.abort_flags import AbortFlags
 from model.engine import Engine
-from model.kv_cache import make_caches
+from model.kv.cache import make_caches
 from model.loader import load_model
 from model.options import EngineOptions
 from model.params import SamplingParams

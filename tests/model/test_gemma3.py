@@ -12,8 +12,8 @@ import trio
 
 from cache.prompt_cache import PromptCache
 from model.engine import Engine
-from model.kv_cache import KVCache
-from model.kv_rotating import BatchRotatingKVCache, RotatingKVCache
+from model.kv.cache import KVCache
+from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
 from model.loader import load_model
 from model.options import EngineOptions
 from model.params import SamplingParams

@@ -16,10 +16,10 @@ import pytest
 import trio
 
 from cache.prompt_cache import PromptCache
-from model import kv_scheme
 from model.errors import ModelLoadError
-from model.kv_cache import KVCache
-from model.kv_rotating import BatchRotatingKVCache, RotatingKVCache
+from model.kv import scheme as kv_scheme
+from model.kv.cache import KVCache
+from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
 from model.loader import load_model
 from model.speculation import Speculation
 from tests.engine_helpers import generate_tokens

@@ -10,12 +10,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from cache.prompt_cache import PromptCache
-from model import kv_scheme
 from model.engine import Engine
-from model.kv_cache import KVCache
-from model.kv_quant import QuantizedKVCache
-from model.kv_rows import restorable
-from model.kv_scheme import KVScheme, LayerQuant
+from model.kv import scheme as kv_scheme
+from model.kv.cache import KVCache
+from model.kv.quant import QuantizedKVCache
+from model.kv.rows import restorable
+from model.kv.scheme import KVScheme, LayerQuant
 from model.loader import load_model
 from model.options import EngineOptions, KVOptions
 from model.params import SamplingParams
@@ -224,7 +224,7 @@ def test_the_cuda_path_dequantizes_and_keeps_the_tokens(tiny_model_factory, monk
     """On CUDA attention over quantized KV (prefill chunks and decode) multiplies by dequantized
     K/V (MLX's CUDA quantized_matmul has no kernel for these products): the same tokens, solo and
     batched, here forced on CPU."""
-    from model import kv_quant
+    from model.kv import quant as kv_quant
 
     model_dir = tiny_model_factory("qwen3", **SHAPE)
     want = reference(model_dir, PROMPTS, 8, 100, 64)  # 64-token chunks after turning at 128

@@ -1,4 +1,4 @@
-"""Decode attention over a quantized KV cache on CUDA (model/kv_quant_kernel.py), on a CUDA GPU
+"""Decode attention over a quantized KV cache on CUDA (model/kv/quant_kernel.py), on a CUDA GPU
 only: it equals softmax attention over the dequantized keys and values within bf16 rounding for
 4/8 bits, every group size, GQA groups of 1-16, caches that are views of larger buffers, left
 padding and several chunks; a row's output does not depend on its batch or its padding; the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from model import kv_quant_kernel
-from model.kv_quant import QuantizedBatchKVCache, QuantizedKVCache, quantized_attention
-from model.kv_scheme import LayerQuant
+from model.kv import quant_kernel as kv_quant_kernel
+from model.kv.quant import QuantizedBatchKVCache, QuantizedKVCache, quantized_attention
+from model.kv.scheme import LayerQuant
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="CUDA kernels: needs an NVIDIA GPU")
 

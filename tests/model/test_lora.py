@@ -18,7 +18,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from model import lora
 from model.engine import Engine
-from model.kv_cache import KVCache
+from model.kv.cache import KVCache
 from model.language_model import LanguageModel
 from model.loader import load_model
 from model.options import EngineOptions

@@ -14,8 +14,8 @@ from cache.prompt_cache import PromptCache
 from model.engine import Engine
 from model.families.qwen3_5 import linear_layers
 from model.gated_delta import GatedDeltaNet
-from model.kv_cache import BatchKVCache, KVCache
-from model.kv_state import BatchStateCache, StateCache
+from model.kv.cache import BatchKVCache, KVCache
+from model.kv.state import BatchStateCache, StateCache
 from model.loader import load_model
 from model.options import EngineOptions
 from model.params import SamplingParams

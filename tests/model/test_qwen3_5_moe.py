@@ -15,8 +15,8 @@ from cache.prompt_cache import PromptCache
 from model.errors import ModelLoadError
 from model.families.qwen3_next import FusedGatedDeltaNet
 from model.gated_delta import GatedDeltaNet
-from model.kv_cache import KVCache
-from model.kv_state import StateCache
+from model.kv.cache import KVCache
+from model.kv.state import StateCache
 from model.loader import load_model
 from model.moe import QuantizedSwitchLinear, SharedExpertMoeBlock, SwitchLinear
 from tests.engine_helpers import decode_to_the_end, generate_tokens

@@ -8,7 +8,7 @@ import trio
 
 from actors.gpu_worker import GpuWorker
 from model.engine import Engine
-from model.kv_cache import KVCache
+from model.kv.cache import KVCache
 from model.loader import load_model
 from model.options import EngineOptions
 from model.params import SamplingParams

@@ -1,5 +1,5 @@
 """Decode attention over a quantized KV cache on CUDA, without dequantizing the cache: one fused
-kernel reads the 4/8-bit keys and values with their scales and biases (model/kv_quant.py's
+kernel reads the 4/8-bit keys and values with their scales and biases (model/kv/quant.py's
 triples, `mx.quantize` layout along the head dimension), and a second adds up its chunks.
 
 Flash-decoding, split along the positions: each warp owns a chunk of `CHUNK` positions of one
@@ -18,7 +18,7 @@ Each chunk writes its running max, sum and unnormalized output (float32); the se
 combines a (row, head)'s chunks in order. Chunks start at the row's first position and their size
 does not depend on the batch, so a row's output does not depend on the rows decoding with it (nor
 on its left padding). Everything else (prefill, head_dim other
-than 128, more than 16 query heads per KV head, Metal, CPU) keeps model/kv_quant.py's path.
+than 128, more than 16 query heads per KV head, Metal, CPU) keeps model/kv/quant.py's path.
 """
 
 from __future__ import annotations

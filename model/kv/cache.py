@@ -10,7 +10,7 @@ buffers: cheap, and writes to either side never show through to the other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -43,8 +43,29 @@ def _grow(store: mx.array | None, used: int, incoming: mx.array) -> mx.array:
     return mx.concatenate([store, fresh], axis=2)
 
 
+# A layer's own attention: (queries, keys, values, mask) -> attended. A cache that stores its KV in
+# another form (quantized) attends itself instead.
+Attend = Callable[[mx.array, mx.array, mx.array, Any], mx.array]
+
+
 class KVCache:
     """One sequence's keys/values for one layer; trimmable; `offset` is an int."""
+
+    # How the SSD tier stores it ("kv": keys and values in the activation dtype); None: it is
+    # not stored there (a sliding window, a batch, a recurrent state).
+    spill_kind: str | None = "kv"
+
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, attend: Attend
+    ) -> mx.array:
+        """Store the step's keys and values, then attend over everything the cache holds."""
+        stored_keys, stored_values = self.update_and_fetch(keys, values)
+        return attend(queries, stored_keys, stored_values, mask)
+
+    def reject(self, kept: Sequence[int], fed: int) -> None:
+        """Drop the draft positions a verification did not keep: of the `fed` positions the last
+        forward stored, the first `kept[0]` stay (one row)."""
+        self.trim(fed - kept[0])
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -116,6 +137,15 @@ class KVCache:
 
 class BatchKVCache:
     """Left-padded rows for one layer. `offset[i]` = row i's next position; `_idx` = slots used."""
+
+    spill_kind: str | None = None
+
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, attend: Attend
+    ) -> mx.array:
+        """Store the step's keys and values, then attend over everything the cache holds."""
+        stored_keys, stored_values = self.update_and_fetch(keys, values)
+        return attend(queries, stored_keys, stored_values, mask)
 
     def __init__(self, left_padding: Sequence[int]) -> None:
         self.keys: mx.array | None = None
@@ -331,9 +361,45 @@ class BatchKVCache:
         return solo
 
 
-# One layer's cache, for a solo row or a batch: what a model's forward updates (the quantized
-# kinds of model/kv_quant.py meet the same interface).
-LayerCache = Any
+class LayerCache(Protocol):
+    """One layer's cache, for a solo row or a batch, of any kind in model/kv/ (full-precision,
+    quantized, sliding-window, mixed, recurrent state): what every kind answers. An attention
+    layer's cache is an `LayerCache`. Kind-specific work (merging rows, quantizing, judging a
+    restored prefix) lives in model/kv/ and dispatches there, so no code outside it tests a
+    cache's class (tests/test_layers.py checks)."""
+
+    spill_kind: str | None  # how the SSD tier stores it ("kv", "qkv"), None when it cannot
+
+    @property
+    def offset(self) -> Any: ...  # positions held: an int for a solo row, an array for a batch
+
+    @property
+    def state(self) -> list[mx.array]: ...  # the arrays to evaluate
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def make_mask(self, N: int) -> Any: ...  # the attention mask for a forward of N positions
+
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, attend: Attend
+    ) -> mx.array:
+        """Store a step's keys and values, then attend over all it holds (a quantized kind in its
+        own way, through its packed values; a recurrent state refuses: its layer is not attention)."""
+        ...
+
+
+class SoloCache(LayerCache, Protocol):
+    """One row's cache of a layer (what a model's `make_caches` gives; a batch's kinds merge
+    them, model/kv/rows.py)."""
+
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int: ...  # drop the last n positions; the number dropped
+
+    def clone(self) -> Any: ...  # an independent cache of the same positions (a snapshot)
+
+    def row(self, i: int, length: int) -> Any: ...  # row i's first `length` positions, alone
 
 
 def make_caches(num_layers: int) -> list[KVCache]:

@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from model.kv_cache import BatchKVCache, KVCache
-from model.kv_mixed import MixedBatchKVCache
-from model.kv_quant import QuantizedKVCache
-from model.kv_rotating import BatchRotatingKVCache, RotatingKVCache
-from model.kv_scheme import KVScheme
-from model.kv_state import BatchStateCache, StateCache
+from model.kv.cache import BatchKVCache, KVCache
+from model.kv.mixed import MixedBatchKVCache
+from model.kv.quant import QuantizedKVCache
+from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
+from model.kv.scheme import KVScheme
+from model.kv.state import BatchStateCache, StateCache
 
 if TYPE_CHECKING:
     from model.decoding import Row

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from model.kv_cache import STEP, BatchKVCache, KVCache
+from model.kv.cache import STEP, BatchKVCache, KVCache
 
 
 def window_mask(N: int, offset: int, window: int) -> mx.array:
@@ -32,6 +32,8 @@ def window_mask(N: int, offset: int, window: int) -> mx.array:
 
 class RotatingKVCache(KVCache):
     """One row's keys/values for a sliding layer; `offset` counts every position fed."""
+
+    spill_kind: str | None = None  # its window is not a prefix: the SSD tier cannot key it
 
     def __init__(self, max_size: int) -> None:
         super().__init__()

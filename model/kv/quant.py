@@ -1,34 +1,33 @@
 """Quantized KV caches: one row (`QuantizedKVCache`) and a left-padded batch of quantized rows
-(`QuantizedBatchKVCache`); model/kv_mixed.py batches rows that turn quantized one by one.
+(`QuantizedBatchKVCache`); model/kv/mixed.py batches rows that turn quantized one by one.
 
 Storage and attention are mlx-lm's (`QuantizedKVCache`, `quantized_scaled_dot_product_attention`):
 keys and values are `mx.quantize`d per position in groups along the head dimension, held as
 (packed, scales, biases) triples, and attention multiplies by them with `mx.quantized_matmul`.
 A row's caches turn quantized after the forward that reaches its conversion point
-(model/kv_scheme.py); until then it is an ordinary `KVCache`. In a batch, rows before and after
+(model/kv/scheme.py); until then it is an ordinary `KVCache`. In a batch, rows before and after
 that point decode together: `MixedBatchKVCache` keeps each kind in a left-padded batch of its own
 and runs attention per kind on that kind's rows, so every row computes exactly what it would alone.
 
 These caches attend themselves (`attend`): the model hands them the step's queries, keys and
 values instead of calling the fused attention kernel. On CUDA a decode step (one query per row)
-attends with model/kv_quant_kernel.py's fused kernel, which reads the quantized bytes directly.
+attends with model/kv/quant_kernel.py's fused kernel, which reads the quantized bytes directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from model import kv_quant_kernel
-from model.kv_cache import STEP, KVCache, causal_mask
-from model.kv_scheme import LayerQuant
+from model.kv import quant_kernel as kv_quant_kernel
+from model.kv.cache import STEP, Attend, KVCache, causal_mask
+from model.kv.scheme import LayerQuant
 
 # (packed uint32, scales, biases): one quantized tensor.
 QTriple = tuple[mx.array, mx.array, mx.array]
 # Full-precision attention (queries, keys, values, mask) -> out: the model's own.
-Attend = Callable[[mx.array, mx.array, mx.array, Any], mx.array]
 
 
 def quantize(x: mx.array, quant: LayerQuant) -> QTriple:
@@ -88,7 +87,7 @@ def quantized_attention(
 
 def _grow(store: QTriple | None, used: int, incoming: QTriple) -> QTriple:
     """`store`'s first `used` positions with room for `incoming`, capacity a multiple of STEP
-    (as model/kv_cache.py grows full-precision buffers)."""
+    (as model/kv/cache.py grows full-precision buffers)."""
     n = incoming[0].shape[2]
     if store is None:
         cap = -(-n // STEP) * STEP
@@ -123,6 +122,8 @@ class QuantizedKVCache:
     `converted_at`: the position from which this row's forwards attended quantized keys (the
     positions before it were computed over full-precision ones): two caches of the same tokens
     hold the same values only when it agrees."""
+
+    spill_kind: str | None = "qkv"  # the SSD tier stores its packed values, scales and biases
 
     def __init__(self, quant: LayerQuant, converted_at: int = 0) -> None:
         self.quant = quant
@@ -196,6 +197,8 @@ class QuantizedKVCache:
 
 class QuantizedBatchKVCache:
     """Left-padded quantized rows for one layer: `BatchKVCache`'s layout and rules over triples."""
+
+    spill_kind: str | None = None
 
     def __init__(self, quant: LayerQuant, left_padding: Sequence[int], converted_at: Sequence[int]) -> None:
         self.quant = quant
@@ -343,5 +346,5 @@ class QuantizedBatchKVCache:
         return _nbytes(self.keys) + _nbytes(self.values)
 
 
-# The quantized caches that run their own attention (`attend`); model/kv_mixed.py adds its own.
+# The quantized caches that run their own attention (`attend`); model/kv/mixed.py adds its own.
 QUANTIZED_CACHES = (QuantizedKVCache, QuantizedBatchKVCache)

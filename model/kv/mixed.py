@@ -10,9 +10,9 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from model.kv_cache import BatchKVCache, KVCache
-from model.kv_quant import QUANTIZED_CACHES, Attend, QuantizedBatchKVCache, QuantizedKVCache
-from model.kv_scheme import LayerQuant
+from model.kv.cache import Attend, BatchKVCache, KVCache
+from model.kv.quant import QUANTIZED_CACHES, QuantizedBatchKVCache, QuantizedKVCache
+from model.kv.scheme import LayerQuant
 
 
 @attrs.frozen
@@ -33,6 +33,8 @@ class MixedBatchKVCache:
     some quantized (`quant`, a `QuantizedBatchKVCache`); `where[i]` = (quantized?, index within
     that part) of batch row i. Each part attends over its own rows with its own mask, and the
     outputs are put back in batch order. Decode only (L == 1), as every batch runs."""
+
+    spill_kind: str | None = None
 
     def __init__(self, quant: LayerQuant | None) -> None:
         self.quant = quant  # None: a full-precision layer, whose rows never move

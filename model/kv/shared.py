@@ -4,7 +4,7 @@ own: each attends over what an earlier layer of its kind stored, with that layer
 `store` puts a step's keys and values in a layer's cache, whatever its kind, and returns the
 attention over everything the cache then holds, as a function of the queries: the storing layer
 calls it with its own queries, each sharing layer with its own. Each kind attends as its own
-layer would (model/decoder.py `Attention.attend_cached`, model/kv_mixed.py, model/kv_quant.py).
+layer would (model/decoder.py `Attention.attend_cached`, model/kv/mixed.py, model/kv/quant.py).
 `SharingAttention` is Gemma 4's attention (op for op as mlx-lm's gemma4_text), of either role.
 """
 
@@ -16,15 +16,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.kv_cache import LayerCache
-from model.kv_mixed import MixedBatchKVCache
-from model.kv_quant import QUANTIZED_CACHES, QuantizedBatchKVCache, quantized_attention
+from model.kv.cache import LayerCache
+from model.kv.mixed import MixedBatchKVCache
+from model.kv.quant import QUANTIZED_CACHES, QuantizedBatchKVCache, quantized_attention
 
 # queries [B, heads, L, head_dim] -> attended, same shape.
 Shared = Callable[[mx.array], mx.array]
 
 
-def store(cache: LayerCache, keys: mx.array, values: mx.array, scale: float, mask: Any) -> Shared:
+def store(cache: Any, keys: mx.array, values: mx.array, scale: float, mask: Any) -> Shared:
+    """(`cache`: any attention kind of this package; each is stored and attended its own way.)"""
     if isinstance(cache, MixedBatchKVCache):
         # Each part over its own rows with its own mask, put back in batch order (as its `attend`).
         (kf, kq), (vf, vq) = cache._split(keys), cache._split(values)
@@ -71,10 +72,13 @@ class SharingAttention(nn.Module):
         self.q_norm = nn.RMSNorm(head_dim, eps=eps)
         self.rope = rope
 
-    def __call__(self, x: mx.array, mask: Any, cache: LayerCache, shared: KVShare | None) -> tuple[mx.array, KVShare]:
+    def __call__(
+        self, x: mx.array, mask: Any, cache: LayerCache | None, shared: KVShare | None
+    ) -> tuple[mx.array, KVShare]:
         B, L, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         if shared is None:  # a layer of its own KV: this step's keys and values into its cache
+            assert cache is not None  # (a layer that shares another's KV is given no cache)
             keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
             values = keys if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
             offset = cache.offset

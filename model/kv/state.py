@@ -15,6 +15,7 @@ layer keeps its input (`replay`) and `row(i, n)` recomputes row i's state over i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -24,6 +25,8 @@ Replay = Callable[[mx.array, "StateCache"], None]
 
 class StateCache:
     """One row's state for one linear-attention layer; `offset` counts the tokens fed."""
+
+    spill_kind: str | None = None
 
     def __init__(self) -> None:
         self.conv: mx.array | None = None  # [1, kernel - 1, conv_dim]
@@ -35,8 +38,19 @@ class StateCache:
         self.conv, self.recurrent = conv, recurrent
         self.offset += fed
 
+    def before_forward(self, replay: Replay, x: mx.array) -> None:
+        """A forward of input `x` begins. A group prefill's rows may be right-padded, so each
+        row's own state is recomputed from this input when it is split off (`row`)."""
+        if x.shape[0] > 1 and x.shape[1] > 1:
+            self.replay = (replay, x, self.clone())
+
     def make_mask(self, N: int) -> None:
         return None
+
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, attend: Any
+    ) -> mx.array:
+        raise TypeError("a recurrent state holds no keys: its layer is not an attention layer")
 
     @property
     def state(self) -> list[mx.array]:
@@ -80,6 +94,8 @@ class StateCache:
 class BatchStateCache:
     """Decode rows' states for one linear-attention layer, stacked along axis 0."""
 
+    spill_kind: str | None = None
+
     def __init__(self, offsets: Sequence[int]) -> None:
         self.conv: mx.array | None = None
         self.recurrent: mx.array | None = None
@@ -88,6 +104,9 @@ class BatchStateCache:
     @property
     def offset(self) -> mx.array:
         return mx.array(self.offsets)
+
+    def before_forward(self, replay: Replay, x: mx.array) -> None:
+        """Decode steps feed one token a row: nothing to replay."""
 
     @property
     def size(self) -> int:
@@ -113,6 +132,11 @@ class BatchStateCache:
 
     def make_mask(self, N: int) -> None:
         return None
+
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, attend: Any
+    ) -> mx.array:
+        raise TypeError("a recurrent state holds no keys: its layer is not an attention layer")
 
     @property
     def state(self) -> list[mx.array]:
