@@ -38,7 +38,7 @@ import trio
 from actors.adapter_registry import mounted_for
 from actors.options import resolve
 from actors.policy import device_memory, system_memory_bytes
-from actors.tp_leader import TensorParallel
+from actors.tp.leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
 from model.abort_flags import AbortFlags
 from model.embedding_config import Pooling, plan_jobs
@@ -114,7 +114,7 @@ class GpuWorker:
         self.model_dir = Path(model_dir)
         self.options = options
         self.speculation = spec_choice(options.speculation)  # built into the engine once the target loads
-        self.tp = TensorParallel(options.engine.tensor_parallel)  # --tensor-parallel: actors/tp_leader.py
+        self.tp = TensorParallel(options.engine.tensor_parallel)  # --tensor-parallel: actors/tp/leader.py
         self.times = WorkerTimes()
         self.name = name
         self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
@@ -383,10 +383,10 @@ class GpuWorker:
 
     def _make_prompt_cache(self, loaded: LoadedModel) -> TieredPromptCache | None:
         """A TieredPromptCache over an opened SsdStore, or None (then the plain RAM tier). An SSD
-        tier that cannot open fails start-up, or is a warning with --ssd-optional (actors/ssd_open.py)."""
+        tier that cannot open fails start-up, or is a warning with --ssd-optional (actors/ssd/open.py)."""
         if self.ssd_cache_dir is None:
             return None
-        from actors.ssd_open import open_ssd_store
+        from actors.ssd.open import open_ssd_store
         from cache.tiered import TieredPromptCache
 
         caches = self.options.caches

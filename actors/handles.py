@@ -22,7 +22,7 @@ from model.options import SamplingOptions, ServerOptions
 from model.params import SamplingParams
 
 if TYPE_CHECKING:
-    from actors.durability import SsdTier
+    from actors.ssd.durability import SsdTier
     from model.tokenizer import Tokenizer
 
 
@@ -73,7 +73,7 @@ class ServerHandles:
     worker: Worker | None = None
     ssd: SsdTier | None = None  # when --ssd-cache is on and the store opened
     adapters: AdapterRegistry = attrs.Factory(AdapterRegistry)  # mounted LoRA adapters
-    # /stats blocks the app adds for what it owns itself (the Responses store: api/responses_routes.py).
+    # /stats blocks the app adds for what it owns itself (the Responses store: api/responses/routes.py).
     stats_blocks: dict[str, Callable[[], dict[str, Any]]] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:

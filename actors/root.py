@@ -10,7 +10,7 @@ Tree (all in one nursery, started in dependency order; any actor crashing takes 
     ├── durability        inbox: MarkDirty (worker put hook)    → snapshot jobs, Spill
     ├── demotion_timer    its own cadence, polls `scheduler.busy` → demote jobs, Spill
     └── HTTP (hypercorn `serve`, started first: the port is bound before the model loads, and
-                  api/lifecycle.py answers 503 "loading" until the app is ready; the root
+                  api/http/lifecycle.py answers 503 "loading" until the app is ready; the root
                   decides when it ends and what still runs after it)
 
 Channels: the scheduler's inbox (unbounded `Control`: admission's `Enqueue` / `Abort`, request
@@ -44,7 +44,6 @@ from hypercorn.typing import ASGIFramework
 from actors.adapter_registry import AdapterRegistry, mount_flag_adapters
 from actors.admission import Admission
 from actors.arrivals import Arrivals
-from actors.durability import shutdown_flush, start_ssd_tier
 from actors.handles import CacheStats, ServerHandles, sampling_defaults_for
 from actors.messages import Control, FlushResult, Submit
 from actors.options import resolve
@@ -52,6 +51,7 @@ from actors.policy import admission_ceiling, batch_mode, waiting_rows
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.shutdown import Shutdown, ShutdownPlan
+from actors.ssd.durability import shutdown_flush, start_ssd_tier
 from actors.startup import listen_failed, load_failed
 from actors.worker_api import ModelInfo, Worker
 from model.params import SamplingParams
@@ -218,7 +218,7 @@ async def run_server(
     alike. Returns the shutdown durability flush's FlushResult (durable=False if it never ran),
     or None without an SSD tier. `plan` defaults to the one `options` imply. A bind failure (or
     a worker that fails to load) propagates."""
-    from api.lifecycle import LifecycleApp
+    from api.http.lifecycle import LifecycleApp
 
     if make_app is None:
         from api.app import create_app

@@ -82,7 +82,7 @@ async def _main(options: ServerOptions) -> int:
     from actors.root import run_server
     from actors.shutdown import Shutdown, ShutdownPlan
     from actors.startup import startup_failure
-    from actors.tp_leader import on_rank_failure, rank_failed
+    from actors.tp.leader import on_rank_failure, rank_failed
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         shutdown = Shutdown()
@@ -173,7 +173,7 @@ async def _serve_http(
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    from api.protocol_errors import install_protocol_errors
+    from api.http.protocol_errors import install_protocol_errors
 
     install_protocol_errors()  # hypercorn's own 400/431 answers get a JSON error body
     hc = Config()
@@ -181,13 +181,13 @@ async def _serve_http(
     hc.graceful_timeout = plan.http_deadline
     # Per-connection idle limit: a keep-alive connection (or one that never finishes its request
     # headers, which h11 caps at h11_max_incomplete_size = 16 KiB) closes after this long. The
-    # timer is re-armed after each response only because api/connection.py shields the end of
+    # timer is re-armed after each response only because api/http/connection.py shields the end of
     # the response from quart-trio's cancellation.
     # read_timeout stays None: a streaming client is silent for the whole generation, so a read
     # deadline would cut healthy streams. Slow bodies hit Quart's BODY_TIMEOUT (60 s, then 408);
-    # body size is capped by --max-body-mb in the app (api/security.py).
+    # body size is capped by --max-body-mb in the app (api/http/security.py).
     hc.keep_alive_timeout = options.http.idle_timeout
-    hc.accesslog = None  # api/request_log.py writes one structured line per request instead
+    hc.accesslog = None  # api/observability/request_log.py writes one structured line per request instead
     hc.errorlog = logging.getLogger("hypercorn.error")  # through our handler, not a second one
     await serve(app, hc, shutdown_trigger=shutdown_trigger)
 

@@ -4,7 +4,7 @@ The flush is single-flight (concurrent callers share one) and makes every dirty 
 record durable now, writing without waiting for an idle engine. Body: the flush result
 (camelCase keys) plus `entries` and `longest_durable_prefix_tokens`; 200 when durable, 503
 otherwise. Without --ssd-cache: 200 with zeros. Access control for /admin/* is
-api/security.py's (loopback, or the admin token).
+api/http/security.py's (loopback, or the admin token).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from quart import Blueprint, Response
 
 if TYPE_CHECKING:
-    from actors.durability import SsdTier
     from actors.handles import ServerHandles
     from actors.messages import FlushResult
+    from actors.ssd.durability import SsdTier
 
 
 def flush_body(result: FlushResult, ssd: SsdTier | None) -> dict[str, Any]:

@@ -14,15 +14,19 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import adapter_routes, admin_routes, anthropic_routes, openai_routes, responses_routes, ui_routes
-from api.embeddings_routes import blueprint as embeddings_blueprint
-from api.embeddings_routes import install_embedding_guard
+from api import admin_routes, ui_routes
+from api.adapters import routes as adapter_routes
+from api.anthropic import routes as anthropic_routes
+from api.embeddings.routes import blueprint as embeddings_blueprint
+from api.embeddings.routes import install_embedding_guard
 from api.errors import ApiError, error_response_for
-from api.health import install_health
-from api.metrics import install_metrics
-from api.request_log import install_request_log
-from api.security import install_security
-from api.tracing import install_tracing
+from api.http.security import install_security
+from api.observability.health import install_health
+from api.observability.metrics import install_metrics
+from api.observability.request_log import install_request_log
+from api.observability.tracing import install_tracing
+from api.openai import routes as openai_routes
+from api.responses import routes as responses_routes
 
 if TYPE_CHECKING:
     from actors.handles import ServerHandles

@@ -11,7 +11,7 @@ what `start_chat` would, for count_tokens.
 
 Everything before admission (the size bound, templating, tokenizing, the stable-prefix probe)
 is `prepare_chat` / `prepare_text`, run on a worker thread unless the body was small
-(api/offload.py): on a large prompt it takes seconds the event loop's streams must not wait.
+(api/http/offload.py): on a large prompt it takes seconds the event loop's streams must not wait.
 The constraint the row will run is then compiled for the model's tokenizer, always on a thread
 (a short regex can take half a second), so a grammar the engine cannot run is a 400 now.
 """
@@ -28,15 +28,16 @@ import numpy as np
 from actors.handles import ServerHandles
 from actors.messages import GenerationRequest, Siblings
 from actors.request import RequestActor, RequestRejected
-from api import images, media, offload, prompt_bounds
+from api import images, media, prompt_bounds
 from api.chat_request import ChatPrompt, ChatRequest, GenerationFields, TextRequest
 from api.errors import bad_request, from_rejection
 from api.fields import MAX_CHOICES
+from api.http import offload
+from api.observability.request_log import note_ignored, note_templating
 from api.pipeline.events import Event
 from api.pipeline.sink import CompletionSink
 from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools.detect import detect_tool_format
-from api.request_log import note_ignored, note_templating
 from api.structured import ConstraintRequest, check_compiles, compiles_for
 from api.template_messages import join_late_system, late_system_texts
 from cache.boundary import stable_prefix_length

@@ -9,7 +9,7 @@ Every number is bounded as the OpenAI / Anthropic references document it (temper
 0..1 for Anthropic; top_p and min_p 0..1; presence / frequency penalties -2..2; logit biases
 -100..100); what they leave open is bounded where a larger value could only be a mistake
 (counts and windows fit 32 bits, the repetition penalty is at most `MAX_REPETITION_PENALTY`).
-Non-finite numbers never get here (api/strict_json.py) and are rejected again if they do.
+Non-finite numbers never get here (api/http/strict_json.py) and are rejected again if they do.
 """
 
 from __future__ import annotations

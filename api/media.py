@@ -1,6 +1,6 @@
 """Decoding a request's images: on threads of their own, under a memory bill.
 
-Decoding and resizing a large image takes seconds of CPU and hundreds of MB. On api/offload.py's
+Decoding and resizing a large image takes seconds of CPU and hundreds of MB. On api/http/offload.py's
 threads, which every request's parsing and templating share, a few image requests would make a
 plain chat wait behind them; so image decoding runs on its own `THREADS`, behind its own
 limiter, and the shared threads only ever read image headers (microseconds).

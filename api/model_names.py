@@ -9,7 +9,7 @@
 * A request without `model`, or with "", gets the one model: there is no other to mean, and
   clients that omit it (as mlx_lm.server allows) keep working.
 * `<name>:<adapter>` (`<name>` one of the above) is the model with that mounted LoRA adapter
-  (`a+b` stacks two): what /v1/models lists per adapter (api/adapter_select.py).
+  (`a+b` stacks two): what /v1/models lists per adapter (api/adapters/select.py).
 * Any other name is a 404 `model_not_found` in the route's own envelope (the app's error
   handler picks it from the path) that names the models this server serves, so a client can fix
   its `model` without a second call; a `model` that is not a string is a 400.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.handles import ServerHandles
-from api.adapter_select import parse_adapters, select_adapters
+from api.adapters.select import parse_adapters, select_adapters
 from api.errors import ApiError, bad_request
 from model.resolve import resolve_model_dir
 
@@ -57,7 +57,7 @@ def accepted_names(handles: ServerHandles) -> frozenset[str]:
 def check_requested_model(handles: ServerHandles, body: Mapping[str, Any]) -> tuple[str, ...]:
     """Raise unless `body["model"]` is absent, empty, one of the accepted names, or one with an
     adapter part; return the LoRA adapters the request stacks (the model name's or its
-    `adapter` field's: api/adapter_select.py)."""
+    `adapter` field's: api/adapters/select.py)."""
     requested = body.get("model")
     from_model: tuple[str, ...] | None = None
     if requested is not None and requested != "":

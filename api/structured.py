@@ -17,7 +17,7 @@ Two checks, both 400s carrying the engine's message: the translators validate th
 (`request_constraint`, no tokenizer), and the chat core compiles the constraint it will run
 against the model's tokenizer and computes its first mask (`check_compiles`), so a grammar that
 exceeds the engine's limits or can match nothing is refused when the request arrives instead
-of ending the row at once. Both run on worker threads (api/offload.py). Nothing here touches
+of ending the row at once. Both run on worker threads (api/http/offload.py). Nothing here touches
 MLX; the rows' grammars are compiled and enforced on the GPU-worker thread (model/grammar.py).
 """
 

@@ -3,7 +3,7 @@
 The page is plain HTML, CSS and JavaScript with no build step and no external resource, so it
 works offline. It talks to the server's own /v1 API; with `--api-key` set it asks the user for
 the key and sends it as a Bearer token, which is why `/` and `/ui/*` themselves stay open
-(api/security.py: they are neither /v1 nor /admin). `--no-ui` registers nothing here, so `/`
+(api/http/security.py: they are neither /v1 nor /admin). `--no-ui` registers nothing here, so `/`
 answers 404 like any unknown path.
 
 Assets are read once at start-up and served from memory with an ETag and `Cache-Control:

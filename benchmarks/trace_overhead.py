@@ -81,8 +81,8 @@ def tracer_cost(sink_url: str, n: int) -> float:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from api.request_log import RequestRecord
-    from api.trace_spans import SpanTracer
+    from api.observability.request_log import RequestRecord
+    from api.observability.trace_spans import SpanTracer
 
     processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=sink_url + "/v1/traces"))
     tracer = SpanTracer(processor, model="bench")

@@ -25,10 +25,10 @@ LONG_MODULES = {
 }
 MAX_LONG_MODULE_LINES = 1000
 # The only environment variables shipped code reads: secrets and deployment paths (docs/operations.md),
-# and OpenTelemetry's standard collector setting, a deployment's (api/tracing.py).
+# and OpenTelemetry's standard collector setting, a deployment's (api/observability/tracing.py).
 DEPLOYMENT_VARIABLES = {"MLX_TRIO_API_KEY", "MLX_TRIO_ADMIN_TOKEN", "MLX_TRIO_CACHE", "OTEL_EXPORTER_OTLP_ENDPOINT"}
 # MLX's ring backend reads these itself: --tensor-parallel sets them for its follower processes and
-# its own rank (actors/tp_leader.py); no code of ours reads them.
+# its own rank (actors/tp/leader.py); no code of ours reads them.
 DEPLOYMENT_VARIABLES |= {"MLX_RANK", "MLX_HOSTFILE"}
 
 
@@ -196,4 +196,3 @@ def test_the_class_test_finder_sees_class_tests() -> None:
     """Guards the guard: each form is found."""
     code = "isinstance(c, KVCache)\nisinstance(c, (StateCache, kv.RotatingKVCache))\ntype(c) is BatchKVCache\n"
     assert _class_tests(ast.parse(code)) >= {"KVCache", "StateCache", "RotatingKVCache", "BatchKVCache"}
-

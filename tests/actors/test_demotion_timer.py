@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from actors.demotion_timer import DemotionTimer, demotion_interval
-from actors.spill_queue import SpillQueue
+from actors.ssd.demotion_timer import DemotionTimer, demotion_interval
+from actors.ssd.spill_queue import SpillQueue
 from tests.actors.test_ssd_fakes import FakePort, FakeStore
 
 A = tuple(range(10, 20))

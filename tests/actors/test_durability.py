@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from actors.durability import Durability
-from actors.spill_queue import SpillQueue
+from actors.ssd.durability import Durability
+from actors.ssd.spill_queue import SpillQueue
 from tests.actors.test_ssd_fakes import FakePort, FakeStore
 
 A = tuple(range(10, 20))

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from actors.durability import Durability
-from actors.spill_queue import SpillQueue
+from actors.ssd.durability import Durability
+from actors.ssd.spill_queue import SpillQueue
 from cache.ssd_identity import Identity
 from cache.ssd_index import IndexEntry
 from cache.ssd_store import SsdStore

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from actors.spill_queue import SpillQueue
+from actors.ssd.spill_queue import SpillQueue
 from tests.actors.test_ssd_fakes import FakeItem, FakeStore
 
 

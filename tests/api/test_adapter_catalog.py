@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from api.adapter_catalog import header_shapes, read_model_config, scan
+from api.adapters.catalog import header_shapes, read_model_config, scan
 from tests.api.test_adapters_api import server
 from tests.fixtures.lora import write_adapter
 

@@ -15,7 +15,7 @@ import trio
 
 from actors.options import options as serve_options
 from actors.root import start_actors
-from api import anthropic_routes
+from api.anthropic import routes as anthropic_routes
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from api.anthropic_encode import AnthropicStream, stop_reason, tool_input, usage
-from api.anthropic_translate import count_request, messages_request
+from api.anthropic.encode import AnthropicStream, stop_reason, tool_input, usage
+from api.anthropic.translate import count_request, messages_request
 from api.chat_request import ReasoningOptions
 from api.completion import Completion
 from api.errors import ApiError
@@ -383,7 +383,7 @@ def test_a_stream_never_builds_tool_use_inputs(monkeypatch):
     def no_input(arguments: str) -> dict:
         raise AssertionError("a stream built a tool_use input")
 
-    monkeypatch.setattr("api.anthropic_encode.tool_input", no_input)
+    monkeypatch.setattr("api.anthropic.encode.tool_input", no_input)
     stream = AnthropicStream(message_id="msg_x", model="m", input_tokens=5)
     arguments = json.dumps({"rows": list(range(10_000))})
     data = stream.start() + stream.add([ToolCallStart(0, "call_1", "f"), ToolCallDelta(0, arguments)])

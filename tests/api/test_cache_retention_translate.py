@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from api.anthropic_translate import messages_request
+from api.anthropic.translate import messages_request
 from api.errors import ApiError
 
 EPHEMERAL = {"type": "ephemeral"}

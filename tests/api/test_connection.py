@@ -1,4 +1,4 @@
-"""api/connection.py on the app's ASGI side, with virtual time: an early answer drains its body or
+"""api/http/connection.py on the app's ASGI side, with virtual time: an early answer drains its body or
 closes the connection, and hypercorn's end-of-response bookkeeping survives quart-trio's cancel.
 
 `FakeHypercorn` plays hypercorn's part of one request: it feeds body messages and, like
@@ -16,9 +16,9 @@ import trio
 from quart import request
 from quart_trio import QuartTrio
 
-from api.connection import DRAIN_SECONDS, RequestBody, drain_limit, with_connection_close
-from api.protocol_errors import protocol_error, reason_phrase, request_path
-from api.security import SecurityOptions, install_security
+from api.http.connection import DRAIN_SECONDS, RequestBody, drain_limit, with_connection_close
+from api.http.protocol_errors import protocol_error, reason_phrase, request_path
+from api.http.security import SecurityOptions, install_security
 
 CAP = 1000
 
@@ -68,7 +68,7 @@ def scope(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict[st
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        # A served Host and a JSON body type, so api/cross_site.py lets the request through.
+        # A served Host and a JSON body type, so api/http/cross_site.py lets the request through.
         "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"), *headers],
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 2),

@@ -1,4 +1,4 @@
-"""Whose X-Forwarded-For / Forwarded headers are believed (api/forwarded.py), and the request log's
+"""Whose X-Forwarded-For / Forwarded headers are believed (api/http/forwarded.py), and the request log's
 client address that follows."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from api.forwarded import TrustedProxies, client_address, forwarded_hops, ip_of, scope_client_address
+from api.http.forwarded import TrustedProxies, client_address, forwarded_hops, ip_of, scope_client_address
 from tests.api.test_security import server
 
 LOOPBACK = TrustedProxies.parse(["127.0.0.1,::1"])

@@ -44,8 +44,8 @@ from trio.testing import MockClock
 
 from actors.options import options as serve_options
 from actors.root import start_actors
-from api import offload
 from api.app import create_app
+from api.http import offload
 from tests.fakes import FakeTokenizer, FakeWorker
 
 EXAMPLES = int(os.environ.get("MLX_TRIO_FUZZ_EXAMPLES", "4"))

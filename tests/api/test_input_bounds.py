@@ -14,10 +14,11 @@ import trio
 
 from actors.options import options as serve_options
 from actors.root import start_actors
-from api import fields, offload, prompt_bounds
-from api.anthropic_translate import messages_request
+from api import fields, prompt_bounds
+from api.anthropic.translate import messages_request
 from api.app import create_app
 from api.errors import ApiError
+from api.http import offload
 from tests.fakes import FakeTokenizer, FakeWorker
 
 CHAT, TEXT, MESSAGES, COUNT, RESPONSES = (

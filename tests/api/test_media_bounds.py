@@ -20,8 +20,9 @@ from PIL import Image
 from actors.handles import ServerHandles
 from actors.options import options as serve_options
 from actors.root import start_actors
-from api import media, offload
+from api import media
 from api.app import create_app
+from api.http import offload
 from api.images import MAX_FRAMES, MAX_SOURCE_PIXELS
 from tests.api.test_images_api import (
     VisionTokenizer,

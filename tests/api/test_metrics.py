@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
-from api.metrics import Metrics, token_buckets
+from api.observability.metrics import Metrics, token_buckets
 from tests.fakes import FakeTokenizer, FakeWorker
 
 CHAT = "/v1/chat/completions"

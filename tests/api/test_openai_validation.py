@@ -566,7 +566,7 @@ async def test_tools_and_thinking_reach_the_template(autojump_clock, fields, too
 
 
 def test_legacy_logprobs_block():
-    from api.openai_encode import MASKED_LOGPROB, TokenNames, legacy_logprobs
+    from api.openai.encode import MASKED_LOGPROB, TokenNames, legacy_logprobs
     from model.rows import TokenOut, TopLogprob
 
     outs = [

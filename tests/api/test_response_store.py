@@ -8,8 +8,8 @@ import json
 import sys
 import tracemalloc
 
-from api.response_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, SHARED_MIN_BYTES, ResponseStore, measure
-from api.responses_translate import stored_input
+from api.responses.store import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, SHARED_MIN_BYTES, ResponseStore, measure
+from api.responses.translate import stored_input
 
 
 class Clock:

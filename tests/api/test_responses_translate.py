@@ -10,8 +10,8 @@ import pytest
 from api.chat_request import ChatRequest, ReasoningOptions
 from api.errors import ApiError
 from api.pipeline.events import TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
-from api.responses_encode import ResponseMeta, ResponsesStream, reasoning_token_estimate
-from api.responses_translate import (
+from api.responses.encode import ResponseMeta, ResponsesStream, reasoning_token_estimate
+from api.responses.translate import (
     INCLUDE_VALUES,
     METADATA_MESSAGE,
     input_items,

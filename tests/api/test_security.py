@@ -13,8 +13,8 @@ from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.shutdown import ShutdownPlan
 from api.app import create_app
-from api.cross_site import content_type_refusal, host_allowed, same_origin, served_hosts
-from api.security import SecurityOptions, check_access, is_loopback, presented_credentials
+from api.http.cross_site import content_type_refusal, host_allowed, same_origin, served_hosts
+from api.http.security import SecurityOptions, check_access, is_loopback, presented_credentials
 from model.options.values import parse_hosts, parse_origins
 from tests.fakes import FakeTokenizer, FakeWorker
 from tests.helpers.options import parsed
@@ -300,7 +300,7 @@ async def test_cors_wildcard(autojump_clock):
         assert response.headers["Access-Control-Allow-Origin"] == "*"
 
 
-# --- Host, Origin, Content-Type (api/cross_site.py) -------------------------------------------
+# --- Host, Origin, Content-Type (api/http/cross_site.py) -------------------------------------------
 
 
 def test_host_rules():
@@ -454,7 +454,7 @@ async def test_refusal_bodies_are_json(autojump_clock, path):
         json.loads(await response.get_data())
 
 
-# --- hostile bodies (api/strict_json.py) ----------------------------------------------------
+# --- hostile bodies (api/http/strict_json.py) ----------------------------------------------------
 
 HOSTILE = [
     b"\xff\xfe{}",  # not UTF-8
@@ -559,5 +559,5 @@ async def test_serve_http_sets_the_idle_timeout_and_no_read_timeout(monkeypatch)
     config = seen["config"]
     assert config.keep_alive_timeout == 7.5
     assert config.read_timeout is None  # a silent streaming client must not be cut
-    assert config.accesslog is None  # api/request_log.py is the access log
+    assert config.accesslog is None  # api/observability/request_log.py is the access log
     assert config.graceful_timeout == 5.0  # the plan's HTTP deadline: 3 s of drain + 2 s of grace

@@ -12,7 +12,7 @@ import trio
 from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
-from api.wire import KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S
+from api.http.wire import KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S
 from tests.fakes import FakeTokenizer, FakeWorker
 
 LONG = "x" * 40  # ~13 prefill chunks of 4 tokens: ~39 s of prefill at 3 s a chunk

@@ -1,5 +1,6 @@
 """OpenTelemetry request traces: the span tree of a completion, W3C trace-context in and out, the
-abort phase, the flag, and tracing off importing nothing (api/tracing.py, api/trace_spans.py)."""
+abort phase, the flag, and tracing off importing nothing (api/observability/tracing.py and
+trace_spans.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from actors.options import options as serve_options
 from actors.options import parse_options
 from actors.root import start_actors
 from api.app import create_app
-from api.tracing import ENDPOINT_VARIABLE, install_tracing, trace_endpoint
+from api.observability.tracing import ENDPOINT_VARIABLE, install_tracing, trace_endpoint
 from tests.fakes import FakeTokenizer, FakeWorker
 from tests.helpers.options import parsed
 

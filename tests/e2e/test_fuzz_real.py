@@ -67,7 +67,7 @@ def short(data: bytes) -> bytes:
 
 def without_logprobs(raw: bytes, content_type: str) -> bytes:
     """A JSON completion, or each chunk of an SSE stream, with its `logprobs` blocks nulled: chat's
-    are mlx_lm.server's shape, on purpose not OpenAI's (api/openai_encode.py), so the SDK models
+    are mlx_lm.server's shape, on purpose not OpenAI's (api/openai/encode.py), so the SDK models
     cannot validate them."""
     if content_type == "text/event-stream":
         frames = raw.decode().split("\n\n")

@@ -1,7 +1,7 @@
 """No request can jam a keep-alive connection: real server (`python -m actors.serve`, tiny model,
 real engine), real sockets, one raw HTTP/1.1 connection per test.
 
-Before api/connection.py, quart-trio cancelled hypercorn's end-of-response bookkeeping: after an
+Before api/http/connection.py, quart-trio cancelled hypercorn's end-of-response bookkeeping: after an
 answer given before its body had arrived the next request on the connection was never
 answered, idle connections were never closed and `Connection: close` was ignored.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from api.connection import DRAIN_SECONDS
+from api.http.connection import DRAIN_SECONDS
 from tests.e2e.test_e2e_serve import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 (tests/live_http.py) serving a scripted tiny model, and nginx run in the foreground from a
 minimal nginx.conf whose only setting is the `proxy_pass` (so `proxy_buffering` is on, as in
 every stock install). The streams' `X-Accel-Buffering: no` is what turns nginx's buffering off
-for them (api/wire.py). Skipped where the `nginx` binary is absent (.ci/run installs it)."""
+for them (api/http/wire.py). Skipped where the `nginx` binary is absent (.ci/run installs it)."""
 
 from __future__ import annotations
 

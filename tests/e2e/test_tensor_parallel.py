@@ -20,7 +20,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from actors.tp_leader import _free_ports
+from actors.tp.leader import _free_ports
 from tests.e2e.server_process import wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[2]

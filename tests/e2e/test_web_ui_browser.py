@@ -43,7 +43,7 @@ def wait_for(condition: Callable[[], Any], what: str, timeout: float = WAIT_S) -
 
 
 def request_lines(log_path: Path) -> list[dict[str, Any]]:
-    """The server's per-request log lines (api/request_log.py), parsed."""
+    """The server's per-request log lines (api/observability/request_log.py), parsed."""
     found = re.findall(r"request (\{.*\})$", log_path.read_text(), flags=re.M)
     return [json.loads(line) for line in found]
 
@@ -196,7 +196,7 @@ def test_the_page_asks_for_the_api_key(browser, tmp_path):
         stop_server(proc)
 
 
-# The server's own chunk format (api/openai_encode.py), cut into uneven pieces: a model that
+# The server's own chunk format (api/openai/encode.py), cut into uneven pieces: a model that
 # thinks, answers with JSON and calls a tool. The page's fetch is replaced for this one request,
 # so the rendering of each part is checked with a known stream.
 FAKE_STREAM = """

@@ -1,0 +1,1 @@
+"""OpenAI embeddings: `routes` (POST /v1/embeddings)."""

@@ -1,0 +1,156 @@
+"""OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /stats.
+
+Each completion handler translates its body (api/openai/translate.py), admits it through the
+chat core (api/chat.py) before answering, so 400 / 503 are real HTTP statuses, then encodes the
+actor's text events as one JSON body or an SSE stream (api/openai/encode.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint, Response, current_app
+
+from actors.handles import ServerHandles
+from api.chat import start_chat, start_text, vocab_size
+from api.chat_request import TextRequest
+from api.http import offload
+from api.http.wire import json_body, json_response, sse_response
+from api.model_names import adapter_model_names, check_requested_model, model_name, model_not_found, served_names
+from api.openai import encode as openai_encode
+from api.openai.translate import chat_request, completion_output, text_request
+from model import grammar
+
+HEALTH_BODY = b'{"status": "ok"}'  # byte parity with mlx_lm.server, space included
+OWNER = "mlx-trio"
+
+
+def blueprint(handles: ServerHandles) -> Blueprint:
+    bp = Blueprint("openai", __name__)
+
+    def answer(payload: Any) -> Response:
+        return json_response(payload, ensure_ascii=True)
+
+    @bp.get("/health")
+    async def health() -> Response:
+        return Response(HEALTH_BODY, content_type="application/json")
+
+    @bp.get("/stats")
+    async def stats() -> Response:
+        return answer(_stats(handles))
+
+    @bp.get("/v1/models")
+    async def models() -> Response:
+        cards = [_model_card(handles, name) for name in served_names(handles)]
+        cards += [adapter_card(handles, name, parent) for name, parent in adapter_model_names(handles)]
+        return answer({"object": "list", "data": cards})
+
+    @bp.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        adapters = dict(adapter_model_names(handles))
+        if model_id in adapters:
+            return answer(adapter_card(handles, model_id, adapters[model_id]))
+        if model_id not in served_names(handles):
+            raise model_not_found(handles, model_id)
+        return answer(_model_card(handles, model_id))
+
+    @bp.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        with handles.arrivals.arriving():
+            adapters = check_requested_model(handles, await json_body())
+            vocab = vocab_size(handles.tokenizer)
+            request = await offload.run(chat_request, await json_body(), vocab_size=vocab, vision=handles.info.vision)
+            started = await start_chat(handles, request, adapters=adapters)
+        meta = openai_encode.ResponseMeta("chatcmpl", model_name(handles, adapters))
+        if started.generation.stream:
+            usage = request.generation.include_usage
+            stream = openai_encode.chat_stream(started, meta, handles.tokenizer, include_usage=usage)
+            return sse_response(stream)
+        return answer(await openai_encode.chat_whole(started, meta, handles.tokenizer))
+
+    @bp.post("/v1/completions")
+    async def completions() -> Response:
+        with handles.arrivals.arriving():
+            adapters = check_requested_model(handles, await json_body())
+            request = await offload.run(text_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
+            output = completion_output(await json_body())
+            echo = await offload.run(_echo_text, handles, request) if output.echo else ""
+            started = await start_text(handles, request, adapters=adapters)
+        meta = openai_encode.ResponseMeta("cmpl", model_name(handles, adapters))
+        tokens = openai_encode.TokenNames(handles.tokenizer, as_ids=output.token_ids)
+        if started.generation.stream:
+            usage = request.generation.include_usage
+            stream = openai_encode.text_stream(started, meta, tokens, include_usage=usage, echo=echo)
+            return sse_response(stream)
+        return answer(await openai_encode.text_whole(started, meta, tokens, echo=echo))
+
+    return bp
+
+
+def _echo_text(handles: ServerHandles, request: TextRequest) -> str:
+    """`echo`'s prompt text: the prompt string, or its token ids decoded."""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    return handles.tokenizer.decode(list(request.prompt))
+
+
+def _stats(handles: ServerHandles) -> dict[str, Any]:
+    stats = handles.stats()
+    stats.setdefault("server", {}).setdefault("owner", OWNER)
+    batch = stats.setdefault("batch", {})
+    batch.setdefault("kv_budget_bytes", max(0, handles.ceiling.usable_bytes))
+    return stats
+
+
+def adapter_card(handles: ServerHandles, model_id: str, parent: str) -> dict[str, Any]:
+    """A mounted LoRA adapter as /v1/models lists it (vLLM's shape: `parent` is the base)."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(handles.started_at),
+        "owned_by": OWNER,
+        "parent": parent,
+    }
+
+
+def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
+    routes = {rule.rule for rule in current_app.url_map.iter_rules()}
+    reasoning = bool(getattr(handles.tokenizer, "has_thinking", False))
+    structured_output = grammar.available()
+    defaults = handles.sampling_defaults
+    embeddings = handles.info.embedding is not None  # an embedding model serves /v1/embeddings only
+    capabilities = {
+        "chat_completions": not embeddings,
+        "text_completions": not embeddings,
+        "anthropic_messages": "/v1/messages" in routes,
+        "responses": "/v1/responses" in routes,
+        "streaming": True,
+        "tools": True,
+        "structured_output": structured_output,
+        "logprobs": True,
+        "embeddings": embeddings,
+        "vision": handles.info.vision,
+        "audio": False,
+        "adapters": True,
+        "training": False,
+    }
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(handles.started_at),
+        "owned_by": OWNER,
+        "context_window": handles.info.context_length,
+        "max_safe_context": handles.ceiling.max_safe_context,
+        "reasoning": reasoning,
+        "vision": handles.info.vision,
+        "audio": False,
+        "batch_mode": handles.mode,
+        "kv_scheme": handles.info.kv_scheme,  # how the KV cache is stored: bf16, kv8, kv4, ...
+        "tools": True,
+        "structured_output": structured_output,
+        "embeddings": embeddings,
+        "adapters": True,
+        "training": False,
+        "capabilities": capabilities,
+        "gen_defaults": {"temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k},
+    }
