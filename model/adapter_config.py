@@ -1,7 +1,7 @@
 """An adapter directory's `adapter_config.json`, read and checked field by field (no MLX).
 
 One rule for the engine's mount (model/lora_load.py: a ValueError, the API's 400) and the
-`--adapters-dir` listing (api/adapter_catalog.py: `compatible: false` with the reason). A field
+`--adapters-dir` listing (api/adapters/catalog.py: `compatible: false` with the reason). A field
 of the wrong type or a non-finite `scale` (JSON's NaN / Infinity, or 1e400) is refused by name:
 a NaN scale would mount and turn every adapted row's output into NaN logits.
 

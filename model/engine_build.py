@@ -1,6 +1,6 @@
 """One engine builder: a loaded model and the options → an `Engine` and the facts about it.
 
-The GPU worker (actors/gpu_worker.py) and a tensor-parallel follower (actors/tp_follower.py) build
+The GPU worker (actors/gpu_worker.py) and a tensor-parallel follower (actors/tp/follower.py) build
 their engines here, on the thread that will own them. What they do around it differs: the worker
 first shards through the tensor-parallel leader and opens the prompt cache's tiers (cache/; the
 builder takes the cache it made), the follower joins the ring and shards. Nothing here is global:

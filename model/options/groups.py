@@ -95,7 +95,7 @@ class HttpOptions:
 
 @attrs.frozen
 class AccessOptions:
-    """Access: keys, the admin gate, browsers and proxies (api/security.py)."""
+    """Access: keys, the admin gate, browsers and proxies (api/http/security.py)."""
 
     # Secrets may come from the environment so they stay out of `ps`.
     api_key: str | None = option(
@@ -593,7 +593,7 @@ class EngineOptions:
             choices=("auto", "on", "off"),
         ),
     )
-    # Ranks the model is split across (actors/tp_leader.py); 1 = off.
+    # Ranks the model is split across (actors/tp/leader.py); 1 = off.
     tensor_parallel: int = option(
         1,
         Flag(
