@@ -12,7 +12,7 @@ already admitted. Until then the worker still holds the id: mounting it again fr
 (weights unchanged) keeps it, cancelling the unmount; from anywhere else it is a conflict
 (`AdapterDraining`, 409) until those rows finish.
 
-Which adapters a row may stack is checked here too (model/adapter_stack.py `stack_problem`, the
+Which adapters a row may stack is checked here too (model/lora/stack.py `stack_problem`, the
 engine's own rule), from the kinds the worker reported on mount, so a request naming a stack the
 engine cannot run is the route's 400.
 """
@@ -27,11 +27,11 @@ import trio
 from actors.policy import AdmissionCeiling, admission_ceiling
 from actors.startup import StartupFailed
 from actors.worker_api import AdapterNotMounted, AdapterReport, ModelInfo
-from model.adapter_stack import stack_problem
-from model.rows import RowSpec
+from model.engine.rows import RowSpec
+from model.lora.stack import stack_problem
 
 if TYPE_CHECKING:  # MLX: only ever on the worker's thread
-    from model.engine import Engine
+    from model.engine.engine import Engine
 
 
 class MountsAdapters(Protocol):
@@ -80,7 +80,7 @@ class AdapterRegistry:
 
     async def mount(self, adapter_id: str, path: str) -> AdapterReport:
         """Mount on the worker. `AdapterConflict` if the id is mounted, `AdapterDraining` if it is
-        still leaving (model/adapters.py); ValueError: the engine's reason it cannot (not found,
+        still leaving (model/lora/adapters.py); ValueError: the engine's reason it cannot (not found,
         shapes that do not fit, a full fine-tune, ...)."""
         async with self._lock:
             if adapter_id in self._mounted:
@@ -88,7 +88,7 @@ class AdapterRegistry:
             try:
                 report = await self._require_worker().mount_adapter(adapter_id, path)
             except ValueError as exc:
-                if getattr(exc, "status", None) == 409:  # (model/adapters.py AdapterStillLeaving)
+                if getattr(exc, "status", None) == 409:  # (model/lora/adapters.py AdapterStillLeaving)
                     raise AdapterDraining(str(exc)) from exc
                 raise
             self._mounted[adapter_id] = report

@@ -25,7 +25,7 @@ import trio
 from actors.messages import Abort, Admitted, Control, Enqueue, GenerationRequest, Rejected, Submit
 from actors.policy import AdmissionCeiling, BatchMode, SeedSource, fit_rows, over_budget_message, place
 from actors.row_table import rows_enqueued
-from model.rows import RowSpec
+from model.engine.rows import RowSpec
 
 log = logging.getLogger(__name__)
 

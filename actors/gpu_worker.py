@@ -17,7 +17,7 @@ the model itself (MLX arrays, weights included, are bound to the thread that cre
 then runs jobs one at a time. A job is never interrupted: a caller that is cancelled while waiting
 merely stops listening, and the job's result is dropped. So rows always leave at step boundaries.
 The one early end is a prefill's own: `abort(row_id)` (not a job) flags the row, and a prefill
-forward of it stops at its next check between layers (model/prefill_abort.py).
+forward of it stops at its next check between layers (model/engine/prefill_abort.py).
 """
 
 from __future__ import annotations
@@ -40,20 +40,20 @@ from actors.options import resolve
 from actors.policy import device_memory, system_memory_bytes
 from actors.tp.leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
-from model.abort_flags import AbortFlags
-from model.embedding_config import Pooling, plan_jobs
+from model.engine.abort_flags import AbortFlags
+from model.engine.prefill_memory import prefill_transient_bytes
+from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
+from model.engine.speculation_setup import spec_choice
+from model.load.embedding_config import Pooling, plan_jobs
 from model.options import ServerOptions
-from model.prefill_memory import prefill_transient_bytes
-from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
-from model.speculation_setup import spec_choice
 
 if TYPE_CHECKING:  # these import MLX: only ever on the worker's thread
     from cache.prompt_cache import PromptCache
     from cache.spill_item import SpillItem
     from cache.ssd_store import SsdStore
     from cache.tiered import TieredPromptCache
-    from model.engine import Engine
-    from model.loader import LoadedModel
+    from model.engine.engine import Engine
+    from model.load.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,8 @@ class GpuWorker:
         import mlx.core as mx
 
         from cache.prompt_cache import PromptCache
-        from model.engine_build import build_engine, eos_of, kv_scheme_for
-        from model.loader import load_model
+        from model.engine.build import build_engine, eos_of, kv_scheme_for
+        from model.load.loader import load_model
 
         self.thread_ident = threading.get_ident()
         loaded = load_model(self.model_dir, name=self.name)
@@ -361,7 +361,7 @@ class GpuWorker:
             batch = [list(inputs[i]) for i in group]
 
             def job(engine: Engine, batch: list[list[int]] = batch) -> list[list[float]]:
-                from model.embedding import embed
+                from model.engine.embedding import embed
 
                 return embed(engine.model, batch, pooling, dimensions=dimensions, chunk=chunk)
 
@@ -371,7 +371,7 @@ class GpuWorker:
 
     def abort(self, row_id: int) -> None:
         """The row is leaving: a prefill forward of it running now stops at its next checkpoint
-        between layers instead of finishing the chunk (model/prefill_abort.py). Not a job: it
+        between layers instead of finishing the chunk (model/engine/prefill_abort.py). Not a job: it
         never waits for the MLX thread. The scheduler still closes the row."""
         self._aborts.add(row_id)
 

@@ -18,12 +18,12 @@ from actors.policy import AdmissionCeiling, BatchMode
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.worker_api import ModelInfo, Worker
+from model.engine.params import SamplingParams
 from model.options import SamplingOptions, ServerOptions
-from model.params import SamplingParams
 
 if TYPE_CHECKING:
     from actors.ssd.durability import SsdTier
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
 
 class CacheStats(Protocol):

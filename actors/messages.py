@@ -21,8 +21,8 @@ import attrs
 import trio
 
 from cache.spill_item import SpillItem
-from model.params import SamplingParams
-from model.rows import ImageInput, RowOpened, RowSpec, TokenOut
+from model.engine.params import SamplingParams
+from model.engine.rows import ImageInput, RowOpened, RowSpec, TokenOut
 
 Lane = Literal["serial", "batched"]
 

@@ -34,7 +34,7 @@ def place(*, mode: BatchMode) -> Lane:
     """The lane is the server's mode, never the request's fields or the current load.
 
     A seeded request is batched like any other: each row samples from its own (seed, step) key
-    (model/sampling.py), so a seed gives the same tokens alone and beside other rows wherever the
+    (model/engine/sampling.py), so a seed gives the same tokens alone and beside other rows wherever the
     logits are the same (always on CPU; on CUDA a wider step can round differently, as it can
     for greedy rows).
     """
@@ -124,7 +124,7 @@ class AdmissionCeiling:
     def memory_context(self, rows: int = 1) -> int:
         """The longest each of `rows` rows of one request may grow to, side by side in the budget.
         Each holds its own copy of the prompt's KV: choices fork from one prefill as views, but
-        their first write or the batch merge copies them (model/engine.py `fork_rows`)."""
+        their first write or the batch merge copies them (model/engine/engine.py `fork_rows`)."""
         rows = max(1, rows)
         rate = self.kv_rate
         if rate is None:
@@ -185,7 +185,7 @@ def admission_ceiling(
 ) -> AdmissionCeiling:
     """The limits of one request's rows: the model's context window per row, and the KV the
     budget holds after weights, the mounted adapters' weights and the prefill transient
-    (`transient_bytes`: model/prefill_memory.py), billed at the scheme's true bytes (`kv_bill`);
+    (`transient_bytes`: model/engine/prefill_memory.py), billed at the scheme's true bytes (`kv_bill`);
     `max_safe_context` is the smaller, for one row."""
     rate = KvRate(kv_bytes_per_token, kv_quant_ratio, kv_quantized_from, state_bytes_per_row)
     usable = budget_bytes - weights_bytes - adapter_bytes - transient_bytes

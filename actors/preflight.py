@@ -50,12 +50,12 @@ def check_model_dir(spec: str) -> Path:
     """The directory `--model` names, once its config and tokenizer load; warns when it has no
     chat template. Imports MLX (the families): the BLAS must be bound first. The tokenizer is
     loaded once more after the weights (a fraction of a second even for a 150k vocabulary)."""
-    from model.config import load_config
-    from model.embedding_config import read_pooling
-    from model.errors import ModelLoadError
     from model.families import family_for
-    from model.resolve import resolve_model_dir
-    from model.tokenizer import TOKENIZER_FILE, Tokenizer
+    from model.load.config import load_config
+    from model.load.embedding_config import read_pooling
+    from model.load.errors import ModelLoadError
+    from model.load.resolve import resolve_model_dir
+    from model.text.tokenizer import TOKENIZER_FILE, Tokenizer
 
     try:
         model_dir = resolve_model_dir(spec)

@@ -46,7 +46,7 @@ from actors.messages import (
     StopRow,
     Submit,
 )
-from model.rows import RowOpened, TokenOut
+from model.engine.rows import RowOpened, TokenOut
 
 # A stream cut by the shutdown deadline ends with this finish_reason, vLLM's for a request the
 # server ended: not "length", which would say the request's own max_tokens did. The Anthropic and

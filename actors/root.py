@@ -54,11 +54,11 @@ from actors.shutdown import Shutdown, ShutdownPlan
 from actors.ssd.durability import shutdown_flush, start_ssd_tier
 from actors.startup import listen_failed, load_failed
 from actors.worker_api import ModelInfo, Worker
-from model.params import SamplingParams
+from model.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from model.options import ServerOptions
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

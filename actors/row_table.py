@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 from actors.messages import NULL_OBSERVER, Lane, RequestObserver, RowEvent, Siblings
-from model.rows import RowSpec
+from model.engine.rows import RowSpec
 
 if TYPE_CHECKING:
     import trio

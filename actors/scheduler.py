@@ -54,7 +54,7 @@ from actors.scheduling import (
     joined_in_burst,
 )
 from actors.worker_api import AdapterNotMounted, Worker
-from model.rows import TokenOut
+from model.engine.rows import TokenOut
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from actors.shutdown import ShutdownPlan
     from actors.worker_api import ModelInfo
     from model.options import ServerOptions
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger("actors.serve")
 
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = _LOG_LEVELS[options.observability.log_level]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Before anything can import mlx: MLX's CPU backend binds its BLAS at load time.
-    from model.blas import preload_optimized_blas
+    from model.load.blas import preload_optimized_blas
 
     blas = preload_optimized_blas(options.engine.blas)
     from actors.preflight import preflight
@@ -141,17 +141,17 @@ async def _main(options: ServerOptions) -> int:
 def _load_plan(options: ServerOptions) -> tuple[Path, RunnableWorker, Callable[[ModelInfo], Tokenizer]]:
     """The model directory, its worker (not yet loaded) and the tokenizer factory."""
     from actors.gpu_worker import GpuWorker
-    from model.errors import ModelLoadError
-    from model.tokenizer import Tokenizer
+    from model.load.errors import ModelLoadError
+    from model.text.tokenizer import Tokenizer
 
     names = options.model.served_model_name
     name = names[0] if names else None
     if options.model.model:
-        from model.resolve import resolve_model_dir
+        from model.load.resolve import resolve_model_dir
 
         model_dir = Path(resolve_model_dir(options.model.model))
     else:
-        from model.demo import DEMO_MODEL_NAME, ensure_demo_model
+        from model.load.demo import DEMO_MODEL_NAME, ensure_demo_model
 
         name = name or DEMO_MODEL_NAME  # logged and served under one name, not its cache directory's
         log.info("no --model: using the embedded demo model, served as %s", name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import attrs
 
 from cache.ssd_store import SsdUnavailable
-from model.errors import ModelLoadError
+from model.load.errors import ModelLoadError
 
 USAGE_EXIT = 2  # argparse's own exit code for a bad command line
 FAILURE_EXIT = 1

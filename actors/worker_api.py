@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from model.embedding_config import Pooling
+from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.kv.scheme import KVScheme
-from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
+from model.load.embedding_config import Pooling
 from model.vision.preprocess import ImageProcessorConfig
 
 if TYPE_CHECKING:
-    from model.loader import LoadedModel
+    from model.load.loader import LoadedModel
 
 
 @attrs.frozen
@@ -61,7 +61,7 @@ class ModelInfo:
     # Bytes every row holds whatever its length (a hybrid model's recurrent states).
     state_bytes_per_row: int = 0
     # One prefill forward's peak beyond weights and KV, for the chunk in use and the model's
-    # shape (model/prefill_memory.py): admission keeps it out of the KV budget.
+    # shape (model/engine/prefill_memory.py): admission keeps it out of the KV budget.
     prefill_transient_bytes: int = 0
     # Speculative decoding: "" = off, else "draft:<name> k=K" or "ngram k=K n=MIN..MAX".
     speculation: str = ""
@@ -106,7 +106,7 @@ def kv_fields(
 
 @attrs.frozen
 class AdapterReport:
-    """A mounted LoRA adapter, as the trio side sees it (model/adapters.py `AdapterInfo`'s values)."""
+    """A mounted LoRA adapter, as the trio side sees it (model/lora/adapters.py `AdapterInfo`'s values)."""
 
     id: str
     path: str

@@ -42,9 +42,9 @@ from api.structured import ConstraintRequest, check_compiles, compiles_for
 from api.template_messages import join_late_system, late_system_texts
 from cache.boundary import stable_prefix_length
 from cache.prefix_match import common_prefix_length
-from model.params import SamplingParams
-from model.rows import ImageInput
-from model.tokenizer import Tokenizer
+from model.engine.params import SamplingParams
+from model.engine.rows import ImageInput
+from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import attrs
 
 from api.images import ImagePart
 from api.structured import ConstraintRequest
-from model.params import SamplingParams
+from model.engine.params import SamplingParams
 
 
 @attrs.frozen

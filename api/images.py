@@ -29,7 +29,7 @@ import attrs
 from actors.worker_api import ModelInfo
 from api.errors import ApiError, bad_request
 from api.template_messages import media_error
-from model.rows import ImageInput
+from model.engine.rows import ImageInput
 from model.vision.header import ImageError, read_header
 from model.vision.preprocess import DecodeCost, decode_cost, grid_for, load_image
 

@@ -29,8 +29,8 @@ from actors.handles import ServerHandles
 from api import images
 from api.errors import bad_request
 from api.images import ImagePart, ImagePlan
+from model.engine.rows import ImageInput
 from model.options import AdmissionOptions
-from model.rows import ImageInput
 
 THREADS = 2  # images decode two at a time: each is CPU-bound and the cores are shared with the MLX thread
 GIB = 1 << 30

@@ -25,7 +25,7 @@ from typing import Any
 from actors.handles import ServerHandles
 from api.adapters.select import parse_adapters, select_adapters
 from api.errors import ApiError, bad_request
-from model.resolve import resolve_model_dir
+from model.load.resolve import resolve_model_dir
 
 DEFAULT_MODEL_ALIAS = "default_model"  # mlx_lm.server's name for "the model the server was started with"
 _ECHO_MAX = 256  # longest requested name echoed in the error message

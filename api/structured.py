@@ -1,4 +1,4 @@
-"""Structured-output request fields → a `Constraint` (model/params.py) for the row's sampler.
+"""Structured-output request fields → a `Constraint` (model/engine/params.py) for the row's sampler.
 
 Fields, in precedence order (the first present wins): a forced function call (`tool_choice`
 naming a function, or "required") > `guided_grammar` > `response_format` json_schema (or vLLM's
@@ -18,7 +18,7 @@ Two checks, both 400s carrying the engine's message: the translators validate th
 against the model's tokenizer and computes its first mask (`check_compiles`), so a grammar that
 exceeds the engine's limits or can match nothing is refused when the request arrives instead
 of ending the row at once. Both run on worker threads (api/http/offload.py). Nothing here touches
-MLX; the rows' grammars are compiled and enforced on the GPU-worker thread (model/grammar.py).
+MLX; the rows' grammars are compiled and enforced on the GPU-worker thread (model/text/grammar.py).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from quart import after_this_request, has_request_context
 from quart.typing import ResponseTypes
 
 from api.errors import bad_request
-from model import grammar
-from model.params import Constraint
-from model.tokenizer import Tokenizer
+from model.engine.params import Constraint
+from model.text import grammar
+from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

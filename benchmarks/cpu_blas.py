@@ -1,4 +1,4 @@
-"""MLX CPU backend: bundled reference BLAS vs the optimized one model.blas preloads.
+"""MLX CPU backend: bundled reference BLAS vs the optimized one model.load.blas preloads.
 
     python benchmarks/cpu_blas.py                      # bundled vs default search order
     python benchmarks/cpu_blas.py --blas /usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3
@@ -9,7 +9,7 @@ imported, and cannot be unloaded): the setting "off", the default search ("auto"
 per `--blas PATH`. Every worker first checks an MLX fp32 matmul against numpy (allclose).
 Reports fp32 GFLOP/s for a 1024^3 GEMM, the decode-shaped [1,1024]x[1024,4096] matmul in
 both weight layouts (`x @ W` and nn.Linear's `x @ W.T`), [8,1024]x[1024,4096]^T, and, when
-tests.fixtures.synth / model.loader are importable, prefill and decode tok/s of a small random
+tests.fixtures.synth / model.load.loader are importable, prefill and decode tok/s of a small random
 float32 model (hidden 512, 4 layers). Timings are best-of-N, since small shared VMs are noisy.
 """
 
@@ -68,11 +68,11 @@ def _check_correct(mx, np) -> bool:
 
 def _model_bench(mx, seconds: float, dtype: str) -> dict:
     """Prefill and decode tok/s of a small random model through the real engine."""
-    from model.engine import Engine
-    from model.loader import load_model
+    from model.engine.engine import Engine
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
+    from model.load.loader import load_model
     from model.options import EngineOptions
-    from model.params import SamplingParams
-    from model.rows import RowSpec
     from tests.fixtures.synth import write_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +119,7 @@ def _model_bench(mx, seconds: float, dtype: str) -> dict:
 
 
 def worker(args) -> None:
-    from model.blas import preload_optimized_blas
+    from model.load.blas import preload_optimized_blas
 
     info = preload_optimized_blas(args.setting)
     import mlx.core as mx

@@ -2,7 +2,7 @@
 weights, in one process, plus a host-side profile of one decode step.
 
 Reports, per batch size B: decode tok/s of
-  ours            Engine with the compiled decode step (the default; model/compiled_decode.py)
+  ours            Engine with the compiled decode step (the default; model/engine/compiled_decode.py)
   ours_eager      Engine with EngineOptions(compile_decode=False): the eager graph (on CUDA it
                   shares the fused q/k/v and gate/up weights the compiled engine made)
   mlx_lm          B=1: mlx_lm.generate.generate_step; B>1: mlx_lm.generate.BatchGenerator
@@ -28,22 +28,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.blas import preload_optimized_blas  # noqa: E402
+from model.load.blas import preload_optimized_blas  # noqa: E402
 
 preload_optimized_blas()
 
 import mlx.core as mx  # noqa: E402
 
 from benchmarks.synth_fast import SHAPES  # noqa: E402
-from model import engine as engine_module  # noqa: E402
-from model.compiled_decode import CompiledDecode  # noqa: E402
-from model.decoder import DecoderModel  # noqa: E402
-from model.engine import Engine  # noqa: E402
+from model.engine import engine as engine_module  # noqa: E402
+from model.engine.compiled_decode import CompiledDecode  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
 from model.kv.cache import make_caches  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
+from model.nn.decoder import DecoderModel  # noqa: E402
 from model.options import EngineOptions  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
 
 
 def ours_decode(engine: Engine, prompt: list[int], steps: int, batch: int) -> tuple[float, dict]:

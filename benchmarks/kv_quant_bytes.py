@@ -24,12 +24,12 @@ if __name__ == "__main__":
 
 from actors.policy import admission_ceiling, device_memory, memory_budget_bytes  # noqa: E402
 from actors.worker_api import kv_fields  # noqa: E402
-from model.engine import Engine  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
 from model.kv import scheme as kv_scheme  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 from model.options import KVOptions  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
 
 
 def main() -> None:

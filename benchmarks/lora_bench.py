@@ -24,10 +24,10 @@ import mlx.core as mx
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.engine import Engine  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 from tests.fixtures.lora import write_adapter  # noqa: E402
 
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.lora_delta import LORA_AT, LORA_B, RowMask, a_key, packed_delta, with_delta  # noqa: E402
+from model.lora.delta import LORA_AT, LORA_B, RowMask, a_key, packed_delta, with_delta  # noqa: E402
 
 HIDDEN, Q, KV, INTER, ROWS = 4096, 4096, 1024, 14336, 8
 

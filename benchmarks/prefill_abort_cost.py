@@ -2,7 +2,7 @@
 
 For one model (a directory, or a synth_fast shape written to a temporary directory), alternating
 rounds of a whole-prompt prefill (several chunks) under each check schedule:
-  none          no checks: one evaluation per chunk (before model/prefill_abort.py)
+  none          no checks: one evaluation per chunk (before model/engine/prefill_abort.py)
   default       what the engine does on this device (CPU: every layer, waiting; GPU: every
                 GPU_EVERY layers, one checkpoint queued ahead)
   every1-ahead  every layer, one ahead
@@ -29,20 +29,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.blas import preload_optimized_blas  # noqa: E402
+from model.load.blas import preload_optimized_blas  # noqa: E402
 
 preload_optimized_blas()
 
 import mlx.core as mx  # noqa: E402
 
 from benchmarks.synth_fast import SHAPES, fast_model_dir  # noqa: E402
-from model.abort_flags import AbortFlags  # noqa: E402
-from model.engine import Engine  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.engine.abort_flags import AbortFlags  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.prefill_abort import GPU_EVERY, LayerCheckpoints  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 from model.options import EngineOptions  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.prefill_abort import GPU_EVERY, LayerCheckpoints  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
 
 Schedule = Callable[[Callable[[], bool], int, bool], LayerCheckpoints]
 _original = LayerCheckpoints.for_device

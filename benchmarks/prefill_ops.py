@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.blas import preload_optimized_blas  # noqa: E402
+from model.load.blas import preload_optimized_blas  # noqa: E402
 
 BLAS = preload_optimized_blas()
 
@@ -28,9 +28,9 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from benchmarks.synth_fast import SHAPES  # noqa: E402
-from model.decoder import swiglu  # noqa: E402
 from model.kv.cache import make_caches  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
+from model.nn.decoder import swiglu  # noqa: E402
 
 
 def best_ms(fn, repeats: int = 5) -> float:

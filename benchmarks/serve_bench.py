@@ -100,7 +100,7 @@ class Server:
             cmd = [sys.executable, "-m", "actors.serve", "--model", str(model), "--port", str(port), *extra]
         elif kind == "mlx_lm+blas":  # mlx_lm.server with the BLAS our server preloads (CPU fairness)
             boot = (
-                "import sys; from model.blas import preload_optimized_blas; preload_optimized_blas(); "
+                "import sys; from model.load.blas import preload_optimized_blas; preload_optimized_blas(); "
                 "import runpy; sys.argv = ['mlx_lm'] + sys.argv[1:]; runpy.run_module('mlx_lm', run_name='__main__')"
             )
             cmd = [sys.executable, "-c", boot, "server", "--model", str(model), "--port", str(port), *extra]
@@ -648,7 +648,7 @@ def versions() -> dict:
 def blas_line() -> str:
     """The BLAS our server (and mlx_lm+blas) binds MLX's CPU backend to, as the server logs it:
     asked in a fresh interpreter, because the preload must come before mlx is imported."""
-    probe = "from model.blas import preload_optimized_blas; print(preload_optimized_blas().log_line())"
+    probe = "from model.load.blas import preload_optimized_blas; print(preload_optimized_blas().log_line())"
     try:
         return subprocess.run(
             [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from model.kv.cache import make_caches  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -95,10 +95,10 @@ def prefill_section(model, vocab: int) -> dict:
 def exact_section(model, vocab: int, gen: int = 24) -> dict:
     """Engine-level: greedy tokens of exact-width solo prefill (the reference, as mlx-lm runs it)
     against bucketed solo prefill and against one group prefill of all rows (bucketed)."""
-    from model.engine import Engine
+    from model.engine.engine import Engine
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
     from model.options import EngineOptions
-    from model.params import SamplingParams
-    from model.rows import RowSpec
     from tests.engine_helpers import decode_to_the_end, generate_tokens
 
     lengths = (37, 70, 77, 100, 129, 200, 64, 5)
@@ -178,10 +178,10 @@ def hit_section(model, vocab: int, gen: int = 24) -> dict:
     """After a prompt-cache hit: greedy tokens of the suffix prefilled with fused attention and
     unfused (matmuls) against a cold run, and each one's first-time cost at new offsets."""
     from cache.prompt_cache import PromptCache
-    from model.engine import Engine
+    from model.engine.engine import Engine
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
     from model.options import EngineOptions
-    from model.params import SamplingParams
-    from model.rows import RowSpec
     from tests.engine_helpers import generate_tokens
 
     system = [(13 * j) % (vocab - 10) + 5 for j in range(1000)]
@@ -223,9 +223,9 @@ def longdecode_section(model, vocab: int, steps: int = 700) -> dict:
     256-token steps — a new graph each time, if the suspicion holds."""
     import statistics
 
-    from model.engine import Engine
-    from model.params import SamplingParams
-    from model.rows import RowSpec
+    from model.engine.engine import Engine
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
 
     engine = Engine(model, eos_token_ids=[])
     prompt = tuple((7 * j) % (vocab - 10) + 5 for j in range(200))
@@ -251,9 +251,9 @@ def hitshape_section(model, vocab: int) -> dict:
     import os
 
     from cache.prompt_cache import PromptCache
-    from model.engine import Engine
-    from model.params import SamplingParams
-    from model.rows import RowSpec
+    from model.engine.engine import Engine
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
     from tests.engine_helpers import generate_tokens
 
     base = [(13 * j) % (vocab - 10) + 5 for j in range(1400)]
@@ -295,9 +295,9 @@ def capacity_section(model, vocab: int, steps: int = 600) -> dict:
     warm_decode_capacity (none on the CPU)."""
     import statistics
 
-    from model.engine import Engine
-    from model.params import SamplingParams
-    from model.rows import RowSpec
+    from model.engine.engine import Engine
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
 
     engine = Engine(model, eos_token_ids=[])
     out: dict = {}

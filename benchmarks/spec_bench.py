@@ -28,12 +28,12 @@ import mlx.core as mx
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.engine import Engine  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
+from model.engine.speculation import Speculation  # noqa: E402
 from model.kv.cache import make_caches  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
-from model.speculation import Speculation  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 
 
 def forward_cost(model, prompt: list[int], ks: list[int], reps: int) -> dict[int, float]:

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-try:  # production's CPU BLAS, before anything imports mlx (see model/blas.py)
-    from model.blas import preload_optimized_blas
+try:  # production's CPU BLAS, before anything imports mlx (see model/load/blas.py)
+    from model.load.blas import preload_optimized_blas
 
     BLAS = preload_optimized_blas().log_line()
 except Exception as e:  # noqa: BLE001 - a benchmark still runs on the bundled BLAS
@@ -39,11 +39,11 @@ import numpy as np  # noqa: E402
 from cache.ssd_identity import Identity, model_fingerprint, scheme_key, tokenizer_hash  # noqa: E402
 from cache.ssd_store import SsdStore  # noqa: E402
 from cache.tiered import TieredPromptCache  # noqa: E402
-from model.engine import Engine  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 from model.options import EngineOptions  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
 from tests.fixtures.synth import write_model_dir  # noqa: E402
 
 

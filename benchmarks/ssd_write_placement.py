@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 try:
-    from model.blas import preload_optimized_blas
+    from model.load.blas import preload_optimized_blas
 
     BLAS = preload_optimized_blas().log_line()
 except Exception as e:  # noqa: BLE001
@@ -46,10 +46,10 @@ from cache.ssd_identity import Identity  # noqa: E402
 from cache.ssd_store import SsdStore  # noqa: E402
 from cache.ssd_writer import PIECE_BYTES  # noqa: E402
 from cache.tiered import TieredPromptCache, spill_item  # noqa: E402
-from model.engine import Engine  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 from tests.fixtures.synth import write_model_dir  # noqa: E402
 
 

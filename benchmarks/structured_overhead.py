@@ -26,18 +26,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.blas import preload_optimized_blas  # noqa: E402
+from model.load.blas import preload_optimized_blas  # noqa: E402
 
 preload_optimized_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from model import grammar as grammar_mod  # noqa: E402
-from model.engine import Engine  # noqa: E402
-from model.grammar import GrammarCompiler  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.params import Constraint, SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import Constraint, SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
+from model.text import grammar as grammar_mod  # noqa: E402
+from model.text.grammar import GrammarCompiler  # noqa: E402
 from tests.fixtures.synth import write_model_dir  # noqa: E402
 
 SCHEMA = {

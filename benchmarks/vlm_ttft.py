@@ -167,7 +167,7 @@ def pad_tokens(size: int, preprocessor: dict[str, Any]) -> int:
 def question_of(model_dir: Path, target_tokens: int) -> tuple[str, int]:
     """Words until the model's tokenizer counts `target_tokens` (the real Qwen tokenizer would
     count fewer: only the prompt's length matters here)."""
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     words: list[str] = []
@@ -271,7 +271,7 @@ def run_mlx_vlm(model_dir: Path, args: argparse.Namespace, question: str, image_
         from mlx_vlm.utils import load_model as vlm_load_model
     except ImportError:
         return None
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     model = vlm_load_model(model_dir)

@@ -20,16 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.blas import preload_optimized_blas  # noqa: E402
+from model.load.blas import preload_optimized_blas  # noqa: E402
 
 preload_optimized_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from model.engine import Engine  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 
 
 def timed(fn):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from cache.prefix_match import common_prefix_length
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from model import quant_kernel
-from model.decoder import swiglu
+from model.nn.decoder import swiglu
 
 # From this many (token, expert) pairs on, tokens are sorted by expert first, so each expert's
 # weights are read once in a run (mlx-lm's threshold: the same choice keeps the same kernels).
@@ -104,7 +104,7 @@ class SwitchLinear(nn.Module):
         return x
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedSwitchLinear:
-        """What `nn.quantize` calls (model/weights.py decides which modules from the checkpoint)."""
+        """What `nn.quantize` calls (model/load/weights.py decides which modules from the checkpoint)."""
         return QuantizedSwitchLinear(self.weight, self.get("bias"), group_size, bits, mode)
 
 

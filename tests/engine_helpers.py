@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from model.engine import Engine
-from model.rows import RowSpec
+from model.engine.engine import Engine
+from model.engine.rows import RowSpec
 
 
 def generate_tokens(engine: Engine, specs: Sequence[RowSpec], *, reusable: bool = False) -> dict[int, list[int]]:

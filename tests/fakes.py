@@ -21,9 +21,9 @@ from actors.arrivals import Arrivals
 from actors.messages import NULL_OBSERVER, Enqueue, Lane, RequestObserver
 from actors.scheduler import Scheduler
 from actors.worker_api import AdapterNotMounted, AdapterReport, ModelInfo, NotAnEmbeddingModel
-from model.embedding_config import plan_jobs
-from model.params import SamplingParams
-from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
+from model.engine.params import SamplingParams
+from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
+from model.load.embedding_config import plan_jobs
 
 EOS = 0
 

@@ -20,7 +20,7 @@ import trio
 from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 from tests.helpers.workers import gpu_worker
 
 SHUTDOWN_TIMEOUT_S = 5

@@ -28,8 +28,8 @@ from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.worker_api import ModelInfo
 from api.app import create_app
-from model.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
-from model.tokenizer import Tokenizer
+from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
+from model.text.tokenizer import Tokenizer
 from tests.helpers.workers import gpu_worker
 
 CHAT = "/v1/chat/completions"

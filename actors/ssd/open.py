@@ -20,7 +20,7 @@ from actors.startup import StartupFailed
 
 if TYPE_CHECKING:
     from cache.ssd_store import SsdStore
-    from model.loader import LoadedModel
+    from model.load.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 

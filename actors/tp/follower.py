@@ -2,7 +2,7 @@
 
 The server (rank 0, actors/tp/leader.py) starts N-1 of these with MLX's ring-backend environment
 (the rank and the hostfile, read by `mx.distributed.init` itself). A follower loads the same model,
-joins the ring, keeps its shard (model/tensor_parallel.py) and builds the same engine; then it
+joins the ring, keeps its shard (model/nn/tensor_parallel.py) and builds the same engine; then it
 repeats every engine call rank 0 sends over stdin, in order, and acknowledges each on stdout with
 the digest of its result (actors/tp/link.py). Both ranks' forwards meet in the collectives of the
 row-parallel layers; the follower's tokens are never used, only compared.
@@ -51,9 +51,9 @@ def main() -> int:
 def _build(setup: Setup) -> tuple[Any, int]:
     import mlx.core as mx
 
-    from model.engine_build import build_engine, kv_scheme_for
-    from model.loader import load_model
-    from model.tensor_parallel import check_shardable, shard_model
+    from model.engine.build import build_engine, kv_scheme_for
+    from model.load.loader import load_model
+    from model.nn.tensor_parallel import check_shardable, shard_model
 
     loaded = load_model(setup.model_dir)
     group = mx.distributed.init(strict=True, backend="ring")

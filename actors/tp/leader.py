@@ -3,7 +3,7 @@
 On the GPU worker's MLX thread, once the model is loaded, `TensorParallel.start` writes a ring
 hostfile of N localhost ports, starts N-1 `actors.tp.follower` processes (MLX's own rank and
 hostfile environment variables, which `mx.distributed.init` reads), joins the ring itself and
-shards its model (model/tensor_parallel.py). `wrap` then puts the engine behind `MirroredEngine`:
+shards its model (model/nn/tensor_parallel.py). `wrap` then puts the engine behind `MirroredEngine`:
 each engine call in `tp_link.BROADCAST` is sent to every follower before it runs here, and the
 followers' acknowledgements are compared with this rank's result. Tokens come from this rank only.
 
@@ -38,13 +38,13 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 import outcome
 
 from actors.tp.link import BROADCAST, Ack, Call, Setup, Stop, digest, error_text, receive, send
-from model.errors import ModelLoadError
+from model.load.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import trio
 
-    from model.engine import Engine
-    from model.loader import LoadedModel
+    from model.engine.engine import Engine
+    from model.load.loader import LoadedModel
     from model.options import ServerOptions
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class TensorParallel:
     def start(self, worker: WorkerSettings, loaded: LoadedModel, eos: frozenset[int], token: Any) -> None:
         if self.size == 1:
             return
-        from model.tensor_parallel import check_shardable
+        from model.nn.tensor_parallel import check_shardable
 
         self._token = token
         _refuse_unmirrored(worker, loaded)
@@ -172,8 +172,8 @@ class TensorParallel:
     def _launch(self, setup: Setup, loaded: LoadedModel) -> None:
         import mlx.core as mx
 
-        from model.tensor_parallel import shard_model
-        from model.weights import parameter_bytes
+        from model.load.weights import parameter_bytes
+        from model.nn.tensor_parallel import shard_model
 
         fd, self._hostfile = tempfile.mkstemp(prefix="mlx-trio-ring-", suffix=".json")
         with os.fdopen(fd, "w") as f:

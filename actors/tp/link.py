@@ -19,8 +19,8 @@ from typing import IO, Any
 
 import attrs
 
+from model.engine.rows import PrefillProgress, RowOpened, TokenOut
 from model.options import EngineOptions, KVOptions
-from model.rows import PrefillProgress, RowOpened, TokenOut
 
 _LENGTH = struct.Struct(">I")
 

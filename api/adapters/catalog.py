@@ -7,7 +7,7 @@ cheaply, without the MLX thread and without reading any weights: the safetensors
 `adapters.safetensors` (its JSON table of names and shapes) is compared with the base model's
 config.json. Every `lora_a` must be (in, rank) and every `lora_b` (rank, out) for the module it
 names, in a layer the model has, with (in, out) from the hidden / intermediate / head sizes; a
-full fine-tune, a config field of the wrong type (model/adapter_config.py, the mount's own rule)
+full fine-tune, a config field of the wrong type (model/lora/config.py, the mount's own rule)
 or an unreadable file is `false`. A module those sizes do not describe (another
 family's naming) gives `"unknown"`: mounting (POST /v1/adapters) is the real check.
 An entry that is not `true` carries a `reason`.
@@ -21,8 +21,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from model.adapter_config import CONFIG_FILE, WEIGHTS_FILE, config_problem
-from model.adapter_ids import adapter_id_problem
+from model.lora.config import CONFIG_FILE, WEIGHTS_FILE, config_problem
+from model.lora.ids import adapter_id_problem
 
 MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header past this is not an adapter's
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.(lora_a|lora_b)$")

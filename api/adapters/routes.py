@@ -30,7 +30,7 @@ from api.errors import ApiError, bad_request
 from api.http import offload
 from api.http.wire import json_body, json_response
 from api.model_names import model_name
-from model.adapter_ids import adapter_id_problem
+from model.lora.ids import adapter_id_problem
 
 
 def blueprint(handles: ServerHandles) -> Blueprint:
@@ -110,10 +110,10 @@ def _model_dir(handles: ServerHandles) -> Path | None:
     """The served model's directory (its config.json has the sizes to compare with)."""
     try:
         if handles.options.model.model:
-            from model.resolve import resolve_model_dir
+            from model.load.resolve import resolve_model_dir
 
             return Path(resolve_model_dir(handles.options.model.model))
-        from model.demo import ensure_demo_model
+        from model.load.demo import ensure_demo_model
 
         return Path(ensure_demo_model())
     except Exception:  # noqa: BLE001 - compatibility is then "unknown", never an error

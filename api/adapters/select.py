@@ -18,7 +18,7 @@ from typing import Any
 
 from actors.adapter_registry import AdapterRegistry, stack_problem
 from api.errors import ApiError
-from model.adapter_ids import NO_ADAPTER
+from model.lora.ids import NO_ADAPTER
 
 
 def parse_adapters(registry: AdapterRegistry, value: Any, *, param: str) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""OpenAI embeddings: `POST /v1/embeddings`, for embedding models (model/embedding_config.py).
+"""OpenAI embeddings: `POST /v1/embeddings`, for embedding models (model/load/embedding_config.py).
 
 `{model, input, encoding_format?, dimensions?, user?}` → `{"object": "list", "data": [{"object":
 "embedding", "index", "embedding"}], "model", "usage": {"prompt_tokens", "total_tokens"}}`.
@@ -32,7 +32,7 @@ from api.http import offload
 from api.http.wire import json_body, json_response
 from api.model_names import check_requested_model, model_name
 from api.prompt_bounds import check_chars, too_long
-from model.embedding_config import Pooling
+from model.load.embedding_config import Pooling
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 ENCODINGS = ("float", "base64")

@@ -45,13 +45,13 @@ from quart_trio import QuartTrio
 from actors.messages import Admitted, Rejected, RowEvent, RowFailed
 from actors.request import observing
 from api.http.forwarded import TrustedProxies, scope_client_address
-from model.rows import RowOpened, TokenOut
+from model.engine.rows import RowOpened, TokenOut
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveEvent, ASGISendEvent, Scope
 
     from actors.handles import ServerHandles
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger("mlx_trio.requests")
 

@@ -25,8 +25,8 @@ from api.completion import TIMED_OUT, Completion, add_events, finish, next_event
 from api.errors import ApiError, error_body
 from api.http.wire import DONE_FRAME, KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S, data_frame, new_id
 from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
-from model.rows import TokenOut
-from model.tokenizer import Tokenizer
+from model.engine.rows import TokenOut
+from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

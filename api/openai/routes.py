@@ -19,7 +19,7 @@ from api.http.wire import json_body, json_response, sse_response
 from api.model_names import adapter_model_names, check_requested_model, model_name, model_not_found, served_names
 from api.openai import encode as openai_encode
 from api.openai.translate import chat_request, completion_output, text_request
-from model import grammar
+from model.text import grammar
 
 HEALTH_BODY = b'{"status": "ok"}'  # byte parity with mlx_lm.server, space included
 OWNER = "mlx-trio"

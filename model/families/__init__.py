@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.errors import ModelLoadError
 from model.families import (
     gemma3_text,
     gemma4_text,
@@ -21,7 +20,8 @@ from model.families import (
     qwen3_next,
 )
 from model.families.common import Family
-from model.language_model import LanguageModel
+from model.load.errors import ModelLoadError
+from model.nn.language_model import LanguageModel
 
 FAMILIES: tuple[Family, ...] = (
     llama,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from model.language_model import LanguageModel
+from model.nn.language_model import LanguageModel
 
 
 class Family(Protocol):

@@ -20,10 +20,10 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.decoder import DecoderArgs, make_rope
 from model.kv.cache import KVCache, LayerCache, SoloCache
 from model.kv.rotating import RotatingKVCache
-from model.language_model import AfterLayer, LanguageModel
+from model.nn.decoder import DecoderArgs, make_rope
+from model.nn.language_model import AfterLayer, LanguageModel
 
 MODEL_TYPES: tuple[str, ...] = ("gemma3_text",)
 

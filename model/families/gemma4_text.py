@@ -20,13 +20,13 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.decoder import rope_for
-from model.errors import ModelLoadError
 from model.families import gemma3_text
 from model.kv.cache import KVCache, LayerCache, SoloCache
 from model.kv.rotating import RotatingKVCache
 from model.kv.shared import KVShare, SharingAttention
-from model.language_model import AfterLayer, LanguageModel
+from model.load.errors import ModelLoadError
+from model.nn.decoder import rope_for
+from model.nn.language_model import AfterLayer, LanguageModel
 
 MODEL_TYPES: tuple[str, ...] = ("gemma4_text", "gemma4")
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.decoder import DecoderArgs, DecoderModel
 from model.families.common import tie_embeddings
+from model.nn.decoder import DecoderArgs, DecoderModel
 
 MODEL_TYPES: tuple[str, ...] = ("qwen2",)
 

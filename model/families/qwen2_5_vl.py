@@ -14,11 +14,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from model.decoder import MLP, Attention, DecoderArgs
 from model.families.common import tie_embeddings
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv.cache import LayerCache
-from model.language_model import AfterLayer, LanguageModel
+from model.nn.decoder import MLP, Attention, DecoderArgs
+from model.nn.language_model import AfterLayer, LanguageModel
 from model.vision import mrope
 from model.vision.qwen2_5_vl import VisionArgs, VisionTower
 

@@ -1,4 +1,4 @@
-"""Qwen3.5 (text): gated-delta linear-attention layers (model/gated_delta.py) with a full-attention
+"""Qwen3.5 (text): gated-delta linear-attention layers (model/nn/gated_delta.py) with a full-attention
 layer every `full_attention_interval`-th (or where `layer_types` says "full_attention").
 
 Its own blocks, op for op as mlx-lm's qwen3_5 (greedy tokens equal mlx_lm.generate's): full
@@ -17,14 +17,14 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from model.decoder import MLP, DecoderArgs
 from model.families.common import head_dim_of, tie_embeddings
-from model.gated_delta import DeltaArgs, GatedDeltaNet
 from model.kernels import cpu_attention, unfused_attention
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv.cache import KVCache, LayerCache, SoloCache
 from model.kv.state import StateCache
-from model.language_model import AfterLayer, Capabilities, LanguageModel
+from model.nn.decoder import MLP, DecoderArgs
+from model.nn.gated_delta import DeltaArgs, GatedDeltaNet
+from model.nn.language_model import AfterLayer, Capabilities, LanguageModel
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3_5",)
 

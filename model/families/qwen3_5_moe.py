@@ -14,11 +14,11 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from model.decoder import MLP
-from model.errors import ModelLoadError
 from model.families.qwen3_5 import HybridArgs, Qwen35Model, hybrid_args
 from model.families.qwen3_moe import MoeArgs
+from model.load.errors import ModelLoadError
 from model.moe import SharedExpertMoeBlock, expert_prefixes, stack_experts, unfuse_experts
+from model.nn.decoder import MLP
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3_5_moe",)
 

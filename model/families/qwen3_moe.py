@@ -12,10 +12,10 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from model.decoder import DecoderArgs, DecoderModel
-from model.errors import ModelLoadError
 from model.families.qwen3 import decoder_args
+from model.load.errors import ModelLoadError
 from model.moe import SparseMoeBlock, expert_prefixes, stack_experts
+from model.nn.decoder import DecoderArgs, DecoderModel
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3_moe",)
 

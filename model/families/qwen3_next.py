@@ -15,7 +15,7 @@ import mlx.nn as nn
 from model.families.qwen3_5 import HybridArgs, hybrid_args
 from model.families.qwen3_5_moe import HybridMoeModel, moe_args
 from model.families.qwen3_moe import MoeArgs
-from model.gated_delta import GatedDeltaNet
+from model.nn.gated_delta import GatedDeltaNet
 
 MODEL_TYPES: tuple[str, ...] = ("qwen3_next",)
 

@@ -33,7 +33,7 @@ def _grow(store: mx.array | None, used: int, incoming: mx.array) -> mx.array:
     a multiple of STEP. A cold sequence grows exactly as mlx-lm's cache does; a trimmed, cloned
     or restored one (used not a multiple) is rounded up to the same capacities too, because on
     CUDA the first decode against a buffer of a new capacity costs ~0.4 s (H200) and warm-up
-    meets only multiples of STEP (model/warm_up.py)."""
+    meets only multiples of STEP (model/engine/warm_up.py)."""
     B, H, n, D = incoming.shape
     if store is None:
         return mx.zeros((B, H, -(-n // STEP) * STEP, D), incoming.dtype)

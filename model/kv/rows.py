@@ -22,7 +22,7 @@ from model.kv.scheme import KVScheme
 from model.kv.state import BatchStateCache, StateCache
 
 if TYPE_CHECKING:
-    from model.decoding import Row
+    from model.engine.decoding import Row
 
 Solo = KVCache | QuantizedKVCache
 

@@ -4,7 +4,7 @@ own: each attends over what an earlier layer of its kind stored, with that layer
 `store` puts a step's keys and values in a layer's cache, whatever its kind, and returns the
 attention over everything the cache then holds, as a function of the queries: the storing layer
 calls it with its own queries, each sharing layer with its own. Each kind attends as its own
-layer would (model/decoder.py `Attention.attend_cached`, model/kv/mixed.py, model/kv/quant.py).
+layer would (model/nn/decoder.py `Attention.attend_cached`, model/kv/mixed.py, model/kv/quant.py).
 `SharingAttention` is Gemma 4's attention (op for op as mlx-lm's gemma4_text), of either role.
 """
 

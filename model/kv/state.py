@@ -1,11 +1,11 @@
-"""Fixed-size recurrent state caches for linear-attention layers (model/gated_delta.py): one row
+"""Fixed-size recurrent state caches for linear-attention layers (model/nn/gated_delta.py): one row
 (`StateCache`) and a batch of rows stacked (`BatchStateCache`).
 
 A layer's state is a convolution tail (the last kernel-1 inputs) and a recurrent matrix per head:
 its size does not grow with the sequence, and it cannot be rewound, so these caches are never
 trimmable (`trim` drops nothing). A prompt-cache entry of a hybrid model therefore serves only a
 prompt that extends exactly the tokens it covers, and a snapshot must be taken where the state
-is, never trimmed back to (model/snapshots.py's trimmed clones come back short: no put, a miss).
+is, never trimmed back to (model/engine/snapshots.py's trimmed clones come back short: no put, a miss).
 
 A batch holds only decode rows, one token each per step: no padding ever enters a state. A group
 prefill (right-padded rows in one forward) leaves each row's state polluted by its padding, so the

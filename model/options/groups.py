@@ -380,7 +380,7 @@ class KVOptions:
 
 @attrs.frozen
 class SpeculationOptions:
-    """Speculative decoding: who drafts and how much (model/speculation.py)."""
+    """Speculative decoding: who drafts and how much (model/engine/speculation.py)."""
 
     draft_model: str | None = option(
         None,

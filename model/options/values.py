@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from model.adapter_ids import adapter_id_problem
+from model.lora.ids import adapter_id_problem
 
 
 def non_negative_int(text: str) -> int:

@@ -1,6 +1,6 @@
 """The registry's MLX-thread check before a row opens: a stack the engine cannot run (a DoRA
 adapter with another, e.g. remounted as DoRA after the route's check) is that request's 400,
-in the words of the engine's own rule (model/adapter_stack.py)."""
+in the words of the engine's own rule (model/lora/stack.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from actors.adapter_registry import AdapterNotStackable, mounted_for
 from actors.worker_api import AdapterNotMounted, AdapterReport
-from model.adapter_stack import stack_problem
-from model.params import SamplingParams
-from model.rows import RowSpec
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.lora.stack import stack_problem
 
 
 def report(adapter_id: str, kind: str = "lora") -> AdapterReport:

@@ -22,11 +22,11 @@ from actors.policy import (
 )
 from actors.request import RequestActor, RequestRejected
 from actors.root import start_actors
+from model.engine.params import SamplingParams
 from model.options import ServerOptions
-from model.params import SamplingParams
 from tests.fakes import FakeTokenizer, FakeWorker
 
-# One prefill forward's transient, as the model would report it (model/prefill_memory.py).
+# One prefill forward's transient, as the model would report it (model/engine/prefill_memory.py).
 TRANSIENT = 2048 * 550_000
 
 

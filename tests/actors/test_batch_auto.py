@@ -22,7 +22,7 @@ from tests.fakes import FakeTokenizer, FakeWorker
 from tests.helpers.options import parsed
 
 GB = 10**9
-# One prefill forward's transient, as the model would report it (model/prefill_memory.py).
+# One prefill forward's transient, as the model would report it (model/engine/prefill_memory.py).
 TRANSIENT = 2048 * 550_000
 KV = 100_000  # bytes per token
 

@@ -8,11 +8,11 @@ import pytest
 import trio
 
 from actors.gpu_worker import WorkerDied
-from model.engine import Engine
-from model.errors import ModelLoadError
-from model.loader import load_model
-from model.params import SamplingParams
-from model.rows import RowSpec
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.errors import ModelLoadError
+from model.load.loader import load_model
 from tests.engine_helpers import generate_tokens
 from tests.helpers.workers import gpu_worker
 

@@ -26,15 +26,15 @@ from actors.policy import (
 from actors.root import start_actors
 from actors.startup import load_failed
 from actors.worker_api import ModelInfo, kv_fields
-from model.errors import ModelLoadError
 from model.kv.scheme import KVScheme, resolve
+from model.load.errors import ModelLoadError
 from model.options import KVOptions
 from tests.fakes import FakeTokenizer, FakeWorker
 from tests.helpers.options import parsed
 from tests.helpers.workers import gpu_worker
 
 GB = 10**9
-# One prefill forward's transient, as the model would report it (model/prefill_memory.py).
+# One prefill forward's transient, as the model would report it (model/engine/prefill_memory.py).
 TRANSIENT = 2048 * 550_000
 # An 8B llama's shape: 32 layers, 8 KV heads of 128, bf16 → K and V of 32·8·128 elements, 2 bytes.
 LAYERS = 32
@@ -271,7 +271,7 @@ def test_a_rows_fixed_recurrent_state_is_billed_before_its_tokens():
 
 def test_the_hybrid_models_state_reaches_model_info(tiny_model_factory):
     from actors.worker_api import loaded_fields
-    from model.loader import load_model
+    from model.load.loader import load_model
 
     loaded = load_model(tiny_model_factory("qwen3_5", num_hidden_layers=4, head_dim=16))
     expected = loaded.model.state_bytes_per_row(loaded.kv_dtype.size)

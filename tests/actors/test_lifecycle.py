@@ -24,7 +24,7 @@ from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown
 from actors.startup import USAGE_EXIT, startup_failure
-from model.errors import ModelLoadError
+from model.load.errors import ModelLoadError
 from tests.actors.test_shutdown import names, order_is
 from tests.fakes import FakeTokenizer, FakeWorker
 

@@ -14,8 +14,8 @@ import time
 import trio
 
 from actors.messages import Abort
-from model.params import SamplingParams
-from model.rows import RowOpened, RowSpec, TokenOut
+from model.engine.params import SamplingParams
+from model.engine.rows import RowOpened, RowSpec, TokenOut
 from tests.fakes import scheduler_harness
 from tests.helpers.workers import gpu_worker
 

@@ -6,7 +6,7 @@ import trio
 
 from actors.options import options as serve_options
 from actors.root import start_actors
-from model.prefill_memory import prefill_transient_bytes
+from model.engine.prefill_memory import prefill_transient_bytes
 from tests.fakes import FakeTokenizer
 from tests.helpers.workers import gpu_worker
 

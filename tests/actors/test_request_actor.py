@@ -11,8 +11,8 @@ import trio
 
 from actors.messages import NULL_OBSERVER, Abort, Admitted, GenerationRequest, RowFailed, Submit
 from actors.request import MAX_TOKENS_PER_TURN, GenerationFailed, RequestActor, RequestPorts, observing
-from model.params import SamplingParams
-from model.rows import RowOpened, TokenOut
+from model.engine.params import SamplingParams
+from model.engine.rows import RowOpened, TokenOut
 
 
 class _Admission:

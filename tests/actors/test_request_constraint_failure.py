@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from actors.request import GenerationFailed
-from model.rows import TokenOut
+from model.engine.rows import TokenOut
 from tests.actors.test_request_actor import _admitted_actor
 
 

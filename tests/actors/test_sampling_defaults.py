@@ -7,7 +7,7 @@ import trio
 from actors.handles import sampling_defaults_for
 from actors.options import options as serve_options
 from actors.worker_api import ModelInfo
-from model.params import SamplingParams
+from model.engine.params import SamplingParams
 from tests.helpers.workers import gpu_worker
 
 

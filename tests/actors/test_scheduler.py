@@ -9,7 +9,7 @@ from __future__ import annotations
 import trio
 
 from actors.messages import Abort, NullObserver, RowEvent, RowFailed, StopRow
-from model.rows import RowOpened, TokenOut
+from model.engine.rows import RowOpened, TokenOut
 from tests.fakes import EOS, FakeWorker, scheduler_harness
 
 

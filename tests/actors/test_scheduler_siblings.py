@@ -14,8 +14,8 @@ from actors.messages import Enqueue, GenerationRequest, Lane, Siblings
 from actors.policy import AdmissionCeiling
 from actors.row_table import Row, RowTable, rows_enqueued
 from actors.scheduling import Fork, Settings, Stage, Turn, decide, group_at_head
-from model.params import SamplingParams
-from model.rows import RowSpec
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from tests.fakes import FakeWorker, RowLog, SchedulerHarness, scheduler_harness
 
 PROMPT = (11, 12, 13, 14, 15, 16, 17, 18, 19, 20)  # 9 tokens to prefill: 3 chunks of the fake's 4

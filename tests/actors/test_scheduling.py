@@ -34,8 +34,8 @@ from actors.scheduling import (
     hold_window,
     joined_in_burst,
 )
-from model.params import SamplingParams
-from model.rows import RowSpec
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 
 GROUPS = Settings(group_prefill_tokens=16)
 HOLDS = Settings(group_prefill_tokens=16, arrival_window=0.5)

@@ -17,7 +17,7 @@ from actors.gpu_worker import GpuWorker
 from actors.options import options as serve_options
 from actors.options import parse_options, parser
 from actors.shutdown import ShutdownPlan
-from model.blas import BlasInfo
+from model.load.blas import BlasInfo
 from model.options import EngineOptions, ServerOptions
 from model.options.flags import field_groups
 from tests.helpers.options import parsed
@@ -108,7 +108,7 @@ def test_every_flag_is_documented():
 def test_blas_setting_is_preloaded_before_the_server_runs(monkeypatch):
     seen: list[object] = []
     monkeypatch.setattr(
-        "model.blas.preload_optimized_blas", lambda setting: seen.append(setting) or BlasInfo("x", None, "test")
+        "model.load.blas.preload_optimized_blas", lambda setting: seen.append(setting) or BlasInfo("x", None, "test")
     )
     monkeypatch.setattr("trio.run", lambda main, config: seen.append(config) or 0)
     assert serve.main(["--blas", "off", "--port", "0"]) == 0

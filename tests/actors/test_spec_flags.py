@@ -18,9 +18,9 @@ from actors.gpu_worker import GpuWorker
 from actors.options import parse_options
 from actors.startup import load_failed
 from actors.worker_api import ModelInfo
-from model.errors import ModelLoadError
+from model.engine.speculation_setup import SpecChoice, spec_choice
+from model.load.errors import ModelLoadError
 from model.options import ServerOptions, SpeculationOptions
-from model.speculation_setup import SpecChoice, spec_choice
 from tests.helpers.options import parsed
 from tests.helpers.workers import gpu_worker
 

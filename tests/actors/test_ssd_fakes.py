@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import trio
 
-from model.rows import RowSpec
+from model.engine.rows import RowSpec
 from tests.fakes import FakeWorker
 
 

@@ -131,7 +131,7 @@ def test_shadowing_names_the_module_in_the_way(tmp_path, monkeypatch):
 
 def test_the_demo_model_is_served_under_the_name_it_is_logged_as(monkeypatch, tmp_path, caplog):
     from actors.gpu_worker import GpuWorker
-    from model.demo import DEMO_MODEL_NAME
+    from model.load.demo import DEMO_MODEL_NAME
 
     monkeypatch.setenv("MLX_TRIO_CACHE", str(tmp_path))
     with caplog.at_level(logging.INFO):

@@ -18,7 +18,7 @@ import trio
 from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 from tests.fixtures.lora import write_adapter
 from tests.helpers.workers import gpu_worker
 

@@ -13,13 +13,13 @@ from actors.options import options as serve_options
 from actors.root import start_actors
 from actors.worker_api import AdapterReport
 from api.app import create_app
-from model.adapters import AdapterStillLeaving
+from model.lora.adapters import AdapterStillLeaving
 from tests.fakes import FakeTokenizer, FakeWorker
 
 CHAT = "/v1/chat/completions"
 REMOTE = {"client": ("203.0.113.9", 40000)}
 MESSAGES = [{"role": "user", "content": "hi"}]
-# The engine's words for a DoRA adapter in a stack (model/adapter_stack.py), the API's too.
+# The engine's words for a DoRA adapter in a stack (model/lora/stack.py), the API's too.
 DORA_ALONE = "adapter 'd1' is a DoRA adapter, which cannot be stacked with another: select it alone"
 
 
@@ -173,7 +173,7 @@ async def test_an_unknown_adapter_is_400_in_each_protocols_shape(autojump_clock)
 
 class EngineLikeWorker(FakeWorker):
     """The fake, with the engine's adapter kinds (a path naming "dora" mounts a DoRA adapter) and
-    its leaving adapters (model/adapters.py): the id stays taken until its rows close, and
+    its leaving adapters (model/lora/adapters.py): the id stays taken until its rows close, and
     mounting it again from its own path keeps it."""
 
     def __init__(self) -> None:

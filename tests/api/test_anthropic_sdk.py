@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from actors.gpu_worker import GpuWorker
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 from tests.fixtures.synth import write_scripted_model_dir
 from tests.helpers.workers import gpu_worker
 from tests.live_http import serve_in_thread

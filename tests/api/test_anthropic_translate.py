@@ -13,7 +13,7 @@ from api.completion import Completion
 from api.errors import ApiError
 from api.pipeline.events import TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from api.structured import ForcedToolCall
-from model import grammar
+from model.text import grammar
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": "QUJD"}}
 IMAGE_MESSAGE = "image_url content parts are not supported: this server has no image input (text-only model)"

@@ -16,7 +16,7 @@ import trio
 from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
-from model.rows import TokenOut, TopLogprob
+from model.engine.rows import TokenOut, TopLogprob
 from tests.fakes import FakeTokenizer, FakeWorker, ScriptDetokenizer
 
 CHAT = "/v1/chat/completions"

@@ -13,7 +13,7 @@ import trio
 from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
-from model.rows import TokenOut
+from model.engine.rows import TokenOut
 from tests.fakes import FakeTokenizer, FakeWorker, _FakeRow
 
 CHAT = "/v1/chat/completions"
@@ -22,7 +22,7 @@ MESSAGE = "the output constraint failed during generation: lexer limit exceeded"
 
 
 class FailingGrammarWorker(FakeWorker):
-    """Every row's grammar fails at token FAIL_AT, as model/decoding.py reports it."""
+    """Every row's grammar fails at token FAIL_AT, as model/engine/decoding.py reports it."""
 
     def _next_token(self, row: _FakeRow) -> TokenOut:
         if row.generated == FAIL_AT:

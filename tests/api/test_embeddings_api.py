@@ -13,7 +13,7 @@ import trio
 from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
-from model.embedding_config import Pooling
+from model.load.embedding_config import Pooling
 from tests.fakes import FakeTokenizer, FakeWorker, fake_embedding
 
 URL = "/v1/embeddings"

@@ -11,7 +11,7 @@ from api.chat import render_prompt
 from api.chat_request import ChatPrompt
 from api.errors import ApiError
 from api.template_messages import join_late_system
-from model.chat_template import ChatTemplate
+from model.text.chat_template import ChatTemplate
 
 # Renders a system message anywhere (as Qwen's and Llama 3's templates do).
 IN_PLACE = (

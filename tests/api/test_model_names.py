@@ -11,7 +11,7 @@ import attrs
 import pydantic
 import pytest
 
-from model.rows import RowOpened, RowSpec
+from model.engine.rows import RowOpened, RowSpec
 from tests.api.test_anthropic_api import post_stream, server
 from tests.fakes import FakeWorker
 

@@ -19,7 +19,7 @@ from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
 from api.fields import REASONING_EFFORT_MESSAGE
-from model.params import SamplingParams
+from model.engine.params import SamplingParams
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
 
 CHAT = "/v1/chat/completions"
@@ -567,7 +567,7 @@ async def test_tools_and_thinking_reach_the_template(autojump_clock, fields, too
 
 def test_legacy_logprobs_block():
     from api.openai.encode import MASKED_LOGPROB, TokenNames, legacy_logprobs
-    from model.rows import TokenOut, TopLogprob
+    from model.engine.rows import TokenOut, TopLogprob
 
     outs = [
         TokenOut(1, 7, logprob=-0.5, top_logprobs=(TopLogprob(7, -0.5), TopLogprob(9, -1.5))),

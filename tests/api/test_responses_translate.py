@@ -20,8 +20,8 @@ from api.responses.translate import (
     stored_input,
 )
 from api.structured import ForcedToolCall
-from model import grammar
-from model.params import Constraint
+from model.engine.params import Constraint
+from model.text import grammar
 
 
 def chat_of(body: dict, instructions: str | None = None) -> ChatRequest:

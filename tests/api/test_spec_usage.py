@@ -14,7 +14,7 @@ import trio
 from actors.options import options as serve_options
 from actors.root import start_actors
 from api.app import create_app
-from model.rows import RowSpec
+from model.engine.rows import RowSpec
 from tests.fakes import FakeTokenizer, FakeWorker
 
 CHAT = "/v1/chat/completions"

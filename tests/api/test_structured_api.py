@@ -10,8 +10,8 @@ pytest.importorskip("llguidance")
 
 from api import structured  # noqa: E402
 from api.errors import ApiError  # noqa: E402
-from model import grammar  # noqa: E402
-from model.params import Constraint  # noqa: E402
+from model.engine.params import Constraint  # noqa: E402
+from model.text import grammar  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -15,7 +15,7 @@ import trio
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from model import grammar  # noqa: E402
+from model.text import grammar  # noqa: E402
 from tests.realserver import CHAT, COMPLETIONS, complete, real_server  # noqa: E402
 
 LIMIT_S = 180

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cache.ssd_store import QUARANTINE, SsdStore
-from model.loader import load_model
+from model.load.loader import load_model
 from tests.cache.test_ssd_store import PROMPT, cold, identity_of, open_store, run, store_prompt, tiered_engine
 
 

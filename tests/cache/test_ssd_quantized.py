@@ -20,15 +20,15 @@ from cache.ssd_format import SsdCorrupt, _header_hash, parse_header
 from cache.ssd_identity import Identity
 from cache.ssd_store import QUARANTINE, SsdStore
 from cache.tiered import TieredPromptCache, spill_item
-from model.engine import Engine
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from model.kv.cache import KVCache
 from model.kv.quant import QuantizedKVCache
 from model.kv.rows import restorable
 from model.kv.scheme import LayerQuant, uniform
-from model.loader import load_model
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.cache.test_ssd_store import identity_of, write_item
 from tests.engine_helpers import generate_tokens
 

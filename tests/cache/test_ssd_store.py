@@ -16,10 +16,10 @@ from cache.ssd_format import namespace_dirname
 from cache.ssd_identity import Identity, model_fingerprint, scheme_key, tokenizer_hash
 from cache.ssd_store import QUARANTINE, SsdStore, SsdUnavailable
 from cache.tiered import TieredPromptCache
-from model.engine import Engine
-from model.loader import load_model
-from model.params import SamplingParams
-from model.rows import RowSpec
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.loader import load_model
 from tests.engine_helpers import generate_tokens
 
 RNG = np.random.default_rng(7)

@@ -12,7 +12,7 @@ quart-trio app). Half the requests are cancelled at chosen points:
 * random  — closed after a random delay, wherever the row happens to be.
 
 Afterwards: every survivor's token ids equal its solo greedy reference (computed once, B=1,
-with `model.engine.generate_tokens` on the same engine before the storm) and its text equals
+with `model.engine.engine.generate_tokens` on the same engine before the storm) and its text equals
 their decoding; every cancelled row produced a prefix of its reference (no cross-row
 contamination); /stats shows zero active and pending rows and the aborts counted; /metrics
 counts aborts in all three phases; the engine holds no rows; MLX active memory is back to the
@@ -36,7 +36,7 @@ import attrs
 import pytest
 import trio
 
-from model.rows import RowSpec
+from model.engine.rows import RowSpec
 from tests.engine_helpers import generate_tokens
 from tests.realserver import RealServer, real_server, wait_until
 

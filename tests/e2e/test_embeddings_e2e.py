@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 from tests.fixtures.embedding import write_embedding_model_dir
 from tests.live_http import serve_in_thread
 

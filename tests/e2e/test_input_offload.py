@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from api import prompt_bounds
-from model import grammar
+from model.text import grammar
 from tests.realserver import CHAT, COMPLETIONS, RealServer, Streamed, real_server, stream
 
 LIMIT_S = 120

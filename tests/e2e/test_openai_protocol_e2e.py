@@ -22,7 +22,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from model.tokenizer import Tokenizer  # noqa: E402
+from model.text.tokenizer import Tokenizer  # noqa: E402
 from tests.fixtures.synth import write_scripted_model_dir  # noqa: E402
 from tests.live_http import serve_in_thread  # noqa: E402
 

@@ -1,6 +1,6 @@
 """A seeded request rides the running batch and still gives its solo output (real tiny engine).
 
-Each row samples from its own (seed, step) key (model/sampling.py), so placement no longer sends a
+Each row samples from its own (seed, step) key (model/engine/sampling.py), so placement no longer sends a
 seeded request to the serial lane to wait for the batch to drain. Real threads: the real clock
 with a generous `trio.fail_after`, never `autojump_clock`.
 """

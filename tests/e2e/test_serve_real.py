@@ -229,7 +229,7 @@ async def replay_chat(server: RealServer, system: str, turns: int) -> list[tuple
 
 async def test_ten_turn_agent_chat_hits_the_prompt_cache_and_matches_a_cold_server(model_dir):
     from cache.boundary import stable_prefix_length
-    from model.engine import MIN_CACHE_TOKENS
+    from model.engine.engine import MIN_CACHE_TOKENS
 
     system = "You are a helpful assistant. " + " ".join(WORDS[k % len(WORDS)] for k in range(120))
     with trio.fail_after(LIMIT_S):

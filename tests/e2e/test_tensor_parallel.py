@@ -36,8 +36,8 @@ _SHARD_SCRIPT = """
 import json, sys
 import mlx.core as mx
 from model.kv.cache import make_caches
-from model.loader import load_model
-from model.tensor_parallel import shard_model
+from model.load.loader import load_model
+from model.nn.tensor_parallel import shard_model
 
 group = mx.distributed.init(strict=True, backend="ring")
 model = load_model(sys.argv[1]).model

@@ -17,11 +17,11 @@ import pytest
 from PIL import Image
 
 from cache.prompt_cache import PromptCache
-from model.engine import Engine
-from model.loader import load_model
-from model.params import SamplingParams
-from model.rows import ImageInput, RowSpec
-from model.tokenizer import Tokenizer
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import ImageInput, RowSpec
+from model.load.loader import load_model
+from model.text.tokenizer import Tokenizer
 from model.vision.preprocess import ImageProcessorConfig, decode_image, prepare_image
 from tests.engine_helpers import generate_tokens
 from tests.fixtures.vlm import write_vlm_dir

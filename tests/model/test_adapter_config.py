@@ -1,4 +1,4 @@
-"""adapter_config.json's fields, checked by name before anything loads (model/adapter_config.py):
+"""adapter_config.json's fields, checked by name before anything loads (model/lora/config.py):
 wrong types and non-finite scales are ValueErrors naming the field, never a TypeError (the API's
 500) or a NaN scale that mounts; a directory that cannot be read gets one message whether or not
 it exists."""
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from model.adapter_config import config_problem, read_adapter_config
+from model.lora.config import config_problem, read_adapter_config
 
 GOOD = {"fine_tune_type": "lora", "num_layers": -1, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}
 

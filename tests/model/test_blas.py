@@ -1,4 +1,4 @@
-"""model.blas: preloading an optimized BLAS for MLX's Linux CPU backend.
+"""model.load.blas: preloading an optimized BLAS for MLX's Linux CPU backend.
 
 Each check runs in a fresh subprocess: the BLAS must be preloaded before mlx is imported,
 and this pytest process has very likely imported mlx already.
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 _SCRIPT = r"""
 import json, sys
-from model.blas import preload_optimized_blas, BlasInfo
+from model.load.blas import preload_optimized_blas, BlasInfo
 info = preload_optimized_blas(*sys.argv[1:2])  # the setting, when the test passes one
 assert isinstance(info, BlasInfo)
 assert preload_optimized_blas("off") is info  # idempotent: the first result stands
@@ -37,7 +37,7 @@ for m, k, n in [(257, 300, 129), (1, 512, 1000), (33, 64, 65)]:
 a64 = rng.standard_normal((40, 50))
 x64 = mx.array(a64, dtype=mx.float64)  # exercises cblas_dgemm
 ok &= bool(np.allclose(np.array(mx.matmul(x64, x64.T, stream=mx.cpu)), a64 @ a64.T))
-late = __import__("model.blas", fromlist=["x"]).preload_optimized_blas(force=True)
+late = __import__("model.load.blas", fromlist=["x"]).preload_optimized_blas(force=True)
 print("JSON:" + json.dumps({"name": info.name, "path": info.path, "reason": info.reason,
       "optimized": info.optimized, "log": info.log_line(), "ok": ok, "late_reason": late.reason}))
 """
@@ -95,7 +95,7 @@ def test_an_installed_cuda_build_skips_preload(tmp_path):
 
 
 def test_explicit_path_is_used():
-    from model import blas
+    from model.load import blas
 
     cands = blas._candidates()
     if not cands:
@@ -109,7 +109,7 @@ def test_explicit_path_is_used():
 def test_blas_info_is_frozen():
     import attrs
 
-    from model.blas import BUNDLED_NAME, BlasInfo
+    from model.load.blas import BUNDLED_NAME, BlasInfo
 
     info = BlasInfo(name=BUNDLED_NAME, path=None, reason="x")
     with pytest.raises(attrs.exceptions.FrozenInstanceError):

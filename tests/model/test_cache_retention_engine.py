@@ -10,12 +10,12 @@ import random
 import pytest
 
 from cache.prompt_cache import PromptCache
-from model.engine import MIN_CACHE_TOKENS, Engine
-from model.loader import load_model
+from model.engine.engine import MIN_CACHE_TOKENS, Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.engine.snapshots import retained_length, snapshot_plan
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
-from model.snapshots import retained_length, snapshot_plan
 from tests.engine_helpers import generate_tokens
 
 CHUNK = 256

@@ -9,13 +9,13 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from model.engine import Engine
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from model.families.gemma3_text import Gemma3TextModel
-from model.loader import load_model
+from model.load.loader import load_model
+from model.nn.tensor_parallel import check_shardable
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
-from model.tensor_parallel import check_shardable
 from tests.engine_helpers import generate_tokens
 
 PROMPT = tuple(range(3, 60))

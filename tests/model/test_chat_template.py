@@ -11,8 +11,8 @@ import datetime
 import pytest
 from _tok_helpers import hf_tokenizer, make_tokenizer_dir
 
-from model.chat_template import ChatTemplate, TemplateError
-from model.tokenizer import Tokenizer
+from model.text.chat_template import ChatTemplate, TemplateError
+from model.text.tokenizer import Tokenizer
 
 WEATHER_TOOL = {
     "type": "function",

@@ -5,8 +5,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from model.decoder import swiglu
 from model.kernels import cpu_swiglu
+from model.nn.decoder import swiglu
 
 pytestmark = pytest.mark.skipif(mx.default_device().type != mx.cpu, reason="the CPU backend's formula")
 

@@ -10,12 +10,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from model.demo import DEMO_MODEL_NAME, DEMO_SCRIPT, DEMO_VERSION, ensure_demo_model, write_demo_model
-from model.engine import Engine
-from model.loader import load_model
-from model.rows import RowSpec
-from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
+from model.engine.engine import Engine
+from model.engine.rows import RowSpec
+from model.engine.sampling import SamplingParams
+from model.load.demo import DEMO_MODEL_NAME, DEMO_SCRIPT, DEMO_VERSION, ensure_demo_model, write_demo_model
+from model.load.loader import load_model
+from model.text.tokenizer import Tokenizer
 from tests.engine_helpers import generate_tokens
 
 ANSWER = "".join(DEMO_SCRIPT)

@@ -9,13 +9,13 @@ import pytest
 from _tok_helpers import SAMPLE_TEXTS, make_tokenizer_dir
 from mlx_lm.tokenizer_utils import load as mlx_lm_load
 
-from model.detokenizer import (
+from model.text.detokenizer import (
     BPEStreamingDetokenizer,
     NaiveStreamingDetokenizer,
     SPMStreamingDetokenizer,
     detokenizer_kind,
 )
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 
 MULTIBYTE_TEXTS = [
     "Café naïve façade — crème brûlée, déjà vu, Ærøskøbing.",

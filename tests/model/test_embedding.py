@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from model.embedding import embed
-from model.embedding_config import JOB_MAX_INPUTS, Pooling, plan_jobs, read_pooling
-from model.errors import ModelLoadError
-from model.loader import load_model
+from model.engine.embedding import embed
+from model.load.embedding_config import JOB_MAX_INPUTS, Pooling, plan_jobs, read_pooling
+from model.load.errors import ModelLoadError
+from model.load.loader import load_model
 from tests.fixtures.embedding import write_embedding_model_dir
 
 INPUTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [3] * 23, [200], list(range(30, 70))]

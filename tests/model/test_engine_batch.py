@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from model.engine import Engine
-from model.loader import load_model
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
 
 PROMPTS = {
@@ -151,7 +151,7 @@ def test_keeping_freed_buffers_changes_no_output_and_holds_no_memory_once_rows_c
     import attrs
     import mlx.core as mx
 
-    from model import engine as engine_module
+    from model.engine import engine as engine_module
 
     expected = {r: solo(engine, r) for r in (1, 3, 4)}
     assert generate_tokens(engine, [spec(r) for r in (1, 3, 4)]) == expected  # meets B=3's shapes once

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from mlx_lm import generate, load
 
-from model.engine_build import build_engine, kv_scheme_for
-from model.loader import load_model
+from model.engine.build import build_engine, kv_scheme_for
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.engine.speculation_setup import spec_choice
+from model.load.loader import load_model
 from model.options import EngineOptions, KVOptions, SpeculationOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
-from model.speculation_setup import spec_choice
 from tests.engine_helpers import generate_tokens
 
 PROMPT = tuple(range(5, 40))

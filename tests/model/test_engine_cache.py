@@ -14,12 +14,12 @@ import pytest
 
 from cache.boundary import stable_prefix_length
 from cache.prompt_cache import PromptCache
-from model.engine import Engine
-from model.loader import load_model
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 from tests.engine_helpers import generate_tokens
 
 CHUNK = 64

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from model.engine import Engine
-from model.loader import load_model
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import decode_to_the_end, generate_tokens
 
 PROMPT = (5, 17, 42, 99, 3, 250, 11, 7, 64, 128, 9, 31, 77, 2, 300, 45, 8, 19, 23, 61)

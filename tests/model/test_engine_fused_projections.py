@@ -1,4 +1,4 @@
-"""Fused decode projections (the CUDA default, model/fused_projections.py) leave greedy tokens as
+"""Fused decode projections (the CUDA default, model/nn/fused_projections.py) leave greedy tokens as
 they were: a decode step's q/k/v and gate/up products run as one product each, prefill keeps the
 separate ones (row views of the same weights)."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from model.engine import Engine
-from model.fused_projections import fuse_projections
-from model.loader import load_model
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.loader import load_model
+from model.nn.fused_projections import fuse_projections
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
 
 SPECS = [RowSpec(i, tuple((5 * i + 3 * j) % 200 + 4 for j in range(20 + i)), SamplingParams(), 12) for i in range(3)]

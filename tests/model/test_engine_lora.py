@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 
 from cache.prompt_cache import PromptCache
-from model import lora, lora_pack
-from model.adapters import AdapterStillLeaving
-from model.compiled_decode import CompiledDecode
-from model.engine import Engine
-from model.fused_projections import fuse_projections
-from model.loader import load_model
-from model.lora_delta import LORA_AT, LORA_B, a_key
+from model.engine.compiled_decode import CompiledDecode
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.loader import load_model
+from model.lora import mount as lora
+from model.lora import pack as lora_pack
+from model.lora.adapters import AdapterStillLeaving
+from model.lora.delta import LORA_AT, LORA_B, a_key
+from model.nn.fused_projections import fuse_projections
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import decode_to_the_end, generate_tokens
 from tests.fixtures.lora import write_adapter
 
@@ -27,7 +28,7 @@ PROMPTS = [
     [9] * 5 + [123, 456, 78],
 ]
 N_TOKENS = 20
-# The API's and the registry's words too (model/adapter_stack.py).
+# The API's and the registry's words too (model/lora/stack.py).
 DORA_ALONE = "adapter 'd' is a DoRA adapter, which cannot be stacked with another: select it alone"
 
 

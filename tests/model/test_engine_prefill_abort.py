@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from cache.prompt_cache import PromptCache
-from model.abort_flags import AbortFlags
-from model.engine import Engine
+from model.engine.abort_flags import AbortFlags
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.prefill_abort import LayerCheckpoints, PrefillAborted
+from model.engine.rows import RowSpec
 from model.kv.cache import make_caches
-from model.loader import load_model
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.prefill_abort import LayerCheckpoints, PrefillAborted
-from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
 
 CHUNK = 64

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from cache.prompt_cache import PromptCache
-from model.engine import Engine
-from model.loader import load_model
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import decode_to_the_end, generate_tokens
 
 

@@ -8,13 +8,13 @@ import mlx.core as mx
 import pytest
 
 from cache.prompt_cache import PromptCache
-from model import engine as engine_module
-from model.engine import Engine
+from model.engine import engine as engine_module
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from model.kernels import unfused_attention
-from model.loader import load_model
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
 
 

@@ -11,14 +11,14 @@ import pytest
 import trio
 
 from cache.prompt_cache import PromptCache
-from model.engine import Engine
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.engine.speculation import Speculation
 from model.kv.cache import KVCache
 from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
-from model.loader import load_model
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
-from model.speculation import Speculation
 from tests.engine_helpers import generate_tokens
 from tests.model.test_model_parity import ours, reference
 from tests.realserver import complete_whole, real_server

@@ -16,12 +16,12 @@ import pytest
 import trio
 
 from cache.prompt_cache import PromptCache
-from model.errors import ModelLoadError
+from model.engine.speculation import Speculation
 from model.kv import scheme as kv_scheme
 from model.kv.cache import KVCache
 from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
-from model.loader import load_model
-from model.speculation import Speculation
+from model.load.errors import ModelLoadError
+from model.load.loader import load_model
 from tests.engine_helpers import generate_tokens
 from tests.model.test_gemma3 import engine_for, run_cached, run_row_to_join, spec
 from tests.model.test_model_parity import ours, reference

@@ -8,13 +8,13 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from model.engine import Engine  # noqa: E402
-from model.grammar import GrammarCompiler, GrammarError, RowGrammar  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import Constraint, SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec, TokenOut  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 from model.options import EngineOptions  # noqa: E402
-from model.params import Constraint, SamplingParams  # noqa: E402
-from model.rows import RowSpec, TokenOut  # noqa: E402
-from model.tokenizer import Tokenizer  # noqa: E402
+from model.text.grammar import GrammarCompiler, GrammarError, RowGrammar  # noqa: E402
+from model.text.tokenizer import Tokenizer  # noqa: E402
 
 ONLY_A = Constraint("regex", "a{40}")
 

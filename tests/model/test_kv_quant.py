@@ -10,16 +10,16 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from cache.prompt_cache import PromptCache
-from model.engine import Engine
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from model.kv import scheme as kv_scheme
 from model.kv.cache import KVCache
 from model.kv.quant import QuantizedKVCache
 from model.kv.rows import restorable
 from model.kv.scheme import KVScheme, LayerQuant
-from model.loader import load_model
+from model.load.loader import load_model
 from model.options import EngineOptions, KVOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import decode_to_the_end, generate_tokens
 
 PROMPTS = [

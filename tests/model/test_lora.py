@@ -1,4 +1,4 @@
-"""LoRA / DoRA adapters (model/lora.py, model/lora_load.py): mlx-lm parity, per-row selection in a
+"""LoRA / DoRA adapters (model/lora/mount.py, model/lora/load.py): mlx-lm parity, per-row selection in a
 batch, stacking, refusals, unmounting, quantized bases."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.tuner.utils import load_adapters
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from model import lora
-from model.engine import Engine
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from model.kv.cache import KVCache
-from model.language_model import LanguageModel
-from model.loader import load_model
+from model.load.loader import load_model
+from model.lora import mount as lora
+from model.nn.language_model import LanguageModel
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
 from tests.fixtures.lora import write_adapter
 

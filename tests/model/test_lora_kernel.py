@@ -1,4 +1,4 @@
-"""The CUDA kernels of a decode step's LoRA delta (model/lora_kernel.py), on a CUDA GPU only: `x @ A`
+"""The CUDA kernels of a decode step's LoRA delta (model/lora/kernel.py), on a CUDA GPU only: `x @ A`
 and `y` plus the masked, scaled delta equal float32 products computed on the CPU (the GPU's own
 float32 matmul may round through TF32), columns no row uses come out exactly 0, and a row's
 result does not depend on the rows batched with it."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from model import lora_kernel
+from model.lora import kernel as lora_kernel
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="CUDA kernels: needs an NVIDIA GPU")
 
@@ -34,7 +34,7 @@ def on_cpu(*arrays: mx.array) -> list[mx.array]:
 
 
 def expected(x, at, b, y, mask, scale) -> mx.array:  # type: ignore[no-untyped-def]
-    """The float32 expression of model/lora_delta.py, on the CPU."""
+    """The float32 expression of model/lora/delta.py, on the CPU."""
     x, at, b, y, mask, scale = on_cpu(x, at, b, y, mask, scale)
     with mx.stream(mx.cpu):
         rows, width = x.shape[0], mask.shape[-1]

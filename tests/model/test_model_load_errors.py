@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from model.errors import ModelLoadError
-from model.loader import load_model
-from model.resolve import resolve_model_dir
+from model.load.errors import ModelLoadError
+from model.load.loader import load_model
+from model.load.resolve import resolve_model_dir
 
 
 def copy_of(src, tmp_path):

@@ -12,8 +12,8 @@ from actors import serve
 from actors.gpu_worker import GpuWorker
 from actors.options import options as serve_options
 from actors.options import parse_options
-from model.loader import load_model
-from model.resolve import model_name, resolve_model_dir
+from model.load.loader import load_model
+from model.load.resolve import model_name, resolve_model_dir
 from tests.helpers.options import parsed
 
 
@@ -48,7 +48,7 @@ def test_other_directories_keep_their_own_name(qwen3_dir, tmp_path):
 
 
 def test_the_demo_keeps_its_name(tmp_path):
-    from model.demo import ensure_demo_model
+    from model.load.demo import ensure_demo_model
 
     demo = ensure_demo_model(tmp_path)
     assert model_name(demo) == demo.name

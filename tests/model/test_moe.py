@@ -13,14 +13,14 @@ import trio
 from safetensors.numpy import load_file, save_file
 
 from cache.prompt_cache import PromptCache
-from model.compiled_decode import CompiledDecode
-from model.engine import Engine
-from model.errors import ModelLoadError
-from model.loader import load_model
+from model.engine.compiled_decode import CompiledDecode
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.load.errors import ModelLoadError
+from model.load.loader import load_model
 from model.moe import QuantizedSwitchLinear, SparseMoeBlock, SwitchLinear
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
 from tests.model.test_model_parity import PROMPTS, ours, reference
 from tests.realserver import complete_whole, real_server
@@ -214,7 +214,7 @@ async def test_real_server_answers_a_chat_completion(moe_dir):
 
 def test_a_model_compiled_decode_refuses_is_not_retried_every_step(tiny_model_factory, monkeypatch):
     """Mixed dense/MoE layers disable compiled decode: the engine asks once, not per step."""
-    import model.engine as engine_module
+    import model.engine.engine as engine_module
 
     built = []
 

@@ -11,15 +11,15 @@ import mlx.core as mx
 import pytest
 
 from cache.prompt_cache import PromptCache
-from model.engine import Engine
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from model.families.qwen3_5 import linear_layers
-from model.gated_delta import GatedDeltaNet
 from model.kv.cache import BatchKVCache, KVCache
 from model.kv.state import BatchStateCache, StateCache
-from model.loader import load_model
+from model.load.loader import load_model
+from model.nn.gated_delta import GatedDeltaNet
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import decode_to_the_end, generate_tokens
 from tests.model.test_model_parity import PROMPTS, ours, reference
 
@@ -196,7 +196,7 @@ def test_state_cache_row_cannot_cut_back_without_its_input():
 def test_speculation_is_off_for_recurrent_state_layers(hybrid):
     """A state cannot take rejected drafts back: an engine asked to speculate decodes plainly,
     with the same tokens."""
-    from model.speculation import Speculation
+    from model.engine.speculation import Speculation
 
     engine = Engine(hybrid, eos_token_ids=[], speculation=Speculation("ngram", 3, always=True))
     assert engine.speculator is None

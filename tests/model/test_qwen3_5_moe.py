@@ -12,13 +12,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from cache.prompt_cache import PromptCache
-from model.errors import ModelLoadError
 from model.families.qwen3_next import FusedGatedDeltaNet
-from model.gated_delta import GatedDeltaNet
 from model.kv.cache import KVCache
 from model.kv.state import StateCache
-from model.loader import load_model
+from model.load.errors import ModelLoadError
+from model.load.loader import load_model
 from model.moe import QuantizedSwitchLinear, SharedExpertMoeBlock, SwitchLinear
+from model.nn.gated_delta import GatedDeltaNet
 from tests.engine_helpers import decode_to_the_end, generate_tokens
 from tests.model.test_model_parity import PROMPTS, ours, reference
 from tests.model.test_qwen3_5 import cold, engine_for, run, run_row_to_join, spec

@@ -6,8 +6,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from model.params import SamplingParams
-from model.sampling import RowSampler
+from model.engine.params import SamplingParams
+from model.engine.sampling import RowSampler
 
 
 @pytest.mark.parametrize("temperature", [3.2e-296, 1e-40, 1e-300])

@@ -9,11 +9,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from model.engine import Engine
-from model.loader import load_model
-from model.params import SamplingParams
-from model.rows import RowSpec
-from model.speculation import Speculation, ngram_drafts
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
+from model.engine.speculation import Speculation, ngram_drafts
+from model.load.loader import load_model
 from tests.engine_helpers import generate_tokens
 
 PROMPTS = [
@@ -204,7 +204,7 @@ def test_prompt_cache_put_after_ragged_verification_equals_a_cold_run(target):
 
 def test_the_policy_drops_a_warm_up_sample_and_recovers_from_an_outlier():
     """A verification that compiled a new shape must not keep drafting off where it pays."""
-    from model.speculation import SpecPolicy
+    from model.engine.speculation import SpecPolicy
 
     policy = SpecPolicy()
     assert policy.speculate(1)  # nothing measured: a verification first

@@ -1,4 +1,4 @@
-"""Structured outputs enforced inside the batch (model/grammar.py + RowSampler + Engine).
+"""Structured outputs enforced inside the batch (model/text/grammar.py + RowSampler + Engine).
 
 Random-weight tiny models emit noise; under a constraint every output must still parse / match.
 """
@@ -13,13 +13,13 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from model.engine import Engine  # noqa: E402
-from model.grammar import GrammarCompiler, GrammarError, RowGrammar, grammar_text, validate  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import Constraint, SamplingParams  # noqa: E402
+from model.engine.rows import RowSpec  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 from model.options import EngineOptions  # noqa: E402
-from model.params import Constraint, SamplingParams  # noqa: E402
-from model.rows import RowSpec  # noqa: E402
-from model.tokenizer import Tokenizer  # noqa: E402
+from model.text.grammar import GrammarCompiler, GrammarError, RowGrammar, grammar_text, validate  # noqa: E402
+from model.text.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -7,8 +7,8 @@ import json
 import pytest
 from _tok_helpers import SAMPLE_TEXTS, hf_tokenizer, make_tokenizer_dir
 
-from model.chat_template import TemplateError
-from model.tokenizer import Tokenizer
+from model.text.chat_template import TemplateError
+from model.text.tokenizer import Tokenizer
 from tests.fixtures.synth_tokenizer import write_tokenizer_files
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there 😀"}]
@@ -297,7 +297,7 @@ def test_synth_tokenizer_rejects_bad_arguments(tmp_path):
 @pytest.mark.parametrize("flavour", FLAVOURS, ids="-".join)
 def test_long_text_encodes_like_transformers(dirs, flavour):
     """Texts past GIL_FREE_ENCODE_CHARS take the GIL-releasing batch path: same ids."""
-    from model.tokenizer import GIL_FREE_ENCODE_CHARS
+    from model.text.tokenizer import GIL_FREE_ENCODE_CHARS
 
     ours = Tokenizer.from_dir(dirs[flavour])
     reference = hf_tokenizer(dirs[flavour])

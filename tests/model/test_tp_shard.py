@@ -1,4 +1,4 @@
-"""model/tensor_parallel.py without a ring: what it refuses, before touching the model. (The
+"""model/nn/tensor_parallel.py without a ring: what it refuses, before touching the model. (The
 sharded forward itself runs on two ring processes in tests/e2e/test_tensor_parallel.py.)"""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import attrs
 import pytest
 
-from model.loader import load_model
-from model.tensor_parallel import check_shardable, shard_model
+from model.load.loader import load_model
+from model.nn.tensor_parallel import check_shardable, shard_model
 
 
 @attrs.frozen

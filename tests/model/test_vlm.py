@@ -17,12 +17,12 @@ from mlx_vlm.generate.ar import generate_step  # noqa: E402
 from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, _qwen_vl_image_kwargs  # noqa: E402
 from mlx_vlm.utils import load_model as vlm_load_model  # noqa: E402
 
-from model.engine import Engine
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from model.families.qwen2_5_vl import Qwen25VLModel
-from model.loader import load_model
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from model.vision.preprocess import ImageError, ImageProcessorConfig, decode_image, prepare_image, smart_resize
 from tests.engine_helpers import generate_tokens
 from tests.fixtures.vlm import write_vlm_dir

@@ -1,4 +1,4 @@
-"""Rows with images through the engine (model/image_rows.py): greedy tokens equal mlx-vlm's, a
+"""Rows with images through the engine (model/engine/image_rows.py): greedy tokens equal mlx-vlm's, a
 text or image row batched beside another is unchanged, chunked prefill crosses an image, and the
 prompt cache keys an image's run by its content hash (the same image hits and equals a cold run,
 a different one of the same size misses)."""
@@ -14,12 +14,12 @@ pytest.importorskip("mlx_vlm", reason="mlx-vlm (the parity oracle) is not instal
 from mlx_vlm.utils import load_model as vlm_load_model  # noqa: E402
 
 from cache.prompt_cache import PromptCache  # noqa: E402
-from model.engine import Engine  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.params import SamplingParams  # noqa: E402
+from model.engine.rows import ImageInput, RowSpec  # noqa: E402
 from model.families.qwen2_5_vl import Qwen25VLModel  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.load.loader import load_model  # noqa: E402
 from model.options import EngineOptions  # noqa: E402
-from model.params import SamplingParams  # noqa: E402
-from model.rows import ImageInput, RowSpec  # noqa: E402
 from tests.engine_helpers import decode_to_the_end, generate_tokens  # noqa: E402
 from tests.fixtures.vlm import write_vlm_dir  # noqa: E402
 from tests.model.test_vlm import IMAGES, N_TOKENS, noise_image, prepared, prompt_with, their_greedy  # noqa: E402

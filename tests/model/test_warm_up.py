@@ -7,12 +7,12 @@ import attrs
 import trio
 
 from actors.gpu_worker import GpuWorker
-from model.engine import Engine
+from model.engine.engine import Engine
+from model.engine.params import SamplingParams
+from model.engine.rows import RowSpec
 from model.kv.cache import KVCache
-from model.loader import load_model
+from model.load.loader import load_model
 from model.options import EngineOptions
-from model.params import SamplingParams
-from model.rows import RowSpec
 from tests.engine_helpers import generate_tokens
 from tests.helpers.workers import gpu_worker
 
@@ -160,7 +160,7 @@ def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir):
 
 def test_warm_up_meets_hit_prefill_widths_when_those_run_unfused(qwen3_dir, monkeypatch):
     from cache.prompt_cache import PromptCache
-    from model import warm_up
+    from model.engine import warm_up
 
     monkeypatch.setattr(warm_up, "HIT_WARM_WIDTHS", (1, 5, 9))
     loaded = load_model(qwen3_dir)

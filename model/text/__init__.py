@@ -1,0 +1,2 @@
+"""Text around the model: `tokenizer`, `detokenizer` (streamed text), `chat_template` (a
+sandboxed Jinja environment), `grammar` (structured outputs' constraints)."""
