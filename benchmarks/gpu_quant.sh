@@ -1,5 +1,5 @@
 #!/bin/bash
-# Quantized models on a CUDA GPU (model/quant_kernel.py, model/kv_quant_kernel.py): the kernels'
+# Quantized models on a CUDA GPU (model/quant_kernel.py, model/kv/quant_kernel.py): the kernels'
 # tests, the products alone, and both servers with no flags. Steps run in the order given
 # (default: all), each with its own time limit, results under $OUT as they finish:
 #   tests   the CUDA-only kernel tests (dense, routed experts, quantized-KV attention)
@@ -40,9 +40,9 @@ for step in ${@:-tests micro serve8b parity kv moe}; do
       pack; grep -E "passed|failed|FAILED|Error" $R/tests.txt | tail -30 | tee -a $OUT/quant-log.txt ;;
     micro)
       log micro
-      lim ${MICRO_LIMIT:-150} python3 benchmarks/quant_micro.py --bandwidth-gbs $BW --bits 4 --search --moe --kv \
+      lim ${MICRO_LIMIT:-150} python3 benchmarks/quant_micro.py --bandwidth-gbs $BW ${MICRO_ARGS:---bits 4 --search --moe --kv} \
         --out $R/micro-q4.json > $R/micro.txt 2>&1
-      lim 60 python3 benchmarks/quant_micro.py --bandwidth-gbs $BW --bits 8 --out $R/micro-q8.json >> $R/micro.txt 2>&1
+      [ -n "${MICRO_Q8:-1}" ] && lim 60 python3 benchmarks/quant_micro.py --bandwidth-gbs $BW --bits 8 --out $R/micro-q8.json >> $R/micro.txt 2>&1
       pack; grep -v "^ \|^{\|^}" $R/micro.txt >> $OUT/quant-log.txt ;;
     serve8b)
       synth l8-q4 llama3-8b q4
