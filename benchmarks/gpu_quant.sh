@@ -42,7 +42,7 @@ for step in ${@:-tests micro serve8b parity kv moe}; do
       log micro
       lim ${MICRO_LIMIT:-150} python3 benchmarks/quant_micro.py --bandwidth-gbs $BW ${MICRO_ARGS:---bits 4 --search --moe --kv} \
         --out $R/micro-q4.json > $R/micro.txt 2>&1
-      [ -n "${MICRO_Q8:-1}" ] && lim 60 python3 benchmarks/quant_micro.py --bandwidth-gbs $BW --bits 8 --out $R/micro-q8.json >> $R/micro.txt 2>&1
+      [ -n "${MICRO_Q8-1}" ] && lim 60 python3 benchmarks/quant_micro.py --bandwidth-gbs $BW --bits 8 --out $R/micro-q8.json >> $R/micro.txt 2>&1
       pack; grep -v "^ \|^{\|^}" $R/micro.txt >> $OUT/quant-log.txt ;;
     serve8b)
       synth l8-q4 llama3-8b q4
