@@ -23,7 +23,7 @@ from model.options import SamplingOptions, ServerOptions
 
 if TYPE_CHECKING:
     from actors.ssd.durability import SsdTier
-    from model.text.tokenizer import Tokenizer
+    from model.text.tokenizer import ChatTokenizer
 
 
 class CacheStats(Protocol):
@@ -60,7 +60,7 @@ class ServerHandles:
     options: ServerOptions
     resolved: Resolved  # the options' autos, for this model and device
     info: ModelInfo
-    tokenizer: Tokenizer
+    tokenizer: ChatTokenizer
     mode: BatchMode
     ceiling: AdmissionCeiling
     ports: RequestPorts

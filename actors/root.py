@@ -58,7 +58,7 @@ from model.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from model.options import ServerOptions
-    from model.text.tokenizer import Tokenizer
+    from model.text.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ async def start_actors(
     worker: RunnableWorker,
     *,
     options: ServerOptions,
-    make_tokenizer: Callable[[ModelInfo], Tokenizer],
+    make_tokenizer: Callable[[ModelInfo], ChatTokenizer],
     sampling_defaults: SamplingParams = SamplingParams(),
 ) -> ServerHandles:
     """Start the worker (model load), the scheduler and admission; return the app's handles."""
@@ -206,7 +206,7 @@ async def run_server(
     worker: RunnableWorker,
     *,
     options: ServerOptions,
-    make_tokenizer: Callable[[ModelInfo], Tokenizer],
+    make_tokenizer: Callable[[ModelInfo], ChatTokenizer],
     serve_http: ServeHttp,
     shutdown: Shutdown,
     plan: ShutdownPlan | None = None,

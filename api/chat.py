@@ -44,7 +44,7 @@ from cache.boundary import stable_prefix_length
 from cache.prefix_match import common_prefix_length
 from model.engine.params import SamplingParams
 from model.engine.rows import ImageInput
-from model.text.tokenizer import Tokenizer
+from model.text.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class RenderedPrompt:
     joined_system: bool = False  # mid-conversation system messages were joined to the system prompt
 
 
-def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
+def render_prompt(tokenizer: ChatTokenizer, prompt: ChatPrompt) -> RenderedPrompt:
     """The chat template applied to the prompt. A template error is a 400.
 
     A system message after the first message is rendered where it is when the template can; a
@@ -152,18 +152,14 @@ def render_prompt(tokenizer: Tokenizer, prompt: ChatPrompt) -> RenderedPrompt:
 
 
 def _render(
-    tokenizer: Tokenizer,
+    tokenizer: ChatTokenizer,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     kwargs: dict[str, Any],
     *,
     joined_system: bool = False,
 ) -> RenderedPrompt:
-    render = getattr(tokenizer, "render_chat", None)
-    if render is None:
-        tokens = tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True, **kwargs)
-        return RenderedPrompt(tokens, None, tools, kwargs, tuple(messages), joined_system)
-    text = render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+    text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True, **kwargs)
     tokens = tokenizer.encode(text, add_special_tokens=True)
     return RenderedPrompt(tokens, text, tools, kwargs, tuple(messages), joined_system)
 
@@ -271,7 +267,7 @@ def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
     prompt_bounds.check_tokens(
         len(rendered.tokens), context_length=handles.info.context_length, param=request.prompt.param
     )
-    think = bool(getattr(tokenizer, "has_thinking", False))
+    think = tokenizer.has_thinking
     # A template that pre-fills `<think>` (Qwen3 thinking, DeepSeek-R1) starts generation inside
     # reasoning.
     starts_in_reasoning = rendered.text is not None and prompt_ends_in_open_think(rendered.text)
@@ -334,13 +330,13 @@ async def _check_constraint(handles: ServerHandles, request: ConstraintRequest |
         await offload.to_thread(check_compiles, handles.tokenizer, constraint, request.param)
 
 
-def vocab_size(tokenizer: Tokenizer) -> int | None:
+def vocab_size(tokenizer: ChatTokenizer) -> int | None:
     """The tokenizer's vocabulary size, when it has one (bounds token ids in requests)."""
-    size = getattr(tokenizer, "vocab_size", None)
-    return size if isinstance(size, int) and size > 0 else None
+    size = tokenizer.vocab_size
+    return size if size is not None and size > 0 else None
 
 
-def _template_source(tokenizer: Tokenizer, tools: list[dict[str, Any]] | None) -> str | None:
+def _template_source(tokenizer: ChatTokenizer, tools: list[dict[str, Any]] | None) -> str | None:
     try:
         source = tokenizer.chat_template(tools=tools).source
     except Exception:  # no template, or a tokenizer double without one

@@ -57,9 +57,8 @@ def chars_per_token(tokenizer: Any) -> int:
 
 
 def _longest_piece(tokenizer: Any) -> int:
-    size = getattr(tokenizer, "vocab_size", None)
-    piece = getattr(tokenizer, "id_to_token", None)
-    if not isinstance(size, int) or piece is None:
+    size, piece = tokenizer.vocab_size, tokenizer.id_to_token
+    if size is None:
         return 0
     longest = 0
     for token_id in range(size):

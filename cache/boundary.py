@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 
 from cache.prefix_match import common_prefix_length
-from model.text.tokenizer import Tokenizer
+from model.text.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_PRIMER = 64  # a longer "tail" means the probe went wrong, not a template constant
 _DUMMY_TURN = ({"role": "assistant", "content": "OK"}, {"role": "user", "content": "OK"})
 
-_primers: weakref.WeakKeyDictionary[Tokenizer, dict[tuple, int]] = weakref.WeakKeyDictionary()
+_primers: weakref.WeakKeyDictionary[ChatTokenizer, dict[tuple, int]] = weakref.WeakKeyDictionary()
 
 
 def _mode(tools: Sequence[Any] | None, template_kwargs: Mapping[str, Any]) -> tuple:
@@ -38,7 +38,7 @@ def _mode(tools: Sequence[Any] | None, template_kwargs: Mapping[str, Any]) -> tu
 
 
 def stable_prefix_length(
-    tokenizer: Tokenizer,
+    tokenizer: ChatTokenizer,
     messages: Sequence[Mapping[str, Any]],
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,

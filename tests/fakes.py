@@ -10,9 +10,9 @@ a row that is not opening, a step over a finished row, ...).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -24,6 +24,9 @@ from actors.worker_api import AdapterNotMounted, AdapterReport, ModelInfo, NotAn
 from model.engine.params import SamplingParams
 from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.load.embedding_config import plan_jobs
+from model.text.chat_template import ChatTemplate
+from model.text.detokenizer import TextStream
+from model.text.tokenizer import ChatTokenizer
 
 EOS = 0
 
@@ -281,7 +284,7 @@ class FakeWorker:
         return row
 
     @asynccontextmanager
-    async def _call(self, name: str, arg: Any, cost: float, stoppable: tuple[int, ...] = ()):
+    async def _call(self, name: str, arg: Any, cost: float, stoppable: tuple[int, ...] = ()) -> AsyncIterator[None]:
         """`stoppable`: the rows of a prefill, which ends early once `abort` has reached all."""
         if self._busy:
             self.violations.append(f"{name} while another call runs")
@@ -355,23 +358,55 @@ class ScriptDetokenizer:
         pass
 
 
+# `<role>content` per message, `<assistant>` to generate; a message "RAISE" is refused.
+FAKE_TEMPLATE = ChatTemplate(
+    "{% for m in messages %}{% if m.content == 'RAISE' %}{{ raise_exception('template refused the messages') }}"
+    "{% endif %}<{{ m.role }}>{{ m.content or '' }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
 class FakeTokenizer:
+    """A `ChatTokenizer`: characters as ids (1..250), the `<role>content` template, no known
+    vocabulary bound (ids the fake worker makes go past the characters')."""
+
     eos_token_ids = frozenset({EOS})
     has_thinking = False
+    has_chat_template = True
+    vocab_size: int | None = None
+
+    def id_to_token(self, token_id: int) -> str:
+        return token_text(token_id)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return [1 + ord(c) % 250 for c in text]
 
-    def encode_chat(
-        self, messages: list[dict[str, Any]], *, tools: Any = None, add_generation_prompt: bool = True, **kw: Any
-    ) -> list[int]:
-        for m in messages:
-            if m.get("content") == "RAISE":
-                raise ValueError("template refused the messages")
-        text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return "".join(token_text(i) for i in ids)
 
-    def detokenizer(self) -> FakeDetokenizer:
+    def chat_template(self, *, tools: Sequence[Any] | None = None) -> ChatTemplate:
+        return FAKE_TEMPLATE
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        return FAKE_TEMPLATE.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt))
+
+    def detokenizer(self) -> TextStream:
         return FakeDetokenizer()
 
 
@@ -438,7 +473,7 @@ async def scheduler_harness(
     decoding_prefill_chunk: int = 0,
     arrivals: Arrivals | None = None,
     arrival_window: float = 0.0,
-):
+) -> AsyncIterator[SchedulerHarness]:
     inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
     scheduler = Scheduler(
         worker,
@@ -455,3 +490,12 @@ async def scheduler_harness(
         await nursery.start(scheduler.run)
         yield SchedulerHarness(scheduler, inbox_send, nursery)
         nursery.cancel_scope.cancel()
+
+
+if TYPE_CHECKING:  # the doubles meet the protocols of what they stand in for (mypy checks this file)
+    from actors.root import RunnableWorker
+
+    _worker: RunnableWorker = FakeWorker()
+    _tokenizer: ChatTokenizer = FakeTokenizer()
+    _stream: TextStream = FakeDetokenizer()
+    _scripted: TextStream = ScriptDetokenizer(())

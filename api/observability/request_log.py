@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveEvent, ASGISendEvent, Scope
 
     from actors.handles import ServerHandles
-    from model.text.tokenizer import Tokenizer
+    from model.text.tokenizer import ChatTokenizer
 
 log = logging.getLogger("mlx_trio.requests")
 
@@ -408,7 +408,7 @@ class RequestLog:
     `request {"id": ..., "route": ..., ...}` (JSON, so it greps and parses); the same fields
     ride along as `extra={"request": fields}` for a structured handler."""
 
-    def __init__(self, *, tokenizer: Tokenizer | None = None, log_prompts: bool = False) -> None:
+    def __init__(self, *, tokenizer: ChatTokenizer | None = None, log_prompts: bool = False) -> None:
         self.tokenizer = tokenizer
         self.log_prompts = log_prompts
 

@@ -26,7 +26,7 @@ from api.errors import ApiError, error_body
 from api.http.wire import DONE_FRAME, KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S, data_frame, new_id
 from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from model.engine.rows import TokenOut
-from model.text.tokenizer import Tokenizer
+from model.text.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,9 @@ async def collect_choices(choices: Choices) -> list[Completion]:
     return [finish(done, actor) for done, actor in zip(completions, choices)]
 
 
-def logprobs_block(actor: RequestActor[Event], generation: Generation, tokenizer: Tokenizer) -> dict[str, Any] | None:
+def logprobs_block(
+    actor: RequestActor[Event], generation: Generation, tokenizer: ChatTokenizer
+) -> dict[str, Any] | None:
     """Chat's `choices[0].logprobs`: every captured token of the choice (`logprobs_entries`), or
     None."""
     if not generation.captures_logprobs or not actor.token_logprobs:
@@ -103,7 +105,9 @@ def logprobs_block(actor: RequestActor[Event], generation: Generation, tokenizer
     return {"content": logprobs_entries(actor.token_logprobs, generation, tokenizer)}
 
 
-def logprobs_entries(outs: Sequence[TokenOut], generation: Generation, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+def logprobs_entries(
+    outs: Sequence[TokenOut], generation: Generation, tokenizer: ChatTokenizer
+) -> list[dict[str, Any]]:
     """Chat's `logprobs.content` entries for these tokens, in mlx_lm.server's shape (NOT OpenAI's).
 
     `top_logprobs > 0`: each entry is the top candidate merged with its top-k list (sorted
@@ -122,7 +126,7 @@ def logprobs_entries(outs: Sequence[TokenOut], generation: Generation, tokenizer
     return [{"id": out.token, "logprob": _json_float(out.logprob)} for out in outs]
 
 
-def _piece(tokenizer: Tokenizer, token_id: int) -> str:
+def _piece(tokenizer: ChatTokenizer, token_id: int) -> str:
     try:
         return tokenizer.id_to_token(token_id)
     except Exception:  # a padded-vocab id beyond the tokenizer, or a tokenizer double
@@ -140,7 +144,7 @@ class TokenNames:
     """Token ids → their text (decoded one by one), and the names a legacy logprobs block gives
     them: the text, or vLLM's "token_id:<id>" with `as_ids` (`return_tokens_as_token_ids`)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, as_ids: bool = False) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, *, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self.as_ids = as_ids
 
@@ -221,7 +225,7 @@ def _merged(events: list[Event]) -> list[Event]:
 
 
 async def chat_stream(
-    started: StartedGeneration, meta: ResponseMeta, tokenizer: Tokenizer, *, include_usage: bool = False
+    started: StartedGeneration, meta: ResponseMeta, tokenizer: ChatTokenizer, *, include_usage: bool = False
 ) -> AsyncIterator[bytes]:
     """With logprobs, every chunk has `logprobs`: the entries (`logprobs_entries`) of the tokens
     generated since the previous chunk that carried any, or null. A turn's tokens ride on its
@@ -273,7 +277,7 @@ async def chat_stream(
             actor.close()
 
 
-async def chat_whole(started: StartedGeneration, meta: ResponseMeta, tokenizer: Tokenizer) -> dict[str, Any]:
+async def chat_whole(started: StartedGeneration, meta: ResponseMeta, tokenizer: ChatTokenizer) -> dict[str, Any]:
     choices = []
     for index, (done, actor) in enumerate(zip(await collect_choices(started.choices), started.choices)):
         message: dict[str, Any] = {"role": "assistant", "content": done.content or (None if done.calls else "")}

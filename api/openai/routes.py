@@ -115,7 +115,7 @@ def adapter_card(handles: ServerHandles, model_id: str, parent: str) -> dict[str
 
 def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
     routes = {rule.rule for rule in current_app.url_map.iter_rules()}
-    reasoning = bool(getattr(handles.tokenizer, "has_thinking", False))
+    reasoning = handles.tokenizer.has_thinking
     structured_output = grammar.available()
     defaults = handles.sampling_defaults
     embeddings = handles.info.embedding is not None  # an embedding model serves /v1/embeddings only

@@ -13,11 +13,23 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 _SPM_SPACE = "\u2581".encode("utf-8")
 # mlx-lm's stand-in for ids past the tokenizer's vocab (models often pad their embedding).
 _OUT_OF_VOCAB_PIECE = "!"
+
+
+class TextStream(Protocol):
+    """What the text pipeline asks of a detokenizer (api/pipeline/sink.py): a token in, the
+    stable text since the last read out, and a flush at the end."""
+
+    def add_token(self, token: int) -> None: ...
+
+    @property
+    def last_segment(self) -> str: ...
+
+    def finalize(self) -> None: ...
 
 
 class StreamingDetokenizer(abc.ABC):

@@ -12,12 +12,12 @@ import copy
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import tokenizers
 
 from model.text.chat_template import ChatTemplate
-from model.text.detokenizer import StreamingDetokenizer, detokenizer_kind, make_detokenizer
+from model.text.detokenizer import StreamingDetokenizer, TextStream, detokenizer_kind, make_detokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -106,6 +106,50 @@ def _load_chat_template(path: Path, config: Mapping[str, Any]) -> ChatTemplate |
         }
         return named or None
     return None
+
+
+class ChatTokenizer(Protocol):
+    """What the API layer asks of a tokenizer: `Tokenizer` below, and the tests' doubles
+    (tests/fakes.py), which mypy checks against it. `vocab_size` None: no known bound on ids."""
+
+    eos_token_ids: frozenset[int]
+
+    @property
+    def vocab_size(self) -> int | None: ...
+
+    @property
+    def has_thinking(self) -> bool: ...
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    def id_to_token(self, token_id: int) -> str: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
+
+    def detokenizer(self) -> TextStream: ...
+
+    def chat_template(self, *, tools: Sequence[Any] | None = None) -> ChatTemplate: ...
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str: ...
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]: ...
 
 
 class Tokenizer:

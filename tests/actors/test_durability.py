@@ -13,7 +13,7 @@ import trio
 
 from actors.ssd.durability import Durability
 from actors.ssd.spill_queue import SpillQueue
-from tests.actors.test_ssd_fakes import FakePort, FakeStore
+from tests.helpers.ssd_fakes import FakePort, FakeStore
 
 A = tuple(range(10, 20))
 B = tuple(range(30, 40))  # same length as A, unrelated

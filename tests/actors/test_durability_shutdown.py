@@ -15,8 +15,8 @@ from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown, ShutdownPlan
 from tests.actors.test_shutdown import fake_http, names, order_is, streamer
-from tests.actors.test_ssd_fakes import FakeStore, SsdFakeWorker
 from tests.fakes import FakeTokenizer
+from tests.helpers.ssd_fakes import FakeStore, SsdFakeWorker
 
 
 async def run(worker, clients, *, timeout, signals_at, demote_idle_s=300.0):

@@ -19,7 +19,7 @@ from actors.ssd.spill_queue import SpillQueue
 from cache.ssd_identity import Identity
 from cache.ssd_index import IndexEntry
 from cache.ssd_store import SsdStore
-from tests.actors.test_ssd_fakes import FakePort, FakeStore
+from tests.helpers.ssd_fakes import FakePort, FakeStore
 
 A = tuple(range(10, 20))
 B = tuple(range(30, 40))

@@ -12,8 +12,8 @@ import trio
 from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown, ShutdownPlan
-from tests.api.test_anthropic_api import post_stream
 from tests.fakes import FakeTokenizer, FakeWorker
+from tests.helpers.http import post_stream
 
 
 def fake_http(clients, *, graceful, note):

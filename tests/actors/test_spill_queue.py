@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from actors.ssd.spill_queue import SpillQueue
-from tests.actors.test_ssd_fakes import FakeItem, FakeStore
+from tests.helpers.ssd_fakes import FakeItem, FakeStore
 
 
 async def settle() -> None:

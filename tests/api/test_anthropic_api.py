@@ -18,6 +18,7 @@ from actors.root import start_actors
 from api.anthropic import routes as anthropic_routes
 from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
+from tests.helpers.http import post_stream
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -36,21 +37,6 @@ async def server(worker: FakeWorker | None = None, **config):
         )
         yield create_app(handles).test_client(), handles, worker
         nursery.cancel_scope.cancel()
-
-
-async def post_stream(client, path: str, payload: dict) -> bytes:
-    """A streamed response's whole body. (`client.post` buffers only 10 body chunks before the
-    app blocks on the 11th and the test client deadlocks, so long streams are read as they come.)"""
-    async with client.request(path, method="POST", headers={"Content-Type": "application/json"}) as conn:
-        await conn.send(json.dumps(payload).encode())
-        await conn.send_complete()
-        assert conn.status_code in (None, 200)
-        data = b""
-        while True:
-            try:
-                data += await conn.receive()
-            except trio.EndOfChannel:
-                return data
 
 
 def chat_prompt(*messages: tuple[str, str]) -> list[int]:

@@ -12,8 +12,9 @@ import pydantic
 import pytest
 
 from model.engine.rows import RowOpened, RowSpec
-from tests.api.test_anthropic_api import post_stream, server
+from tests.api.test_anthropic_api import server
 from tests.fakes import FakeWorker
+from tests.helpers.http import post_stream
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")

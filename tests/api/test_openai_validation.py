@@ -39,9 +39,10 @@ class RecordingTokenizer(FakeTokenizer):
     def decode(self, ids, *, skip_special_tokens=False):
         return "".join(token_text(t) for t in ids)
 
-    def encode_chat(self, messages, *, tools=None, add_generation_prompt=True, **kw):
-        self.rendered.append({"messages": messages, "tools": tools, "kwargs": kw})
-        return super().encode_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kw)
+    def render_chat(self, messages, *, tools=None, add_generation_prompt=True, **kw):
+        if add_generation_prompt:  # the prompt (a cache breakpoint's cut renders without one)
+            self.rendered.append({"messages": messages, "tools": tools, "kwargs": kw})
+        return super().render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kw)
 
 
 @asynccontextmanager

@@ -9,8 +9,9 @@ import pydantic
 import pytest
 import trio
 
-from tests.api.test_anthropic_api import post_stream, server
+from tests.api.test_anthropic_api import server
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
+from tests.helpers.http import post_stream
 
 openai = pytest.importorskip("openai")
 from openai.types.responses import Response as SdkResponse  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,3 +54,23 @@ def wait_until_serving(proc: subprocess.Popen, log_path: Path, limit_s: float) -
         time.sleep(0.05)
     proc.kill()
     pytest.fail("server did not start:\n" + log_path.read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, deadline_s: float = 180) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early with {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).content == b'{"status": "ok"}':
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server never became healthy")

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.e2e.server_process import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,26 +24,6 @@ pytestmark = pytest.mark.skipif(
 
 SHUTDOWN_TIMEOUT = 1.5
 MAX_TOKENS = 60_000  # far more than the tiny model generates before the deadline
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, deadline_s: float = 180) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early with {proc.returncode}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).content == b'{"status": "ok"}':
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server never became healthy")
 
 
 def test_sigint_mid_stream_ends_the_stream_cleanly_and_exits_0(tiny_model_factory):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from api.http.connection import DRAIN_SECONDS
-from tests.e2e.test_e2e_serve import free_port, wait_healthy
+from tests.e2e.server_process import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 IDLE_TIMEOUT_S = 1.0

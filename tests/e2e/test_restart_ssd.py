@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_e2e_serve import ROOT, free_port, wait_healthy
+from tests.e2e.server_process import ROOT, free_port, wait_healthy
 
 SHUTDOWN_TIMEOUT = 10
 # `actors.serve.main` with every SSD piece write slowed down first (cache.ssd_writer imports no

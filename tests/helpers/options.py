@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import attrs
 
@@ -16,11 +17,14 @@ def flat(options: ServerOptions) -> SimpleNamespace:
     """Every leaf field of `options` by its own name (`flat(o).batch` is `o.scheduling.batch`)."""
     values: dict[str, object] = {}
 
-    def walk(node: object) -> None:
+    def walk(node: Any) -> None:
         nested = dict(subgroups(type(node)))
         for field in attrs.fields(type(node)):
             value = getattr(node, field.name)
-            walk(value) if field.name in nested else values.setdefault(field.name, value)
+            if field.name in nested:
+                walk(value)
+            else:
+                values.setdefault(field.name, value)
 
     walk(options)
     return SimpleNamespace(**values)

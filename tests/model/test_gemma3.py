@@ -20,7 +20,7 @@ from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
 from model.load.loader import load_model
 from model.options import EngineOptions
 from tests.engine_helpers import generate_tokens
-from tests.model.test_model_parity import ours, reference
+from tests.helpers.parity import ours, reference
 from tests.realserver import complete_whole, real_server
 
 WINDOW = 16  # the fixture's sliding_window; layers 1 and 3 of 4 are global (pattern 2)

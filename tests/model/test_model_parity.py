@@ -2,46 +2,10 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from model.engine.engine import Engine
 from model.engine.params import SamplingParams
-from model.engine.rows import RowSpec
-from model.load.loader import load_model
-from model.options import EngineOptions
-from tests.engine_helpers import generate_tokens
-
-PROMPTS = [
-    [5, 17, 42, 99, 3, 250, 11, 7],
-    [300, 2, 77],
-    list(range(40, 140, 3)),
-    # Longer than model.cpu_attention.BLOCK: on CPU, float32 prefill attention runs in blocks.
-    [(i * 37) % 400 + 3 for i in range(200)],
-]
-N_TOKENS = 32
-
-
-def ours(model_dir, prompts, *, prefill_chunk=2048, sampling=SamplingParams()):
-    engine = Engine(load_model(model_dir).model, eos_token_ids=[], options=EngineOptions(prefill_chunk=prefill_chunk))
-    results = []
-    for i, prompt in enumerate(prompts):
-        results.append(generate_tokens(engine, [RowSpec(i, tuple(prompt), sampling, N_TOKENS)])[i])
-    return results
-
-
-def reference(model_dir, prompts, *, prefill_chunk=2048, **kw):
-    model, _ = mlx_lm_load_model(model_dir)
-    return [
-        [
-            tok
-            for tok, _ in generate_step(mx.array(p), model, max_tokens=N_TOKENS, prefill_step_size=prefill_chunk, **kw)
-        ]
-        for p in prompts
-    ]
-
+from tests.helpers.parity import N_TOKENS, PROMPTS, ours, reference  # noqa: F401  (N_TOKENS: this module's tests)
 
 CASES = [
     ("llama", "float32", None),

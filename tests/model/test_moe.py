@@ -22,7 +22,7 @@ from model.load.loader import load_model
 from model.moe import QuantizedSwitchLinear, SparseMoeBlock, SwitchLinear
 from model.options import EngineOptions
 from tests.engine_helpers import generate_tokens
-from tests.model.test_model_parity import PROMPTS, ours, reference
+from tests.helpers.parity import PROMPTS, ours, reference
 from tests.realserver import complete_whole, real_server
 
 MIXED = {"extra_config": {"mlp_only_layers": [1]}}  # layer 1 keeps the dense MLP

@@ -21,7 +21,7 @@ from model.load.loader import load_model
 from model.nn.gated_delta import GatedDeltaNet
 from model.options import EngineOptions
 from tests.engine_helpers import decode_to_the_end, generate_tokens
-from tests.model.test_model_parity import PROMPTS, ours, reference
+from tests.helpers.parity import PROMPTS, ours, reference
 
 SHAPE = {"num_hidden_layers": 4, "head_dim": 16}  # linear, full, linear, full
 

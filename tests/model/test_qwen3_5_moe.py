@@ -20,7 +20,7 @@ from model.load.loader import load_model
 from model.moe import QuantizedSwitchLinear, SharedExpertMoeBlock, SwitchLinear
 from model.nn.gated_delta import GatedDeltaNet
 from tests.engine_helpers import decode_to_the_end, generate_tokens
-from tests.model.test_model_parity import PROMPTS, ours, reference
+from tests.helpers.parity import PROMPTS, ours, reference
 from tests.model.test_qwen3_5 import cold, engine_for, run, run_row_to_join, spec
 
 SHAPE = {"num_hidden_layers": 4, "head_dim": 16}  # linear, full, linear, full

@@ -1,4 +1,4 @@
-"""Test doubles for the SSD tier's actors (no tests here): a store whose writes spend virtual
+"""Test doubles for the SSD tier's actors: a store whose writes spend virtual
 time inline, a worker port, and a FakeWorker with the SSD tier attached.
 
 Everything runs on the trio thread with `await trio.sleep(cost)`, so under `autojump_clock`
