@@ -67,6 +67,16 @@ class KVCache:
         forward stored, the first `kept[0]` stay (one row)."""
         self.trim(fed - kept[0])
 
+    @classmethod
+    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> Any:
+        """One layer's batch cache from its rows' solo caches (this kind first): a plain batch, or
+        under a quantizing scheme one whose rows turn quantized one by one (model/kv/mixed.py)."""
+        if not quantized:
+            return BatchKVCache.merge(caches)
+        from model.kv.mixed import MixedBatchKVCache  # (mixed.py builds on this module)
+
+        return MixedBatchKVCache.merge(quant, caches)
+
     def __init__(self) -> None:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
@@ -400,6 +410,11 @@ class SoloCache(LayerCache, Protocol):
     def clone(self) -> Any: ...  # an independent cache of the same positions (a snapshot)
 
     def row(self, i: int, length: int) -> Any: ...  # row i's first `length` positions, alone
+
+    @classmethod
+    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> Any:
+        """One layer's batch cache from its rows' solo caches (`quant`: the layer's scheme)."""
+        ...
 
 
 def make_caches(num_layers: int) -> list[KVCache]:

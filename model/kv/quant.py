@@ -125,6 +125,13 @@ class QuantizedKVCache:
 
     spill_kind: str | None = "qkv"  # the SSD tier stores its packed values, scales and biases
 
+    @classmethod
+    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> Any:
+        """Rows that have turned quantized join a batch whose rows turn one by one."""
+        from model.kv.mixed import MixedBatchKVCache  # (mixed.py builds on this module)
+
+        return MixedBatchKVCache.merge(quant, caches)
+
     def __init__(self, quant: LayerQuant, converted_at: int = 0) -> None:
         self.quant = quant
         self.converted_at = converted_at

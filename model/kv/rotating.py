@@ -15,6 +15,7 @@ dropped now and then, so its KV stays near `max_size` positions a row.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -34,6 +35,11 @@ class RotatingKVCache(KVCache):
     """One row's keys/values for a sliding layer; `offset` counts every position fed."""
 
     spill_kind: str | None = None  # its window is not a prefix: the SSD tier cannot key it
+
+    @classmethod
+    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> BatchRotatingKVCache:
+        """A sliding layer's batch (never quantized)."""
+        return BatchRotatingKVCache.merge(caches)
 
     def __init__(self, max_size: int) -> None:
         super().__init__()

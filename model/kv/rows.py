@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from model.kv.cache import BatchKVCache, KVCache
 from model.kv.mixed import MixedBatchKVCache
 from model.kv.quant import QuantizedKVCache
-from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
+from model.kv.rotating import RotatingKVCache
 from model.kv.scheme import KVScheme
 from model.kv.state import BatchStateCache, StateCache
 
@@ -74,14 +74,8 @@ def merge_batch(scheme: KVScheme, per_row: Sequence[Sequence[Solo]]) -> list[Any
     merged: list[Any] = []
     for layer in range(len(per_row[0])):
         caches = [row[layer] for row in per_row]
-        if isinstance(caches[0], StateCache):  # a linear-attention layer's state (never quantized)
-            merged.append(BatchStateCache.merge(caches))
-        elif isinstance(caches[0], RotatingKVCache):  # a sliding layer (never quantized)
-            merged.append(BatchRotatingKVCache.merge(caches))  # type: ignore[arg-type]
-        elif not scheme.quantized:
-            merged.append(BatchKVCache.merge(caches))  # type: ignore[arg-type]
-        else:
-            merged.append(MixedBatchKVCache.merge(scheme.layer(layer), caches))
+        # Each kind says how its rows batch (a new kind brings its own `batched`).
+        merged.append(type(caches[0]).batched(caches, scheme.layer(layer), scheme.quantized))
     return merged
 
 

@@ -38,6 +38,11 @@ class StateCache:
         self.conv, self.recurrent = conv, recurrent
         self.offset += fed
 
+    @classmethod
+    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> BatchStateCache:
+        """A linear-attention layer's batch of states (never quantized)."""
+        return BatchStateCache.merge(caches)
+
     def before_forward(self, replay: Replay, x: mx.array) -> None:
         """A forward of input `x` begins. A group prefill's rows may be right-padded, so each
         row's own state is recomputed from this input when it is split off (`row`)."""
