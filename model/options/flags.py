@@ -140,11 +140,17 @@ def _build(cls: Any, values: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
+def shown_default(flag: Flag, default: Any) -> str:
+    """How the docs state a flag's default (a switch is off until given)."""
+    if flag.shown is not None:
+        return flag.shown
+    return "off" if flag.action in ("store_true", "store_false") else _shown(default)
+
+
 def _help(flag: Flag, default: Any) -> str:
     text = flag.help
     if "default" not in text:
-        shown = flag.shown if flag.shown is not None else _shown(default)
-        text = f"{text} (default {shown})"
+        text = f"{text} (default {shown_default(flag, default)})"
     return text.replace("%", "%%")  # argparse %-formats help strings
 
 

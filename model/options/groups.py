@@ -41,6 +41,7 @@ class ModelOptions:
             parse=v.non_empty,
             nargs="+",
             metavar="NAME",
+            shown="org/name or directory name",
         ),
         converter=tuple,
     )
@@ -93,9 +94,10 @@ class HttpOptions:
     )
 
 
+# Read by api/http/security.py, cross_site.py and forwarded.py.
 @attrs.frozen
 class AccessOptions:
-    """Access: keys, the admin gate, browsers and proxies (api/http/security.py)."""
+    """Access: keys, the admin gate, browsers and proxies."""
 
     # Secrets may come from the environment so they stay out of `ps`.
     api_key: str | None = option(

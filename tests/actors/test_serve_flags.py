@@ -18,7 +18,7 @@ from actors.options import options as serve_options
 from actors.options import parse_options, parser
 from actors.shutdown import ShutdownPlan
 from model.load.blas import BlasInfo
-from model.options import EngineOptions, ServerOptions
+from model.options import EngineOptions, ServerOptions, reference
 from model.options.flags import field_groups
 from tests.helpers.options import parsed
 
@@ -94,6 +94,13 @@ def test_the_planned_worker_gets_the_engine_options(qwen3_dir):
     _, worker, _ = serve._load_plan(attrs.evolve(config, engine=attrs.evolve(config.engine, group_bucket=8)))
     assert isinstance(worker, GpuWorker) and worker.prefill_chunk == 64
     assert worker.options.engine == EngineOptions(prefill_chunk=64, group_bucket=8)
+
+
+def test_the_flag_reference_in_the_docs_is_current():
+    """docs/operations.md's generated section is what the options say now (after adding or
+    changing an option: `python -m model.options.reference docs/operations.md`)."""
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    assert reference.rewrite(text) == text
 
 
 def test_every_flag_is_documented():
