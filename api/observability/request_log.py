@@ -299,6 +299,7 @@ class RequestMonitor:
         self.tracer: RequestTracer | None = None  # api/observability/tracing.py, when tracing is on
         # Whose X-Forwarded-For / Forwarded name the client (--forwarded-allow-ips); none until set.
         self.proxies = TrustedProxies()
+        self.id_header = b"x-request-id"  # --request-id-header, lowercased (ASGI header names are)
         self._app = app
 
     def token_interval(self, seconds: float) -> None:
@@ -310,7 +311,7 @@ class RequestMonitor:
             await self._app(scope, receive, send)
             return
         record = RequestRecord(
-            id=_request_id(scope),
+            id=_request_id(scope, self.id_header),
             method=scope.get("method", ""),
             path=scope.get("path", ""),
             client=scope_client_address(
@@ -332,8 +333,8 @@ class RequestMonitor:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 headers = list(message.get("headers", ()))
-                if not any(name.lower() == b"x-request-id" for name, _ in headers):
-                    headers.append((b"x-request-id", record.id.encode()))
+                if not any(name.lower() == self.id_header for name, _ in headers):
+                    headers.append((self.id_header, record.id.encode()))
                 if record.trace is not None:
                     headers.extend(record.trace.headers)
                 message = {**message, "headers": headers}
@@ -356,9 +357,9 @@ class RequestMonitor:
                     log.exception("request listener %r failed", listener)
 
 
-def _request_id(scope: Scope) -> str:
+def _request_id(scope: Scope, header: bytes) -> str:
     for name, value in cast(dict[str, Any], scope).get("headers", ()):
-        if name.lower() == b"x-request-id":
+        if name.lower() == header:
             text = value.decode("latin-1")
             if _REQUEST_ID.fullmatch(text):
                 return text
@@ -438,5 +439,6 @@ def install_request_log(app: QuartTrio, handles: ServerHandles, *, log_prompts: 
     request_log = RequestLog(tokenizer=handles.tokenizer, log_prompts=log_prompts)
     monitor = request_monitor(app)
     monitor.proxies = TrustedProxies.parse(handles.options.access.forwarded_allow_ips)
+    monitor.id_header = handles.options.observability.request_id_header.lower().encode("latin-1")
     monitor.listeners.append(request_log)
     return request_log

@@ -487,6 +487,16 @@ class ObservabilityOptions:
     log_prompts: bool = option(
         False, Flag("--log-prompts", "include prompt text in the per-request log lines", action="store_true")
     )
+    request_id_header: str = option(
+        "X-Request-Id",
+        Flag(
+            "--request-id-header",
+            "the header a request's id comes in and goes out on (a client's well-formed one is kept, "
+            "else the server makes one): set it to what your proxy or tracing uses",
+            parse=v.non_empty,
+            metavar="NAME",
+        ),
+    )
     otlp_endpoint: str | None = option(
         None,
         Flag(

@@ -130,3 +130,14 @@ async def test_health_and_metrics_scrapes_are_debug(autojump_clock, lines):
     assert health["_level"] == metrics["_level"] == logging.DEBUG
     assert unknown["_level"] == logging.INFO and unknown["route"] == "/nope" and unknown["status"] == 404
     assert unknown["id"].startswith("req-")  # an unsafe id is replaced, never echoed
+
+
+async def test_the_request_id_header_is_an_option(autojump_clock, caplog):
+    caplog.set_level(logging.INFO, logger="mlx_trio.requests")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with server(request_id_header="X-Correlation-Id") as (client, _):
+        response = await client.post(CHAT, json=body, headers={"X-Correlation-Id": "corr-7"})
+        assert response.headers["X-Correlation-Id"] == "corr-7" and "X-Request-Id" not in response.headers
+        response = await client.post(CHAT, json=body, headers={"X-Request-Id": "ignored"})
+        assert response.headers["X-Correlation-Id"].startswith("req-")
+    assert '"id": "corr-7"' in caplog.text
