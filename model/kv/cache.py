@@ -46,6 +46,8 @@ def _grow(store: mx.array | None, used: int, incoming: mx.array) -> mx.array:
 # A layer's own attention: (queries, keys, values, mask) -> attended. A cache that stores its KV in
 # another form (quantized) attends itself instead.
 Attend = Callable[[mx.array, mx.array, mx.array, Any], mx.array]
+# (layer quant, rows' solo caches) -> a batch whose rows turn quantized one by one (model/kv/mixed.py).
+MixedMerge = Callable[[Any, Sequence[Any]], Any]
 
 
 class KVCache:
@@ -68,14 +70,11 @@ class KVCache:
         self.trim(fed - kept[0])
 
     @classmethod
-    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> Any:
+    def batched(cls, caches: Sequence[Any], quant: Any, mixed: MixedMerge | None) -> Any:
         """One layer's batch cache from its rows' solo caches (this kind first): a plain batch, or
-        under a quantizing scheme one whose rows turn quantized one by one (model/kv/mixed.py)."""
-        if not quantized:
-            return BatchKVCache.merge(caches)
-        from model.kv.mixed import MixedBatchKVCache  # (mixed.py builds on this module)
-
-        return MixedBatchKVCache.merge(quant, caches)
+        under a quantizing scheme (`mixed`: model/kv/mixed.py's merge) one whose rows turn
+        quantized one by one."""
+        return BatchKVCache.merge(caches) if mixed is None else mixed(quant, caches)
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -412,8 +411,9 @@ class SoloCache(LayerCache, Protocol):
     def row(self, i: int, length: int) -> Any: ...  # row i's first `length` positions, alone
 
     @classmethod
-    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> Any:
-        """One layer's batch cache from its rows' solo caches (`quant`: the layer's scheme)."""
+    def batched(cls, caches: Sequence[Any], quant: Any, mixed: MixedMerge | None) -> Any:
+        """One layer's batch cache from its rows' solo caches (`quant`: the layer's scheme;
+        `mixed`: the merge of a batch whose rows turn quantized, under a quantizing scheme)."""
         ...
 
 

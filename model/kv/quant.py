@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from model.kv import quant_kernel as kv_quant_kernel
-from model.kv.cache import STEP, Attend, KVCache, causal_mask
+from model.kv.cache import STEP, Attend, KVCache, MixedMerge, causal_mask
 from model.kv.scheme import LayerQuant
 
 # (packed uint32, scales, biases): one quantized tensor.
@@ -126,11 +126,10 @@ class QuantizedKVCache:
     spill_kind: str | None = "qkv"  # the SSD tier stores its packed values, scales and biases
 
     @classmethod
-    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> Any:
+    def batched(cls, caches: Sequence[Any], quant: Any, mixed: MixedMerge | None) -> Any:
         """Rows that have turned quantized join a batch whose rows turn one by one."""
-        from model.kv.mixed import MixedBatchKVCache  # (mixed.py builds on this module)
-
-        return MixedBatchKVCache.merge(quant, caches)
+        assert mixed is not None  # (a quantized row exists only under a quantizing scheme)
+        return mixed(quant, caches)
 
     def __init__(self, quant: LayerQuant, converted_at: int = 0) -> None:
         self.quant = quant

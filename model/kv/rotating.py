@@ -37,7 +37,7 @@ class RotatingKVCache(KVCache):
     spill_kind: str | None = None  # its window is not a prefix: the SSD tier cannot key it
 
     @classmethod
-    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> BatchRotatingKVCache:
+    def batched(cls, caches: Sequence[Any], quant: Any, mixed: Any) -> BatchRotatingKVCache:
         """A sliding layer's batch (never quantized)."""
         return BatchRotatingKVCache.merge(caches)
 

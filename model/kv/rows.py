@@ -75,7 +75,8 @@ def merge_batch(scheme: KVScheme, per_row: Sequence[Sequence[Solo]]) -> list[Any
     for layer in range(len(per_row[0])):
         caches = [row[layer] for row in per_row]
         # Each kind says how its rows batch (a new kind brings its own `batched`).
-        merged.append(type(caches[0]).batched(caches, scheme.layer(layer), scheme.quantized))
+        mixed = MixedBatchKVCache.merge if scheme.quantized else None
+        merged.append(type(caches[0]).batched(caches, scheme.layer(layer), mixed))
     return merged
 
 

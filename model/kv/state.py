@@ -39,7 +39,7 @@ class StateCache:
         self.offset += fed
 
     @classmethod
-    def batched(cls, caches: Sequence[Any], quant: Any, quantized: bool) -> BatchStateCache:
+    def batched(cls, caches: Sequence[Any], quant: Any, mixed: Any) -> BatchStateCache:
         """A linear-attention layer's batch of states (never quantized)."""
         return BatchStateCache.merge(caches)
 

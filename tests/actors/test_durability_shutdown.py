@@ -14,8 +14,8 @@ import trio
 from actors.options import options as serve_options
 from actors.root import run_server
 from actors.shutdown import Shutdown, ShutdownPlan
-from tests.actors.test_shutdown import fake_http, names, order_is, streamer
 from tests.fakes import FakeTokenizer
+from tests.helpers.shutdown import fake_http, names, order_is, streamer
 from tests.helpers.ssd_fakes import FakeStore, SsdFakeWorker
 
 

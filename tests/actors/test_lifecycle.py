@@ -25,8 +25,8 @@ from actors.root import run_server
 from actors.shutdown import Shutdown
 from actors.startup import USAGE_EXIT, startup_failure
 from model.load.errors import ModelLoadError
-from tests.actors.test_shutdown import names, order_is
 from tests.fakes import FakeTokenizer, FakeWorker
+from tests.helpers.shutdown import names, order_is
 
 MODEL = "fake-model"
 OPENAI_BODY = {"model": MODEL, "prompt": "a", "max_tokens": 3}

@@ -7,7 +7,7 @@ import pytest
 
 from actors.request import GenerationFailed
 from model.engine.rows import TokenOut
-from tests.actors.test_request_actor import _admitted_actor
+from tests.helpers.requests import _admitted_actor
 
 
 async def test_a_failed_constraint_behind_waiting_tokens_comes_after_them():

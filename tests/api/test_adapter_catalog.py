@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from api.adapters.catalog import header_shapes, read_model_config, scan
-from tests.api.test_adapters_api import server
 from tests.fixtures.lora import write_adapter
+from tests.helpers.adapters_server import server
 
 
 def test_shapes_against_the_model(tiny_model_factory, tmp_path):

@@ -4,34 +4,19 @@ and admission's budget."""
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
-
 import attrs
 import trio
 
-from actors.options import options as serve_options
-from actors.root import start_actors
 from actors.worker_api import AdapterReport
-from api.app import create_app
 from model.lora.adapters import AdapterStillLeaving
-from tests.fakes import FakeTokenizer, FakeWorker
+from tests.fakes import FakeWorker
+from tests.helpers.adapters_server import server
 
 CHAT = "/v1/chat/completions"
 REMOTE = {"client": ("203.0.113.9", 40000)}
 MESSAGES = [{"role": "user", "content": "hi"}]
 # The engine's words for a DoRA adapter in a stack (model/lora/stack.py), the API's too.
 DORA_ALONE = "adapter 'd1' is a DoRA adapter, which cannot be stacked with another: select it alone"
-
-
-@asynccontextmanager
-async def server(worker: FakeWorker | None = None, **config):
-    worker = worker or FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
-    async with trio.open_nursery() as nursery:
-        handles = await start_actors(
-            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
-        )
-        yield create_app(handles).test_client(), handles, worker
-        nursery.cancel_scope.cancel()
 
 
 async def error_of(response, status: int) -> dict:

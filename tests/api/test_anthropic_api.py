@@ -7,17 +7,14 @@ requires cannot go missing unnoticed.
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
 
 import pydantic
 import pytest
 import trio
 
-from actors.options import options as serve_options
-from actors.root import start_actors
 from api.anthropic import routes as anthropic_routes
-from api.app import create_app
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
+from tests.helpers.fake_server import server
 from tests.helpers.http import post_stream
 
 anthropic = pytest.importorskip("anthropic")
@@ -26,17 +23,6 @@ MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
 EVENT = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
 MESSAGE = pydantic.TypeAdapter(anthropic.types.Message)
-
-
-@asynccontextmanager
-async def server(worker: FakeWorker | None = None, **config):
-    worker = worker or FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
-    async with trio.open_nursery() as nursery:
-        handles = await start_actors(
-            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
-        )
-        yield create_app(handles).test_client(), handles, worker
-        nursery.cancel_scope.cancel()
 
 
 def chat_prompt(*messages: tuple[str, str]) -> list[int]:

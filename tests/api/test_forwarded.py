@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from api.http.forwarded import TrustedProxies, client_address, forwarded_hops, ip_of, scope_client_address
-from tests.api.test_security import server
+from tests.helpers.security_server import server
 
 LOOPBACK = TrustedProxies.parse(["127.0.0.1,::1"])
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from trio.testing import MockClock
 
-from tests.api.test_images_api import anthropic_body, b64, data_url, huge_png, openai_body, post, responses_body, server
+from tests.helpers.images import anthropic_body, b64, data_url, huge_png, openai_body, post, responses_body, server
 
 SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>'
 

@@ -24,19 +24,19 @@ from api import media
 from api.app import create_app
 from api.http import offload
 from api.images import MAX_FRAMES, MAX_SOURCE_PIXELS
-from tests.api.test_images_api import (
+from tests.fakes import FakeWorker
+from tests.helpers.images import (
     VisionTokenizer,
     anthropic_body,
     data_url,
     info,
     openai_body,
     png,
+    png_header,
     post,
     responses_body,
 )
-from tests.fakes import FakeWorker
 from tests.helpers.options import parsed
-from tests.model.test_vision_header import png_header
 
 CHAT = "/v1/chat/completions"
 GIB = 1 << 30

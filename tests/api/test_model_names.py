@@ -12,8 +12,8 @@ import pydantic
 import pytest
 
 from model.engine.rows import RowOpened, RowSpec
-from tests.api.test_anthropic_api import server
 from tests.fakes import FakeWorker
+from tests.helpers.fake_server import server
 from tests.helpers.http import post_stream
 
 openai = pytest.importorskip("openai")

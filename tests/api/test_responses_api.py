@@ -9,8 +9,8 @@ import pydantic
 import pytest
 import trio
 
-from tests.api.test_anthropic_api import server
 from tests.fakes import FakeTokenizer, FakeWorker, token_text
+from tests.helpers.fake_server import server
 from tests.helpers.http import post_stream
 
 openai = pytest.importorskip("openai")

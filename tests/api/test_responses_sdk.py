@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.test_anthropic_sdk import (
+from tests.helpers.live import (
     TEXT_SCRIPT,
     THINK_SCRIPT,
     TOOL_SCRIPT,

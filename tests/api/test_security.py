@@ -4,20 +4,17 @@ class, on a FakeWorker."""
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
 
 import pytest
-import trio
 
 from actors.options import options as serve_options
-from actors.root import start_actors
 from actors.shutdown import ShutdownPlan
-from api.app import create_app
 from api.http.cross_site import content_type_refusal, host_allowed, same_origin, served_hosts
 from api.http.security import SecurityOptions, check_access, is_loopback, presented_credentials
 from model.options.values import parse_hosts, parse_origins
-from tests.fakes import FakeTokenizer, FakeWorker
+from tests.fakes import FakeWorker
 from tests.helpers.options import parsed
+from tests.helpers.security_server import server
 
 KEY = "sk-test-key"
 ADMIN = "admin-secret"
@@ -25,17 +22,6 @@ REMOTE = {"client": ("203.0.113.9", 40000)}
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MESSAGES_BODY = {"model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 RESPONSES_BODY = {"input": "hi", "max_output_tokens": 2}
-
-
-@asynccontextmanager
-async def server(worker: FakeWorker | None = None, **config):
-    worker = worker or FakeWorker(prefill_cost=0.1, join_cost=0.1, step_cost=0.1)
-    async with trio.open_nursery() as nursery:
-        handles = await start_actors(
-            nursery, worker, options=serve_options(**config), make_tokenizer=lambda info: FakeTokenizer()
-        )
-        yield create_app(handles).test_client(), handles
-        nursery.cancel_scope.cancel()
 
 
 async def openai_error(response) -> dict:

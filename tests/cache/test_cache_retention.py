@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from cache.prompt_cache import PromptCache
 from cache.tiered import TieredPromptCache
-from tests.cache.test_prompt_cache import BYTES_PER_TOKEN, kv
+from tests.helpers.kv import BYTES_PER_TOKEN, kv
 
 
 class Clock:

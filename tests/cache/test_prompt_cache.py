@@ -13,23 +13,7 @@ import pytest
 from cache.prefix_match import common_prefix_length
 from cache.prompt_cache import PromptCache
 from model.kv.cache import KVCache
-
-LAYERS = 2
-HEAD_DIM = 4
-BYTES_PER_TOKEN = LAYERS * 2 * HEAD_DIM * 4  # keys + values, float32, one head
-
-
-def kv(tokens, layers=LAYERS, cls=KVCache):
-    caches = []
-    for _ in range(layers):
-        c = cls()
-        if tokens:
-            col = mx.array(tokens, dtype=mx.float32)[None, None, :, None]
-            block = mx.broadcast_to(col, (1, 1, len(tokens), HEAD_DIM)) + 0  # its own exact buffer
-            mx.eval(block)
-            c.keys, c.values, c.offset = block, block, len(tokens)
-        caches.append(c)
-    return caches
+from tests.helpers.kv import BYTES_PER_TOKEN, HEAD_DIM, LAYERS, kv
 
 
 def grown(tokens, layers=LAYERS):

@@ -15,7 +15,7 @@ import pytest
 
 from cache.ssd_store import QUARANTINE, SsdStore
 from model.load.loader import load_model
-from tests.cache.test_ssd_store import PROMPT, cold, identity_of, open_store, run, store_prompt, tiered_engine
+from tests.helpers.ssd_store import PROMPT, cold, identity_of, open_store, run, store_prompt, tiered_engine
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ from model.kv.rows import restorable
 from model.kv.scheme import LayerQuant, uniform
 from model.load.loader import load_model
 from model.options import EngineOptions
-from tests.cache.test_ssd_store import identity_of, write_item
 from tests.engine_helpers import generate_tokens
+from tests.helpers.ssd_store import identity_of, write_item
 
 IDENTITY = Identity("tiny", "f" * 64, "f32", "t" * 64)
 HEADS, HEAD_DIM = 2, 64

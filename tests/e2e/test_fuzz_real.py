@@ -19,7 +19,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 
-from tests.api.test_fuzz import (
+from tests.helpers.fuzz import (
     COUNT,
     FUZZ,
     MESSAGES,

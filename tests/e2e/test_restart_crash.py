@@ -20,7 +20,7 @@ import pytest
 
 from cache.ssd_format import TMP_SUFFIX
 from cache.ssd_store import QUARANTINE
-from tests.e2e.test_restart_ssd import Server
+from tests.e2e.server_process import Server
 
 ITERATIONS = 8
 WORDS = "agent tool call result plan step memory file patch test build deploy review".split()

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.api.test_anthropic_sdk import live_server
+from tests.helpers.live import live_server
 
 SHUTDOWN_TIMEOUT = 5  # live_server's --shutdown-timeout (hypercorn's graceful timeout is also 5)
 

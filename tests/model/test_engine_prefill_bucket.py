@@ -14,21 +14,7 @@ from model.engine.rows import RowSpec
 from model.load.loader import load_model
 from model.options import EngineOptions
 from tests.engine_helpers import decode_to_the_end, generate_tokens
-
-
-class WidthRecorder:
-    """Wraps a model: records every forward's (batch, width), delegates everything else."""
-
-    def __init__(self, model):
-        self._model = model
-        self.widths: list[tuple[int, int]] = []
-
-    def __call__(self, tokens, caches, **kwargs):
-        self.widths.append(tuple(tokens.shape))
-        return self._model(tokens, caches, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
+from tests.helpers.engine_probes import WidthRecorder
 
 
 def prompts(n: int, base: int = 11) -> list[RowSpec]:

@@ -11,15 +11,12 @@ import pytest
 import trio
 
 from cache.prompt_cache import PromptCache
-from model.engine.engine import Engine
-from model.engine.params import SamplingParams
-from model.engine.rows import RowSpec
 from model.engine.speculation import Speculation
 from model.kv.cache import KVCache
 from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
 from model.load.loader import load_model
-from model.options import EngineOptions
 from tests.engine_helpers import generate_tokens
+from tests.helpers.gemma import engine_for, run_cached, run_row_to_join, spec
 from tests.helpers.parity import ours, reference
 from tests.realserver import complete_whole, real_server
 
@@ -33,15 +30,6 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 11, 7], [300, 2, 77], LONG, [(i * 13) % 400 +
 @pytest.fixture(scope="module")
 def gemma_dir(tiny_model_factory):
     return tiny_model_factory("gemma3_text", **TINY)
-
-
-def engine_for(model, **kw):
-    options = kw.pop("options", {})
-    return Engine(model, eos_token_ids=[], options=EngineOptions(**options), **kw)
-
-
-def spec(row_id, prompt, n=32):
-    return RowSpec(row_id, tuple(prompt), SamplingParams(), n)
 
 
 # -- parity with mlx-lm -------------------------------------------------------------------------
@@ -121,13 +109,6 @@ def test_a_batch_drops_slots_outside_every_window(gemma_dir):
 # -- batching ------------------------------------------------------------------------------------
 
 
-def run_row_to_join(engine, s):
-    engine.open_row(s)
-    while engine.prefill(s.row_id).remaining:
-        pass
-    return engine.join(s.row_id).token
-
-
 @pytest.mark.parametrize("kw", [TINY, Q4], ids=["fp32", "q4"])
 def test_batch_with_joins_and_leaves_equals_solo(tiny_model_factory, kw):
     engine = engine_for(load_model(tiny_model_factory("gemma3_text", **kw)).model, options={"prefill_chunk": 16})
@@ -179,17 +160,6 @@ def test_speculative_rows_equal_plain_decoding(gemma_dir):
 
 
 # -- prompt cache --------------------------------------------------------------------------------
-
-
-def run_cached(engine, prompt, n):
-    opened = engine.open_row(spec(0, prompt, n))
-    while engine.prefill(0).remaining:
-        pass
-    out = [engine.join(0)]
-    while not out[-1].finish:
-        out += engine.step()
-    engine.close_row(0, reusable=True)
-    return opened.cached_tokens, [t.token for t in out]
 
 
 def test_a_hit_before_the_window_wraps_equals_a_cold_run(gemma_dir):

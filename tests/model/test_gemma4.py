@@ -23,8 +23,8 @@ from model.kv.rotating import BatchRotatingKVCache, RotatingKVCache
 from model.load.errors import ModelLoadError
 from model.load.loader import load_model
 from tests.engine_helpers import generate_tokens
+from tests.helpers.gemma import engine_for, run_cached, run_row_to_join, spec
 from tests.helpers.parity import ours, reference
-from tests.model.test_gemma3 import engine_for, run_cached, run_row_to_join, spec
 from tests.realserver import complete_whole, real_server
 
 WINDOW = 16  # the fixture's sliding_window

@@ -19,8 +19,8 @@ from model.kv.cache import BatchKVCache, KVCache
 from model.kv.state import BatchStateCache, StateCache
 from model.load.loader import load_model
 from model.nn.gated_delta import GatedDeltaNet
-from model.options import EngineOptions
 from tests.engine_helpers import decode_to_the_end, generate_tokens
+from tests.helpers.hybrid import cold, engine_for, run, run_row_to_join, spec
 from tests.helpers.parity import PROMPTS, ours, reference
 
 SHAPE = {"num_hidden_layers": 4, "head_dim": 16}  # linear, full, linear, full
@@ -40,14 +40,6 @@ def hybrid(hybrid_dir):
 def any_hybrid(request, tiny_model_factory):
     """The float model, and the q4 one in mlx-community's layout (sanitized, language_model.* keys)."""
     return load_model(tiny_model_factory("qwen3_5", quant=request.param, **SHAPE)).model
-
-
-def engine_for(model, cache=None, **options):
-    return Engine(model, eos_token_ids=[], prompt_cache=cache, options=EngineOptions(**options))
-
-
-def spec(row_id, prompt, n=16, **kw):
-    return RowSpec(row_id, tuple(prompt), SamplingParams(), n, **kw)
 
 
 @pytest.mark.parametrize("quant", [None, "q4"], ids=["fp32", "q4"])
@@ -76,13 +68,6 @@ def test_layer_kinds_and_caches_follow_the_config(hybrid):
 
 
 # -- batching --------------------------------------------------------------------------------
-
-
-def run_row_to_join(engine, s):
-    engine.open_row(s)
-    while engine.prefill(s.row_id).remaining:
-        pass
-    return engine.join(s.row_id).token
 
 
 def test_batch_with_a_join_and_a_leave_equals_solo(any_hybrid):
@@ -122,26 +107,6 @@ def test_group_prefill_of_unequal_rows_equals_solo(hybrid):
 
 
 # -- prompt cache ------------------------------------------------------------------------------
-
-
-def cold(model, prompt, n=12):
-    return generate_tokens(engine_for(model, prefill_chunk=64), [spec(0, prompt, n)])[0]
-
-
-def run(engine, s, reusable=True):
-    opened = engine.open_row(s)
-    out = generate_tokens_after_open(engine, s.row_id, reusable)
-    return opened.cached_tokens, out
-
-
-def generate_tokens_after_open(engine, row_id, reusable):
-    while engine.prefill(row_id).remaining:
-        pass
-    out = [engine.join(row_id)]
-    while not out[-1].finish:
-        out += engine.step()
-    engine.close_row(row_id, reusable=reusable)
-    return [t.token for t in out]
 
 
 def test_a_hit_at_the_covered_boundary_equals_a_cold_run(any_hybrid):

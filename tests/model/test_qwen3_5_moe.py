@@ -20,8 +20,8 @@ from model.load.loader import load_model
 from model.moe import QuantizedSwitchLinear, SharedExpertMoeBlock, SwitchLinear
 from model.nn.gated_delta import GatedDeltaNet
 from tests.engine_helpers import decode_to_the_end, generate_tokens
+from tests.helpers.hybrid import cold, engine_for, run, run_row_to_join, spec
 from tests.helpers.parity import PROMPTS, ours, reference
-from tests.model.test_qwen3_5 import cold, engine_for, run, run_row_to_join, spec
 
 SHAPE = {"num_hidden_layers": 4, "head_dim": 16}  # linear, full, linear, full
 MIXED = {"extra_config": {"mlp_only_layers": [1]}}  # Qwen3-Next: layer 1 keeps the dense MLP

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import warnings
-import zlib
 
 import numpy as np
 import pytest
@@ -16,19 +15,10 @@ from PIL import Image
 
 from model.vision.header import ImageError, gif_frames, read_header, webp_header
 from model.vision.preprocess import ImageProcessorConfig, decode_image, grid_for, load_image, prepare_image
+from tests.helpers.images import png_header
 
 LIMIT = 8192 * 8192
 CONFIG = ImageProcessorConfig(max_pixels=28 * 28 * 64)
-
-
-def png_header(width: int, height: int, *, color_type: int = 2, data: bytes = b"not deflate data") -> bytes:
-    """A PNG whose header says width x height (8-bit, RGB by default) and whose pixel data is junk."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
-
-    ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, color_type, 0, 0, 0])
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
 
 
 def encoded(image: Image.Image, fmt: str, **kwargs: object) -> bytes:

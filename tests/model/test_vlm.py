@@ -9,7 +9,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from PIL import Image
 
 # The oracle is installed without its heavy extras (.ci/run: pip install --no-deps mlx-vlm).
 pytest.importorskip("mlx_vlm", reason="mlx-vlm (the parity oracle) is not installed")
@@ -23,11 +22,10 @@ from model.engine.rows import RowSpec
 from model.families.qwen2_5_vl import Qwen25VLModel
 from model.load.loader import load_model
 from model.options import EngineOptions
-from model.vision.preprocess import ImageError, ImageProcessorConfig, decode_image, prepare_image, smart_resize
+from model.vision.preprocess import ImageError, ImageProcessorConfig, decode_image, smart_resize
 from tests.engine_helpers import generate_tokens
 from tests.fixtures.vlm import write_vlm_dir
-
-N_TOKENS = 24
+from tests.helpers.vlm import IMAGES, N_TOKENS, noise_image, prepared, prompt_with, their_greedy
 
 
 @pytest.fixture(scope="module")
@@ -47,29 +45,6 @@ def theirs(vlm_dir: Path):
     return vlm_load_model(vlm_dir)
 
 
-def noise_image(height: int, width: int, seed: int, mode: str = "RGB") -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode)
-
-
-# 168x224: 48 tokens over windows with empty padding ones; 60x100: 8 tokens, one window.
-IMAGES = [noise_image(168, 224, 1), noise_image(60, 100, 2)]
-
-
-def prepared(vlm_dir: Path, images: list[Image.Image]):
-    config = ImageProcessorConfig.read(vlm_dir)
-    return [prepare_image(image, config) for image in images]
-
-
-def prompt_with(model: Qwen25VLModel, counts: list[int]) -> list[int]:
-    texts = [[5, 17, 42], [99, 3, 250], [11, 7]]
-    prompt = list(texts[0])
-    for i, n in enumerate(counts):
-        prompt += [model.vision_start_token_id] + [model.image_token_id] * n + [model.vision_end_token_id]
-        prompt += texts[i + 1]
-    return prompt
-
-
 def our_greedy(model: Qwen25VLModel, prompt: list[int], images, chunks: tuple[int, ...] = ()) -> list[int]:
     """A prefill over the spliced embeddings at mrope positions (split at `chunks`, as the engine's
     chunked prefill would), then decode at cache offset + the row's delta."""
@@ -87,16 +62,6 @@ def our_greedy(model: Qwen25VLModel, prompt: list[int], images, chunks: tuple[in
         out.append(int(y.item()))
         y = mx.argmax(model.logits(model(y[None], caches, delta=delta)[:, -1]), axis=-1)
     return out
-
-
-def their_greedy(model, prompt: list[int], images) -> list[int]:
-    pixels = mx.array(np.concatenate([p.pixel_values for p in images]))
-    grids = mx.array([p.grid_thw for p in images])
-    steps = generate_step(
-        mx.array([prompt]), model, pixels, None, max_tokens=N_TOKENS, temperature=0.0, prefill_step_size=None,
-        image_grid_thw=grids,
-    )  # fmt: skip
-    return [int(tok.item() if hasattr(tok, "item") else tok) for tok, _ in steps]
 
 
 # -- preprocessing -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from model.load.loader import load_model  # noqa: E402
 from model.options import EngineOptions  # noqa: E402
 from tests.engine_helpers import decode_to_the_end, generate_tokens  # noqa: E402
 from tests.fixtures.vlm import write_vlm_dir  # noqa: E402
-from tests.model.test_vlm import IMAGES, N_TOKENS, noise_image, prepared, prompt_with, their_greedy  # noqa: E402
+from tests.helpers.vlm import IMAGES, N_TOKENS, noise_image, prepared, prompt_with, their_greedy  # noqa: E402
 
 
 @pytest.fixture(scope="module")

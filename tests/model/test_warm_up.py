@@ -73,7 +73,7 @@ def test_warm_up_skips_the_prompt_cache(qwen3_dir):
 
 
 def test_warm_up_meets_the_bucketed_prefill_shapes(qwen3_dir):
-    from tests.model.test_engine_prefill_bucket import WidthRecorder
+    from tests.helpers.engine_probes import WidthRecorder
 
     loaded = load_model(qwen3_dir)
     cold = generate_tokens(Engine(loaded.model, eos_token_ids=[0, 1], options=EngineOptions(prefill_bucket=8)), SPECS)
