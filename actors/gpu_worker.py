@@ -338,8 +338,10 @@ class GpuWorker:
     async def step(self) -> list[TokenOut]:
         return await self._call(lambda engine: engine.step(), "step")
 
-    async def close_row(self, row_id: int, *, reusable: bool) -> None:
-        return await self._call(lambda engine: engine.close_row(row_id, reusable=reusable), "close_row")
+    async def close_row(self, row_id: int, *, reusable: bool, retain_s: float | None = None) -> None:
+        return await self._call(
+            lambda engine: engine.close_row(row_id, reusable=reusable, retain_s=retain_s), "close_row"
+        )
 
     async def mount_adapter(self, adapter_id: str, path: str) -> AdapterReport:
         info = await self._call(lambda engine: engine.mount_adapter(adapter_id, path), "adapter")

@@ -77,6 +77,10 @@ class RequestObserver(Protocol):
     def row_ended(self) -> None:
         """The scheduler closed the row's channel: a later abort cuts nothing."""
 
+    def preempted(self) -> None:
+        """The scheduler took the running row out of the batch to make room (the live-KV budget):
+        it resumes from the prompt cache, its stream paused meanwhile."""
+
     def aborted(self) -> None:
         """The request actor aborted its row (a client disconnect, the shutdown cut-off)."""
 
@@ -103,6 +107,9 @@ class NullObserver:
         pass
 
     def row_ended(self) -> None:
+        pass
+
+    def preempted(self) -> None:
         pass
 
     def aborted(self) -> None:

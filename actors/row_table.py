@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
+from actors.kv_memory import GROWTH_TOKENS, KvBudget
 from actors.messages import NULL_OBSERVER, Lane, RequestObserver, RowEvent, Siblings
 from model.engine.rows import RowSpec
 
@@ -36,10 +37,21 @@ class Row:
     enqueued_at: float = 0.0  # trio time it reached the scheduler
     held_since: float | None = None  # when the scheduler first held it at the head for arrivals
     family: Family | None = None  # a leader's, until it forks its KV into its siblings
+    # Live-KV budget: tokens delivered so far (a preempted row resumes from them), times it was
+    # preempted, and whether it may be (`Scheduler` decides: its KV must come back exactly).
+    generated: list[int] = attrs.Factory(list)
+    preemptions: int = 0
+    preemptible: bool = True
+    resuming: bool = False  # preempted, back in the queue: its reopening is not news to its reader
 
     @property
     def row_id(self) -> int:
         return self.spec.row_id
+
+    @property
+    def positions(self) -> int:
+        """The KV positions it holds once its next token is in: its prompt and what it generated."""
+        return len(self.spec.prompt) + len(self.generated)
 
     @property
     def width(self) -> int:
@@ -95,8 +107,9 @@ class RowTable:
     followers in the queue where it stood, each to prefill alone.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, memory: KvBudget | None = None) -> None:
         self.capacity = max(1, capacity)
+        self.memory = memory  # None: rows are bounded by `capacity` alone
         self.queue: deque[Row] = deque()
         self.joiner: Row | None = None
         self.staged: list[Row] = []  # admitted together (group prefill), waiting to join
@@ -189,7 +202,52 @@ class RowTable:
             return None  # (a leader waits for its siblings: they are on their way)
         if head.lane == "serial":
             return head if not self.running else None
-        return head if len(self.running) + min(head.width, self.capacity) <= self.capacity else None
+        if len(self.running) + min(head.width, self.capacity) > self.capacity:
+            return None
+        return head if self.has_room_for([head]) else None
+
+    # -- the live-KV budget
+
+    def has_room_for(self, rows: Sequence[Row]) -> bool:
+        """`rows` may open beside the active ones: all of them, billed as the one padded batch they
+        will be, still fit the budget after each grows by `GROWTH_TOKENS`. A lone row always may
+        (admission bounded it by the whole budget)."""
+        active = self._active_rows()
+        if self.memory is None or (not active and len(rows) == 1):
+            return True
+        return self.kv_bytes([*active, *rows], GROWTH_TOKENS) <= self.memory.budget_bytes
+
+    def kv_bytes(self, rows: Sequence[Row] | None = None, growth: int = 0) -> int:
+        """What `rows` (default: the active rows) hold as one batch, each grown by `growth`
+        positions: a batch's rows are padded to its longest (model/kv/cache.py)."""
+        if self.memory is None:
+            return 0
+        rows = self._active_rows() if rows is None else rows
+        if not rows:
+            return 0
+        return self.memory.batch_bytes(sum(r.width for r in rows), max(r.positions for r in rows) + growth)
+
+    def preemption_victim(self, step_tokens: int) -> Row | None:
+        """Before a decode step: when the active rows' next `step_tokens` positions would pass the
+        budget, the running row that arrived last and may be preempted (the oldest work goes on);
+        None while they fit, or with nothing else left running."""
+        if self.memory is None or len(self._active_rows()) < 2:
+            return None
+        if self.kv_bytes(growth=step_tokens) <= self.memory.budget_bytes:
+            return None
+        candidates = [r for r in self.running.values() if r.preemptible and r.leaving is None]
+        return max(candidates, key=lambda r: r.seq, default=None)
+
+    def preempt(self, row: Row, resumed: RowSpec) -> None:
+        """A running row goes back to the head of the queue, to resume as `resumed` (its prompt
+        now ends with what it generated) ahead of every later arrival."""
+        assert self.running.get(row.row_id) is row, "preempt() of a row that is not running"
+        del self.running[row.row_id]
+        row.spec, row.generated = resumed, []
+        row.phase, row.opened, row.to_prefill = "queued", False, 0
+        row.preemptions += 1
+        row.resuming = True
+        self.queue.appendleft(row)
 
     def admit(self, row: Row) -> None:
         """The admissible head becomes the joiner."""

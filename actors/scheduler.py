@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
+from actors.kv_memory import PREEMPT_RETAIN_S, KvBudget
 from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow
 from actors.row_table import LeaveReason, Row, RowTable, rows_enqueued
 from actors.scheduling import (
@@ -44,6 +45,7 @@ from actors.scheduling import (
     JoinStaged,
     Open,
     OpenGroup,
+    Preempt,
     Prefill,
     Promote,
     Settings,
@@ -54,7 +56,7 @@ from actors.scheduling import (
     joined_in_burst,
 )
 from actors.worker_api import AdapterNotMounted, Worker
-from model.engine.rows import TokenOut
+from model.engine.rows import RowSpec, TokenOut
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class SchedulerCounters:
     tokens: int = 0
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified (TokenOut.drafted)
     accepted_tokens: int = 0  # and accepted by the model
+    preemptions: int = 0  # running rows sent back to the queue: the live-KV budget was full
+    resumes: int = 0  # preempted rows opened again
+    peak_kv_bytes: int = 0  # the most the active rows held together (as the live-KV budget bills them)
 
 
 class Scheduler:
@@ -95,7 +100,13 @@ class Scheduler:
         decoding_prefill_chunk: int = 0,
         pending_arrivals: Callable[[], int] = lambda: 0,
         arrival_window: float = 0.0,
+        kv_budget: KvBudget | None = None,
+        preempts: bool = False,
+        step_tokens: int = 1,
     ) -> None:
+        """`kv_budget`: the live-KV budget all active rows share (None: `capacity` alone bounds
+        them); `preempts`: the model's KV comes back exactly from the prompt cache, so a row may be
+        preempted (`preemptible`); `step_tokens`: positions one decode step adds to a row."""
         self._worker = worker
         # decoding_prefill_chunk: the running streams wait for one chunk between two of their
         # tokens, so a smaller one bounds that gap (a long prompt then takes more, shorter forwards).
@@ -103,12 +114,14 @@ class Scheduler:
             group_prefill_tokens=group_prefill_tokens,
             decoding_prefill_chunk=decoding_prefill_chunk,
             arrival_window=arrival_window,
+            step_tokens=max(1, step_tokens),
         )
+        self.preempts = preempts
         self.stall_backlog = stall_backlog
         # Requests read but not yet in the inbox: a held head waits for them.
         self._pending_arrivals = pending_arrivals
         self._inbox = inbox
-        self.table = RowTable(capacity)
+        self.table = RowTable(capacity, kv_budget)
         self.counters = SchedulerCounters()
         self._rows_applied = 0  # the rows of the `Enqueue`s applied, counted as admission counts them
         self._kick = trio.Event()
@@ -135,6 +148,22 @@ class Scheduler:
     def busy(self) -> bool:
         """For background GPU work (durability, demotion): anything running or pending."""
         return not self.table.idle or bool(self.table.queue)
+
+    @property
+    def kv_budget(self) -> KvBudget | None:
+        return self.table.memory
+
+    @kv_budget.setter
+    def kv_budget(self, budget: KvBudget | None) -> None:
+        """A new live-KV budget (mounted adapters' weights came out of it); re-decide at once."""
+        self.table.memory = budget
+        self._kick.set()
+
+    def preemptible(self, spec: RowSpec) -> bool:
+        """Rows whose state can be rebuilt exactly from the prompt cache: not grammar-constrained
+        (the matcher's state lives on the worker) and without images (their features are
+        re-encoded on a miss), on a model whose KV kinds come back exactly (`preempts`)."""
+        return self.preempts and spec.sampling.constraint is None and not spec.images
 
     def nudge(self) -> None:
         """Re-decide now (an arrival the driver may be holding the head for has settled)."""
@@ -173,6 +202,7 @@ class Scheduler:
                 observer=message.observer,
                 enqueued_at=trio.current_time(),
             )
+            row.preemptible = self.preemptible(message.spec)
             if message.siblings is not None:
                 self.table.enqueue_sibling(row, message.siblings)
             else:
@@ -236,7 +266,10 @@ class Scheduler:
                 return False
             case Step():
                 await self._step()  # (its leavers go at the next turn's start)
+                self._note_kv()
                 return False
+            case Preempt(row=row):
+                await self._preempt(row)
             case OpenGroup(rows=rows):
                 table.admit_group(rows)
                 await self._open_group(rows)
@@ -285,7 +318,12 @@ class Scheduler:
             return
         row.opened = True
         row.to_prefill = opened.to_prefill
-        self._deliver(row, opened)
+        if row.resuming:  # its reader saw it open the first time: nothing to tell
+            row.resuming = False
+            self.counters.resumes += 1
+        else:
+            self._deliver(row, opened)
+        self._note_kv()
 
     async def _open_group(self, rows: Sequence[Row]) -> None:
         """Open the rows, then one prefill_group call for those still wanted; any the worker
@@ -383,7 +421,33 @@ class Scheduler:
             if row is not None:
                 self._on_token(row, token)
 
+    async def _preempt(self, row: Row) -> None:
+        """The row goes back to the queue head as a row whose prompt ends with what it generated
+        (`RowSpec.resumed`); its KV is put in the prompt cache, protected, so it reopens as a hit
+        and goes on with exactly the tokens it would have produced. Its stream just pauses."""
+        spec, generated = row.spec, tuple(row.generated)
+        resumed = attrs.evolve(
+            spec,
+            prompt=spec.prompt + generated,
+            max_tokens=spec.max_tokens - len(generated),
+            resumed=spec.resumed + len(generated),
+        )
+        self.table.preempt(row, resumed)
+        self.counters.preemptions += 1
+        row.observer.preempted()
+        log.info("row %d preempted after %d tokens: the live-KV budget is full", row.row_id, resumed.resumed)
+        try:
+            self._calls += 1
+            await self._worker.close_row(row.row_id, reusable=True, retain_s=PREEMPT_RETAIN_S)
+        except Exception:
+            log.exception("worker.close_row(%d) failed", row.row_id)  # (it resumes as a cache miss)
+
+    def _note_kv(self) -> None:
+        self.counters.peak_kv_bytes = max(self.counters.peak_kv_bytes, self.table.kv_bytes())
+
     def _on_token(self, row: Row, token: TokenOut) -> None:
+        if token.finish is None:
+            row.generated.append(token.token)  # (a preempted row resumes from them)
         if self._deliver(row, token):
             self.counters.tokens += 1
             self.counters.drafted_tokens += token.drafted

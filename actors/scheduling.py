@@ -17,7 +17,8 @@ stage comes next and what the turn did so far:
           sibling choices first forks its KV into them (a copy, no forward); they are staged
           and join after it.
   STEP    one decode step, unless a join this turn left more rows to admit (a burst: the next
-          row joins before the batch steps).
+          row joins before the batch steps). First, while the step's growth would pass the
+          live-KV budget, the running row that arrived last is preempted (back to the queue head).
   END     a turn that made a worker call goes straight on to the next; one that made none
           waits for a kick while the head is held, else yields once.
 
@@ -47,6 +48,9 @@ class Settings:
     decoding_prefill_chunk: int = 0
     # How long a head that could share a group prefill waits for requests on their way in.
     arrival_window: float = 0.0
+    # Positions a decode step may add to each row (1, or 1 + the draft with speculation): the
+    # growth the live-KV budget must hold before the step runs.
+    step_tokens: int = 1
 
 
 # -- actions
@@ -115,6 +119,14 @@ class Join:
 
 
 @attrs.frozen
+class Preempt:
+    """The running row that arrived last leaves the batch for the head of the queue: the next
+    step's growth would pass the live-KV budget (its KV goes to the prompt cache to resume from)."""
+
+    row: Row
+
+
+@attrs.frozen
 class Step:
     """One decode step over the running rows."""
 
@@ -134,7 +146,7 @@ class EndTurn:
     checkpoint: bool
 
 
-Action = Hold | OpenGroup | JoinStaged | Promote | Open | Prefill | Fork | Join | Step | Wait | EndTurn
+Action = Hold | OpenGroup | JoinStaged | Promote | Open | Prefill | Fork | Join | Preempt | Step | Wait | EndTurn
 
 
 # -- the turn
@@ -158,6 +170,7 @@ _STAGE_AFTER: dict[type, Stage] = {
     Prefill: Stage.STEP,
     Fork: Stage.JOINER,  # a copy, not a forward: the join follows in the same turn
     Join: Stage.STEP,
+    Preempt: Stage.STEP,  # (another may follow, until the step's growth fits)
     Step: Stage.END,
 }
 
@@ -221,6 +234,8 @@ def decide(table: RowTable, now: float, pending_arrivals: int, settings: Setting
         # one by one, each getting its token 0 at once.
         return Join(joiner, riding=bool(table.running) and not table.queue and not table.staged)
     if stage <= Stage.STEP and table.running and not turn.burst:
+        if (victim := table.preemption_victim(settings.step_tokens)) is not None:
+            return Preempt(victim)
         return Step()
     if turn.called:
         # No checkpoint: after a step the next one is submitted at once, so the worker computes
@@ -273,6 +288,8 @@ def group_at_head(table: RowTable, max_tokens: int) -> list[Row]:
         if (
             row.lane != "batched"
             or row.family is not None  # a leader prefills alone, then forks
+            or row.resuming  # its whole prompt is cached: it must not give up that hit
+            or not table.has_room_for([*group, row])
             or len(table.running) + len(group) >= table.capacity
             or not 0 < n <= max_tokens
             or wider * (len(group) + 1) > max_tokens

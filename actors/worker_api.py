@@ -139,7 +139,10 @@ class Worker(Protocol):
 
     async def step(self) -> list[TokenOut]: ...
 
-    async def close_row(self, row_id: int, *, reusable: bool) -> None: ...
+    async def close_row(self, row_id: int, *, reusable: bool, retain_s: float | None = None) -> None:
+        """The row leaves; `reusable`: its KV goes to the prompt cache (protected for `retain_s`:
+        a preempted row's, until it resumes)."""
+        ...
 
     async def mount_adapter(self, adapter_id: str, path: str) -> AdapterReport:
         """Load and mount a LoRA adapter (ValueError: the engine's reason it cannot)."""

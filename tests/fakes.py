@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from actors.arrivals import Arrivals
+from actors.kv_memory import KvBudget
 from actors.messages import NULL_OBSERVER, Enqueue, Lane, RequestObserver
 from actors.scheduler import Scheduler
 from actors.worker_api import AdapterNotMounted, AdapterReport, ModelInfo, NotAnEmbeddingModel
@@ -237,7 +238,7 @@ class FakeWorker:
         if self._prefilling is not None and all(r in self.aborts for r in self._prefilling[0]):
             self._prefilling[1].set()
 
-    async def close_row(self, row_id: int, *, reusable: bool) -> None:
+    async def close_row(self, row_id: int, *, reusable: bool, retain_s: float | None = None) -> None:
         async with self._call("close_row", row_id, self.close_cost):
             if self.rows.pop(row_id, None) is None:
                 self.violations.append(f"close_row({row_id}) of an unknown row")
@@ -263,13 +264,18 @@ class FakeWorker:
         return [(t, ids) for t, call, ids in self.calls if call == "step"]
 
     def _next_token(self, row: _FakeRow) -> TokenOut:
-        pos = row.generated
+        # A resumed row's prompt ends with the tokens it generated before: the same functions of
+        # the original prompt and position give what it would have produced.
+        resumed = row.spec.resumed
+        base = row.spec.prompt[: len(row.spec.prompt) - resumed]
+        original = attrs.evolve(row.spec, prompt=base, max_tokens=row.spec.max_tokens + resumed, resumed=0)
+        pos = resumed + row.generated
         row.generated += 1
-        drafted, accepted = self.spec_at(row.spec, pos)
-        if self.eos_at(row.spec) == pos:
+        drafted, accepted = self.spec_at(original, pos)
+        if self.eos_at(original) == pos:
             row.finished = True
             return TokenOut(row.spec.row_id, EOS, "stop", drafted=drafted, accepted=accepted)
-        token = self.token_fn(row.spec.prompt, pos)
+        token = self.token_fn(base, pos)
         finish = None
         if row.generated >= row.spec.max_tokens:
             row.finished = True
@@ -473,6 +479,8 @@ async def scheduler_harness(
     decoding_prefill_chunk: int = 0,
     arrivals: Arrivals | None = None,
     arrival_window: float = 0.0,
+    kv_budget: KvBudget | None = None,
+    preempts: bool = True,
 ) -> AsyncIterator[SchedulerHarness]:
     inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
     scheduler = Scheduler(
@@ -483,6 +491,8 @@ async def scheduler_harness(
         decoding_prefill_chunk=decoding_prefill_chunk,
         arrival_window=arrival_window,
         pending_arrivals=(lambda: arrivals.pending) if arrivals else (lambda: 0),
+        kv_budget=kv_budget,
+        preempts=preempts,
     )
     if arrivals is not None:
         arrivals.on_settled = scheduler.nudge

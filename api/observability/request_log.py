@@ -107,6 +107,7 @@ class RequestRecord:
     last_token_at: float | None = None
     generated_tokens: int = 0
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified for its rows
+    preemptions: int = 0  # times a row of it was preempted (the live-KV budget) and resumed later
     sink_finish_reason: str | None = None
     abort_phase: str | None = None  # queued | prefill | decode
     abort_cause: str | None = None  # client | cutoff (the shutdown deadline ended the stream)
@@ -213,6 +214,9 @@ class RequestRecord:
     def row_ended(self) -> None:
         self.rows_open = max(0, self.rows_open - 1)
 
+    def preempted(self) -> None:
+        self.preemptions += 1
+
     def aborted(self) -> None:
         if self.rows_open == 0:  # the row already ended: the abort cut nothing
             return
@@ -266,6 +270,8 @@ class RequestRecord:
                 out["choices"] = self.choices
             if self.rejected is not None:
                 out["rejected"] = self.rejected
+            if self.preemptions:
+                out["preempted"] = self.preemptions
             if self.abort_phase is not None:
                 out["abort_phase"] = self.abort_phase
                 out["abort_cause"] = self.abort_cause

@@ -295,6 +295,7 @@ class Engine:
         namespace = self.adapters.namespace(spec.adapters, spec.namespace)
         row = Row(spec.row_id, list(spec.prompt), sampler, max(1, spec.max_tokens), namespace=namespace)
         row.adapters, row.lora, row.image = spec.adapters, lora_rows, image
+        row.sampled = spec.resumed  # (a resumed row's RNG steps go on where it stopped)
         row.convert_at = convert_at(self.kv_scheme, len(row.prompt), self.options.prefill_chunk)
         return row
 
@@ -367,7 +368,9 @@ class Engine:
             mx.clear_cache()
         return read(current, self.eos)
 
-    def close_row(self, row_id: int, *, reusable: bool = False) -> None:
+    def close_row(self, row_id: int, *, reusable: bool = False, retain_s: float | None = None) -> None:
+        """The row leaves. `reusable`: its KV goes to the prompt cache, protected from eviction
+        for `retain_s` when given (a preempted row's, until it resumes)."""
         self.aborts.discard(row_id)
         row = self._rows.pop(row_id, None)
         if row is None:
@@ -376,7 +379,7 @@ class Engine:
         self.adapters.close(row.adapters)
         if reusable and self.prompt_cache is not None:
             try:
-                self._put_row(row)
+                self._put_row(row, retain_s)
             except Exception:
                 # A failed put is a future cache miss; the row must still leave the batch.
                 log.exception("prompt cache put for row %d failed", row_id)
@@ -412,14 +415,16 @@ class Engine:
 
     # -- prompt cache ----------------------------------------------------------------------------
 
-    def _put_row(self, row: Row) -> None:
+    def _put_row(self, row: Row, retain_s: float | None = None) -> None:
         """Put a closing row's KV, keyed by exactly what it covers; called before it leaves."""
         batch = self._caches
         if not row.in_batch:
             caches = row.caches  # never joined (finished at token 0, or closed mid-prefill)
         elif _solo(batch):
             caches = batch  # the lone row holds the batch state: hand it over, no copy
-        elif _merged(batch) and len(row.prompt) >= MIN_CACHE_TOKENS:
+        elif _merged(batch) and (len(row.prompt) >= MIN_CACHE_TOKENS or retain_s is not None):
+            # (a short row's KV is cheaper to recompute than to copy out, unless it must come
+            # back exactly: a preempted row resumes from it)
             i = self._batch.index(row)
             caches = [c.extract(i) for c in batch]
             # Materialize the copy now: a lazy slice would pin the whole batch buffer.
@@ -427,7 +432,7 @@ class Engine:
         else:
             return
         assert self.prompt_cache is not None
-        row_cache.put_covered(self.prompt_cache, self.kv_scheme, row, caches)
+        row_cache.put_covered(self.prompt_cache, self.kv_scheme, row, caches, retain_s)
 
     # -- batch membership --------------------------------------------------------------------
 

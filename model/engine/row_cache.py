@@ -55,8 +55,11 @@ def put(
     cache.put(tokens, list(caches), namespaced(scheme, namespace), **hint)
 
 
-def put_covered(cache: PrefixCache, scheme: KVScheme, row: Row, caches: Sequence[Any]) -> None:
-    """Put a closing row's caches keyed by exactly the tokens they cover."""
+def put_covered(
+    cache: PrefixCache, scheme: KVScheme, row: Row, caches: Sequence[Any], retain_s: float | None = None
+) -> None:
+    """Put a closing row's caches keyed by exactly the tokens they cover (protected from eviction
+    for `retain_s` when given)."""
     if not caches:
         return
     covered = caches[0].offset
@@ -65,4 +68,4 @@ def put_covered(cache: PrefixCache, scheme: KVScheme, row: Row, caches: Sequence
     # ahead after the row finished): its key would be a guess, so no put.
     if covered == 0 or covered > len(known):
         return
-    put(cache, scheme, known[:covered], caches, row.namespace)
+    put(cache, scheme, known[:covered], caches, row.namespace, retain_s)

@@ -45,6 +45,9 @@ class RowSpec:
 
 
 @attrs.frozen
+    # A preempted row resumed: the last `resumed` prompt tokens are ones it generated before
+    # (its sampler goes on from them, keyed by the same steps), `max_tokens` what is left.
+    resumed: int = 0
 class RowOpened:
     row_id: int
     cached_tokens: int  # prompt tokens restored from the prompt cache

@@ -158,9 +158,9 @@ class SsdFakeWorker(FakeWorker):
     def set_put_listener(self, listener: Any) -> None:
         self.listener = listener
 
-    async def close_row(self, row_id: int, *, reusable: bool) -> None:
+    async def close_row(self, row_id: int, *, reusable: bool, retain_s: float | None = None) -> None:
         row = self.rows.get(row_id)
-        await super().close_row(row_id, reusable=reusable)
+        await super().close_row(row_id, reusable=reusable, retain_s=retain_s)
         if reusable and row is not None:
             spec: RowSpec = row.spec
             tokens = spec.prompt + tuple(self.expected(spec.prompt, row.generated))

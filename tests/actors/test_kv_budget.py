@@ -1,0 +1,124 @@
+"""The live-KV budget in the scheduler (MockClock, fake worker): rows open only while every active
+row's KV and the newcomer's next growth fit; a decode step whose growth would not fit preempts the
+running row that arrived last, which resumes ahead of later arrivals with exactly its tokens."""
+
+from __future__ import annotations
+
+import trio
+
+from actors.kv_memory import GROWTH_TOKENS, KvBudget
+from actors.messages import Abort
+from actors.policy import KvRate
+from model.engine.rows import RowOpened
+from tests.fakes import FakeWorker, scheduler_harness
+
+
+def budget(tokens: int) -> KvBudget:
+    """A budget of `tokens` positions (one byte each)."""
+    return KvBudget(tokens, KvRate(bytes_per_token=1))
+
+
+def prompt(n: int, salt: int = 0) -> tuple[int, ...]:
+    return tuple(10 + salt + i for i in range(n))
+
+
+def opens(worker: FakeWorker, row_id: int) -> list[float]:
+    return [t for t, call, arg in worker.calls if call == "open_row" and arg == row_id]
+
+
+async def test_a_row_without_room_waits_until_a_row_ends(autojump_clock):
+    async def run(kv: KvBudget | None) -> tuple[FakeWorker, float, float]:
+        worker = FakeWorker(chunk=512)
+        async with scheduler_harness(worker, kv_budget=kv) as h:
+            first = h.submit(1, prompt(300), max_tokens=10)
+            await trio.sleep(0.5)
+            second = h.submit(2, prompt(300, salt=1), max_tokens=10)
+            await trio.sleep(60)
+        assert first.tokens == worker.expected(prompt(300), 10)
+        assert second.tokens == worker.expected(prompt(300, salt=1), 10)
+        assert not worker.violations
+        assert first.ended_at is not None
+        return worker, opens(worker, 2)[0], worker.closed[1][0]
+
+    # Two rows of 300 positions and their next growth need 2 x 768 > 1024: the second waits.
+    worker, second_opened, first_closed = await run(budget(1024))
+    assert second_opened >= first_closed
+    # With room for both (no budget), it opens beside the first.
+    worker, second_opened, first_closed = await run(None)
+    assert second_opened < first_closed
+
+
+async def test_a_preempted_row_resumes_before_later_arrivals(autojump_clock):
+    worker = FakeWorker(chunk=512)
+    async with scheduler_harness(worker, kv_budget=budget(1024)) as h:
+        # Both open (2 x 512 fits) and grow; past 512 positions the pair needs 2 x 768.
+        first = h.submit(1, prompt(200), max_tokens=400)
+        second = h.submit(2, prompt(200, salt=1), max_tokens=400)
+        await trio.sleep(50)
+        later = h.submit(3, prompt(100, salt=2), max_tokens=5)  # no room: it waits at the head
+        await trio.sleep(2000)
+        counters = h.scheduler.counters
+    assert (counters.preemptions, counters.resumes) == (1, 1)
+    # The victim is the later arrival of the two; its reopening comes before the later request's.
+    assert len(opens(worker, 1)) == 1 and len(opens(worker, 2)) == 2
+    assert opens(worker, 2)[1] < opens(worker, 3)[0]
+    resumed = worker.specs[2]
+    assert resumed.resumed > 0 and resumed.prompt[:200] == prompt(200, salt=1)
+    # Every stream has exactly its solo tokens: nothing lost, nothing sent twice, one RowOpened.
+    assert first.tokens == worker.expected(prompt(200), 400)
+    assert second.tokens == worker.expected(prompt(200, salt=1), 400)
+    assert later.tokens == worker.expected(prompt(100, salt=2), 5)
+    assert sum(isinstance(e, RowOpened) for _, e in second.events) == 1
+    # The paused stream got no token between its preemption and its resumption.
+    gap = max(b - a for a, b in zip(second.token_times, second.token_times[1:]))
+    assert gap > 50  # (the first row decodes its last ~88 tokens meanwhile)
+    # Peak live KV stayed within the budget (as the scheduler bills it).
+    assert 0 < counters.peak_kv_bytes <= 1024
+    assert not worker.violations and not worker.rows
+
+
+async def test_cancelling_a_preempted_row_frees_everything(autojump_clock):
+    worker = FakeWorker(chunk=512)
+    async with scheduler_harness(worker, kv_budget=budget(1024)) as h:
+        first = h.submit(1, prompt(200), max_tokens=400)
+        second = h.submit(2, prompt(200, salt=1), max_tokens=400)
+        await trio.sleep(50)
+        later = h.submit(3, prompt(100, salt=2), max_tokens=5)
+        while h.scheduler.counters.preemptions == 0:
+            await trio.sleep(1)
+        h.inbox.send_nowait(Abort(2))
+        await trio.sleep(1)
+        delivered = len(second.tokens)
+        # Gone at once: out of the table, its stream closed, nothing held for it by the worker.
+        assert second.ended_at is not None
+        assert all(row.row_id != 2 for row in h.scheduler.table.rows())
+        assert 2 not in worker.rows
+        await trio.sleep(2000)
+        counters = h.scheduler.counters
+    assert len(second.tokens) == delivered  # nothing after the abort
+    assert second.tokens == worker.expected(prompt(200, salt=1), 400)[:delivered]
+    assert (counters.preemptions, counters.resumes, counters.aborted_rows) == (1, 0, 1)
+    assert len(opens(worker, 2)) == 1
+    assert first.tokens == worker.expected(prompt(200), 400)
+    assert later.tokens == worker.expected(prompt(100, salt=2), 5)
+    assert not worker.violations and not worker.rows
+
+
+async def test_rows_that_cannot_come_back_exactly_are_never_preempted(autojump_clock):
+    worker = FakeWorker(chunk=512)
+    async with scheduler_harness(worker, kv_budget=budget(1024), preempts=False) as h:
+        first = h.submit(1, prompt(200), max_tokens=400)
+        second = h.submit(2, prompt(200, salt=1), max_tokens=400)
+        await trio.sleep(2000)
+        counters = h.scheduler.counters
+    assert counters.preemptions == 0
+    assert first.tokens == worker.expected(prompt(200), 400)
+    assert second.tokens == worker.expected(prompt(200, salt=1), 400)
+    assert not worker.violations
+
+
+def test_growth_is_billed_in_whole_buffer_steps_padded_to_the_longest_row():
+    kv = KvBudget(10**9, KvRate(bytes_per_token=2, state_bytes_per_row=5))
+    assert kv.row_bytes(1) == 2 * GROWTH_TOKENS + 5
+    assert kv.row_bytes(GROWTH_TOKENS + 1) == 2 * 2 * GROWTH_TOKENS + 5
+    assert kv.batch_bytes(3, GROWTH_TOKENS) == 3 * (2 * GROWTH_TOKENS + 5)
