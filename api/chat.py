@@ -29,6 +29,7 @@ from actors.handles import ServerHandles
 from actors.messages import GenerationRequest, Siblings
 from actors.request import RequestActor, RequestRejected
 from api import images, media, prompt_bounds
+from api.cache_hints import key_namespace
 from api.chat_request import ChatPrompt, ChatRequest, GenerationFields, TextRequest
 from api.errors import bad_request, from_rejection
 from api.fields import MAX_CHOICES
@@ -229,6 +230,7 @@ async def start_chat(
             retain=prepared.retain,
             adapters=adapters,
             images=inputs,
+            namespace=key_namespace(request.cache_key) if handles.options.caches.prompt_cache_key_isolation else "",
         )
 
 
@@ -404,6 +406,7 @@ async def _admitted(
     retain: tuple[tuple[int, float], ...] = (),
     adapters: tuple[str, ...] = (),
     images: tuple[ImageInput, ...] = (),
+    namespace: str = "",
 ) -> StartedGeneration:
     """Admit every choice: each its own actor (text pipeline, row, abort), siblings in the
     scheduler, which prefills the prompt once for all of them. All or none: a rejection closes
@@ -424,6 +427,7 @@ async def _admitted(
                 seed=None if generation.seed is None else (generation.seed + index) & 0xFFFFFFFF,
                 snapshot_at=snapshot_at,
                 retain=retain,
+                namespace=namespace,
                 siblings=None if family is None else Siblings(family, index, n),
                 adapters=adapters,
                 images=images,

@@ -104,6 +104,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     constraint: ConstraintRequest | None = None
     cache_points: tuple[CachePoint, ...] = ()  # retention hints, mapped to prompt positions by the chat core
+    cache_key: str | None = None  # OpenAI's prompt_cache_key (api/cache_hints.py): a namespace under isolation
     parallel_tool_calls: bool = True  # False: at most one tool call, generation ends after it
     # Fields, block types and values the request carried that this server does not know and
     # ignored (named as `thinking.type`, `output_config.foo`, ...): logged and counted, never a 400.

@@ -66,6 +66,9 @@ class SpillItem:
     tokens: tuple[int, ...]
     layers: list[LayerMeta]
     tensors: list[SpillTensor]
+    # A client's retention hint still running when the entry left RAM for the disk: the SSD tier
+    # keeps it from eviction until then (wall-clock epoch seconds; None: an ordinary entry).
+    retain_until: float | None = None
 
     @property
     def nbytes(self) -> int:

@@ -68,6 +68,9 @@ class Header(TypedDict):
     tokens: list[int]
     layers: list[LayerRecord]
     tensors: dict[str, TensorRecord]
+    # Put at a client's retention hint: kept from eviction until then (epoch seconds). Absent
+    # otherwise, so a file without it reads as it always did.
+    retain_until: NotRequired[float]
 
 
 @attrs.frozen
@@ -99,6 +102,7 @@ def encode_header(
     tokens: Sequence[int],
     layers: Sequence[LayerMeta],
     tensors: Mapping[str, TensorRecord],
+    retain_until: float | None = None,
 ) -> bytes:
     """The file's header region: length prefix, safetensors JSON, padding to HEADER_ALIGN. Its
     length depends only on the tensor layout, never on the hash values."""
@@ -114,6 +118,8 @@ def encode_header(
         "layers": [_layer_record(layer) for layer in layers],
         "tensors": dict(tensors),
     }
+    if retain_until is not None:
+        header["retain_until"] = float(retain_until)
     header_json = json.dumps(header, sort_keys=True, separators=(",", ":"))
     table: dict[str, Any] = {
         name: {"dtype": t["dtype"], "shape": t["shape"], "data_offsets": [t["offset"], t["offset"] + t["nbytes"]]}
@@ -204,6 +210,9 @@ def _parse_header(f: BinaryIO, size: int, identity: Identity) -> ParsedHeader:
         raise SsdCorrupt("tokens / layers are not lists")
     for layer in header["layers"]:
         _check_layer(layer, tensors, len(tokens))
+    retain_until = header.get("retain_until")
+    if retain_until is not None and (not isinstance(retain_until, (int, float)) or isinstance(retain_until, bool)):
+        raise SsdCorrupt("retain_until is not a number")
     return ParsedHeader(header=cast(Header, header), data_start=8 + n, file_size=size)
 
 

@@ -1,5 +1,9 @@
 """The SSD tier's in-memory index: one entry per file, byte-capped, LRU by file mtime.
 
+An entry written at a client's retention hint (`retain_until`, wall-clock) is evicted only after
+every unhinted one, until its deadline, and within `retention_share` of the cap (over it, the
+hinted entries whose deadlines come first lose protection first), as the RAM tier keeps it.
+
 Used from the GPU-worker thread (lookups) and from the writer thread (commits), so every access
 holds one lock. It only keeps the books: the store unlinks the files of what it drops.
 """
@@ -7,13 +11,18 @@ holds one lock. It only keeps the books: the store unlinks the files of what it 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
 import numpy as np
 
 from cache.prefix_match import common_prefix_length
+from model.options import CacheOptions
+from model.options.flags import default_of
+
+RETENTION_SHARE: float = default_of(CacheOptions, "cache_retention_share")
 
 
 @attrs.define(eq=False)
@@ -24,6 +33,7 @@ class IndexEntry:
     nbytes: int  # file size
     mtime: float
     trimmable: bool
+    retain_until: float | None = None  # written at a retention hint: protected until then (epoch s)
 
     @property
     def length(self) -> int:
@@ -43,7 +53,9 @@ class Dropped:
 
 
 class SsdIndex:
-    def __init__(self) -> None:
+    def __init__(self, *, retention_share: float = RETENTION_SHARE, clock: Callable[[], float] = time.time) -> None:
+        self.retention_share = min(1.0, max(0.0, retention_share))
+        self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[Path, IndexEntry] = {}
         self._bytes = 0
@@ -140,15 +152,33 @@ class SsdIndex:
 
     def _evict_locked(self, max_bytes: int, keep: Path | None) -> list[IndexEntry]:
         victims = []
+        held = self._held_locked(max_bytes) if self._bytes > max_bytes else set()
         while self._bytes > max_bytes:
             candidates = [e for e in self._entries.values() if e.path != keep]
             if not candidates:
                 break
-            oldest = min(candidates, key=lambda e: e.mtime)
-            self._entries.pop(oldest.path)
-            self._bytes -= oldest.nbytes
-            victims.append(oldest)
+            free = [e for e in candidates if e.path not in held]
+            if free:
+                victim = min(free, key=lambda e: e.mtime)
+            else:  # only protected entries left: the deadline that comes first goes first
+                victim = min(candidates, key=lambda e: e.retain_until or 0.0)
+            self._entries.pop(victim.path)
+            self._bytes -= victim.nbytes
+            victims.append(victim)
         return victims
+
+    def _held_locked(self, max_bytes: int) -> set[Path]:
+        """The entries still protected by their retention deadline, latest deadlines first, within
+        the share of the cap."""
+        now, room = self._clock(), self.retention_share * max_bytes
+        hinted = [e for e in self._entries.values() if e.retain_until is not None and e.retain_until > now]
+        held: set[Path] = set()
+        for entry in sorted(hinted, key=lambda e: -(e.retain_until or 0.0)):
+            if entry.nbytes > room:
+                break
+            room -= entry.nbytes
+            held.add(entry.path)
+        return held
 
 
 def covers(entry: IndexEntry, ids: np.ndarray, namespace: str) -> bool:

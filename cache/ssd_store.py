@@ -198,6 +198,7 @@ class SsdStore:
             nbytes=st.st_size,
             mtime=st.st_mtime,
             trimmable=all(layer["trimmable"] for layer in header["layers"]),
+            retain_until=header.get("retain_until"),
         )
 
     def _quarantine(self, path: Path) -> None:

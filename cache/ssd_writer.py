@@ -103,6 +103,7 @@ class SsdWriter:
             tokens=item.tokens,
             layers=item.layers,
             tensors=self._tensors,
+            retain_until=item.retain_until,
         )
 
     def write_next(self) -> bool:
@@ -152,6 +153,7 @@ class SsdWriter:
                 nbytes=st.st_size,
                 mtime=st.st_mtime,
                 trimmable=self.item.trimmable,
+                retain_until=self.item.retain_until,
             )
         )
         return True

@@ -240,7 +240,11 @@ class TieredPromptCache(PromptCache):
         entry = self._entries.get(EntryKey(namespace, tuple(int(t) for t in tokens)))
         if entry is None:
             return None
-        return spill_item(namespace, entry.key.tokens, entry.caches)
+        item = spill_item(namespace, entry.key.tokens, entry.caches)
+        if item is not None and entry.deadline is not None and entry.deadline > self.clock():
+            # A hinted entry keeps its promise on disk too (cache/ssd_index.py), in wall-clock time.
+            item.retain_until = time.time() + (entry.deadline - self.clock())
+        return item
 
     def demote_idle(self, idle_s: float) -> list[SpillItem]:
         """Free the RAM of entries unused for `idle_s`; return the ones the SSD lacks."""

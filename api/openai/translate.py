@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from api import structured
+from api.cache_hints import cache_hints, retention_points
 from api.chat_request import ChatPrompt, ChatRequest, TextRequest
 from api.errors import bad_request
 from api.fields import MAX_INT, MAX_TOP_LOGPROBS, flag, integer, parse_generation, pick, reasoning_options, stop_strings
@@ -48,12 +49,15 @@ def chat_request(body: Mapping[str, Any], *, vocab_size: int | None, vision: boo
     reasoning = reasoning_options(body.get("chat_template_kwargs"), body.get("reasoning_effort"))
     tools_on = None if disabled or not tools else tuple(tools)
     prompt = ChatPrompt(messages=messages, tools=tools_on, reasoning=reasoning, images=tuple(images))
+    hints = cache_hints(body)
     return ChatRequest(
         prompt=prompt,
         generation=generation,
         stop=stop,
         constraint=constraint,
         parallel_tool_calls=flag(body.get("parallel_tool_calls"), "parallel_tool_calls") is not False,
+        cache_points=retention_points(messages, hints),
+        cache_key=hints.key,
     )
 
 

@@ -39,6 +39,8 @@ class ResponseMeta:
             "metadata": _echo_metadata(body.get("metadata")),
             "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
             "previous_response_id": previous_response_id,
+            "prompt_cache_key": body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
+            "prompt_cache_retention": _retention(body.get("prompt_cache_retention")),
             "reasoning": {
                 "effort": _get(body, "reasoning", "effort"),
                 "summary": _one_of(_get(body, "reasoning", "summary"), ("auto", "concise", "detailed")),
@@ -80,6 +82,11 @@ class ResponseMeta:
 
 def _one_of(value: Any, allowed: tuple[str, ...]) -> str | None:
     return value if isinstance(value, str) and value in allowed else None
+
+
+def _retention(value: Any) -> str | None:
+    """prompt_cache_retention as OpenAI spells it back ("in-memory" is taken for "in_memory")."""
+    return _one_of(value.replace("-", "_") if isinstance(value, str) else None, ("in_memory", "24h"))
 
 
 def _echo_metadata(value: Any) -> dict[str, str]:

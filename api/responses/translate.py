@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from api import structured
+from api.cache_hints import cache_hints, retention_points
 from api.chat_request import ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
 from api.fields import flag, parse_generation, pick, reasoning_options, stream_flag, token_count
@@ -214,6 +215,7 @@ def responses_request(
     flag(body.get("store"), "store")  # read by the route
     parallel = flag(body.get("parallel_tool_calls"), "parallel_tool_calls") is not False
     _check_include(body.get("include"))
+    hints = cache_hints(body)
     unsupported = turns.unsupported()
     if unsupported is not None:
         raise unsupported
@@ -239,7 +241,14 @@ def responses_request(
         images=tuple(turns.images),
         param="input",
     )
-    return ChatRequest(prompt=prompt, generation=generation, constraint=constraint, parallel_tool_calls=parallel)
+    return ChatRequest(
+        prompt=prompt,
+        generation=generation,
+        constraint=constraint,
+        parallel_tool_calls=parallel,
+        cache_points=retention_points(messages, hints),
+        cache_key=hints.key,
+    )
 
 
 def _check_include(include: Any) -> None:

@@ -294,6 +294,16 @@ class CacheOptions:
             metavar="F",
         ),
     )
+    prompt_cache_key_isolation: bool = option(
+        False,
+        Flag(
+            "--prompt-cache-key-isolation",
+            "make a request's OpenAI prompt_cache_key part of its prompt-cache namespace: requests with "
+            "different keys never share a cache entry (default: the key only names a group, every request "
+            "shares the cache)",
+            action="store_true",
+        ),
+    )
     ssd_cache_dir: str | None = option(
         None,
         Flag(

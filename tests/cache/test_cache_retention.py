@@ -4,6 +4,9 @@ hinted entries first and leaves protected ones in RAM."""
 
 from __future__ import annotations
 
+import trio.testing
+
+from api.cache_hints import RETENTION_24H_S
 from cache.prompt_cache import PromptCache
 from cache.tiered import TieredPromptCache
 from tests.helpers.kv import BYTES_PER_TOKEN, kv
@@ -116,3 +119,19 @@ def test_demotion_hands_over_hinted_entries_first_and_keeps_protected_ones_in_ra
     assert cache.find_exact(protected) is not None and len(cache) == 1
     clock.t = 4100.0  # its deadline passed: it is demoted like any other entry
     assert [list(i.tokens) for i in cache.demote_idle(60.0)] == [protected]
+
+
+def test_a_24h_retention_prefix_outlives_lru_pressure_that_evicts_an_unhinted_one():
+    """OpenAI's `prompt_cache_retention: "24h"` (api/cache_hints.py) puts its prefixes with a
+    24 h ttl: they outlive LRU pressure that evicts the same prefix put without a hint."""
+    clock = trio.testing.MockClock()
+    pc = PromptCache(4 * 3 * BYTES_PER_TOKEN, now=clock.current_time)  # four 3-token entries
+    hinted, plain = entry(100), entry(200)
+    assert pc.put(hinted, kv(hinted), retain_s=RETENTION_24H_S)
+    pc.put(plain, kv(plain))
+    clock.jump(RETENTION_24H_S - 60)
+    filled(pc, [10, 20, 30, 40, 50])  # more than the cache's room in newer, unhinted entries
+    assert pc.find_exact(hinted) is not None and pc.find_exact(plain) is None
+    clock.jump(61)  # the day is over: an ordinary entry, the oldest, the first to go
+    filled(pc, [60])
+    assert pc.find_exact(hinted) is None
