@@ -2,8 +2,9 @@
 
 Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `fork_rows`, `join`,
 `join_group`, `step`, `close_row`), from the embeddings route (`embed`: jobs of its own between
-those calls) and from the SSD tier (`run_exclusive`, `snapshot`,
-`demote_idle`), each an awaited method that puts a `_Job` on the worker's thread-safe job queue.
+those calls), from /v1/completions' prompt logprobs (`score`, the same) and from the SSD tier
+(`run_exclusive`, `snapshot`, `demote_idle`), each an awaited method that puts a `_Job` on the
+worker's thread-safe job queue.
 Outbound: each job's result (or exception) on that job's reply channel (buffer 1); with the SSD
 tier, every prompt-cache put is posted to the put listener (durability's `MarkDirty`).
 
@@ -53,6 +54,8 @@ if TYPE_CHECKING:  # these import MLX: only ever on the worker's thread
     from cache.ssd_store import SsdStore
     from cache.tiered import TieredPromptCache
     from model.engine.engine import Engine
+    from model.engine.machine import MachineFacts
+    from model.engine.scoring import PromptScore
     from model.load.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -137,6 +140,7 @@ class GpuWorker:
         # Rows being aborted: written here from the trio thread, read by a running prefill.
         self._aborts = AbortFlags()
         self.pooling: Pooling | None = None  # an embedding model's, once loaded
+        self._machine: MachineFacts | None = None  # measured on the first GET /fit
 
     @property
     def prefill_chunk(self) -> int:
@@ -370,6 +374,32 @@ class GpuWorker:
             for index, vector in zip(group, await self._call(job, "embed")):
                 vectors[index] = vector
         return vectors
+
+    async def score(self, tokens: list[int], *, top: int = 0, adapters: tuple[str, ...] = ()) -> list[PromptScore]:
+        """Prompt logprobs (model/engine/scoring.py) as one job between the scheduler's calls, on
+        fresh caches (ValueError: an adapter is not mounted, or --tensor-parallel)."""
+        if self.tp.size > 1:  # (its forwards are mirrored only for rows)
+            raise ValueError("prompt logprobs are not served under --tensor-parallel")
+        chunk, prompt = self.options.engine.prefill_chunk, list(tokens)
+
+        def job(engine: Engine) -> list[PromptScore]:
+            from model.engine.scoring import engine_scores
+
+            return engine_scores(engine, prompt, top=top, adapters=adapters, chunk=chunk)
+
+        return await self._call(job, "score")
+
+    async def machine(self) -> MachineFacts:
+        """The device's name and memory bandwidth (model/engine/machine.py), measured once."""
+
+        def job(engine: Engine) -> MachineFacts:
+            from model.engine.machine import machine_facts
+
+            return machine_facts()
+
+        if self._machine is None:
+            self._machine = await self._call(job, "machine")
+        return self._machine
 
     def abort(self, row_id: int) -> None:
         """The row is leaving: a prefill forward of it running now stops at its next checkpoint

@@ -23,6 +23,8 @@ from model.options import SamplingOptions, ServerOptions
 
 if TYPE_CHECKING:
     from actors.ssd.durability import SsdTier
+    from model.engine.machine import MachineFacts
+    from model.engine.scoring import PromptScore
     from model.text.tokenizer import ChatTokenizer
 
 
@@ -51,6 +53,21 @@ class ReportsTimes(Protocol):
     """A worker that keeps time accounting (/stats shows it as `worker`)."""
 
     times: JobTimes
+
+
+@runtime_checkable
+class ScoresPrompts(Protocol):
+    """A worker that scores prompts (/v1/completions' prompt logprobs: `GpuWorker.score`);
+    ValueError: it cannot for this request (an adapter not mounted, tensor parallelism)."""
+
+    async def score(self, tokens: list[int], *, top: int = 0, adapters: tuple[str, ...] = ()) -> list[PromptScore]: ...
+
+
+@runtime_checkable
+class ReportsMachine(Protocol):
+    """A worker that says what its device is and how fast it reads memory (GET /fit)."""
+
+    async def machine(self) -> MachineFacts: ...
 
 
 @attrs.define(eq=False)

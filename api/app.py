@@ -27,6 +27,7 @@ from api.observability.request_log import install_request_log
 from api.observability.tracing import install_tracing
 from api.openai import routes as openai_routes
 from api.responses import routes as responses_routes
+from api.utilities import routes as utility_routes
 
 if TYPE_CHECKING:
     from actors.handles import ServerHandles
@@ -51,6 +52,7 @@ def create_app(handles: ServerHandles) -> QuartTrio:
     app.register_blueprint(ui_routes.blueprint(handles.options.http.ui))  # GET / and /ui/*: the chat page
     app.register_blueprint(adapter_routes.blueprint(handles))  # /v1/adapters*
     app.register_blueprint(embeddings_blueprint(handles))  # POST /v1/embeddings
+    app.register_blueprint(utility_routes.blueprint(handles))  # /tokenize, /detokenize, /apply-template, /v1, /fit
     install_embedding_guard(app, handles)  # an embedding model refuses the generation routes
 
     def error_response(error: ApiError) -> Response:

@@ -123,8 +123,9 @@ class RenderedPrompt:
     joined_system: bool = False  # mid-conversation system messages were joined to the system prompt
 
 
-def render_prompt(tokenizer: ChatTokenizer, prompt: ChatPrompt) -> RenderedPrompt:
-    """The chat template applied to the prompt. A template error is a 400.
+def render_prompt(tokenizer: ChatTokenizer, prompt: ChatPrompt, *, generation_prompt: bool = True) -> RenderedPrompt:
+    """The chat template applied to the prompt (`generation_prompt`: with the assistant turn's
+    opening, as generation needs). A template error is a 400.
 
     A system message after the first message is rendered where it is when the template can; a
     template that raises on it, or leaves its text out, gets it joined to the system prompt
@@ -138,13 +139,14 @@ def render_prompt(tokenizer: ChatTokenizer, prompt: ChatPrompt) -> RenderedPromp
     try:
         rendered: RenderedPrompt | None = None
         try:
-            rendered = _render(tokenizer, messages, tools, kwargs)
+            rendered = _render(tokenizer, messages, tools, kwargs, generation_prompt)
         except Exception:
             if not late:
                 raise
             log.debug("template refused a mid-conversation system message; joining it to the system prompt")
         if late and (rendered is None or not _shows_all(rendered.text, late)):
-            return _render(tokenizer, join_late_system(messages), tools, kwargs, joined_system=True)
+            joined = join_late_system(messages)
+            return _render(tokenizer, joined, tools, kwargs, generation_prompt, joined_system=True)
         assert rendered is not None
         return rendered
     except Exception as exc:  # template errors are the client's messages, not a crash
@@ -157,10 +159,11 @@ def _render(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     kwargs: dict[str, Any],
+    generation_prompt: bool = True,
     *,
     joined_system: bool = False,
 ) -> RenderedPrompt:
-    text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True, **kwargs)
+    text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=generation_prompt, **kwargs)
     tokens = tokenizer.encode(text, add_special_tokens=True)
     return RenderedPrompt(tokens, text, tools, kwargs, tuple(messages), joined_system)
 
@@ -168,6 +171,13 @@ def _render(
 def _shows_all(text: str | None, system_texts: list[str]) -> bool:
     """Whether a rendered prompt holds every one of `system_texts` (unknown without the text)."""
     return text is None or all(t.strip() in text for t in system_texts)
+
+
+def render_chat_prompt(handles: ServerHandles, prompt: ChatPrompt, *, generation_prompt: bool = True) -> RenderedPrompt:
+    """What the chat routes render for `prompt`, once it passes the size bound (blocking; the
+    utilities' /tokenize and /apply-template). Raises `ApiError` (400)."""
+    check_prompt_size(handles, prompt)
+    return render_prompt(handles.tokenizer, prompt, generation_prompt=generation_prompt)
 
 
 def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
@@ -307,13 +317,7 @@ async def start_text(
 def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
     """Everything `start_text` does before admission (blocking). Raises `ApiError` (400)."""
     tokenizer = handles.tokenizer
-    context = handles.info.context_length
-    if isinstance(request.prompt, str):
-        prompt_bounds.check_chars(len(request.prompt), tokenizer=tokenizer, context_length=context, param="prompt")
-        prompt = tokenizer.encode(request.prompt)
-    else:
-        prompt = list(request.prompt)
-    prompt_bounds.check_tokens(len(prompt), context_length=context)
+    prompt = text_prompt_tokens(handles, request)
     generation = resolve_generation(
         request.generation,
         defaults=handles.sampling_defaults,
@@ -322,6 +326,20 @@ def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
     )
     sink = CompletionSink(tokenizer.detokenizer(), stop=request.stop)
     return PreparedChat(prompt, generation, sink)
+
+
+def text_prompt_tokens(handles: ServerHandles, request: TextRequest) -> list[int]:
+    """A raw prompt's token ids, once it fits the context window (blocking). Raises `ApiError`."""
+    context = handles.info.context_length
+    if isinstance(request.prompt, str):
+        prompt_bounds.check_chars(
+            len(request.prompt), tokenizer=handles.tokenizer, context_length=context, param="prompt"
+        )
+        prompt = handles.tokenizer.encode(request.prompt)
+    else:
+        prompt = list(request.prompt)
+    prompt_bounds.check_tokens(len(prompt), context_length=context)
+    return prompt
 
 
 async def _check_constraint(handles: ServerHandles, request: ConstraintRequest | None, generation: Generation) -> None:

@@ -104,6 +104,16 @@ class RecordingWorker:
     async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any:
         return await self._record("run_exclusive", None, lambda: self.inner.run_exclusive(fn))
 
+    async def score(self, tokens: list[int], *, top: int = 0, adapters: tuple[str, ...] = ()) -> Any:
+        return await self._record("score", None, lambda: self.inner.score(tokens, top=top, adapters=adapters))
+
+    async def machine(self) -> Any:
+        return await self.inner.machine()
+
+    @property
+    def times(self) -> Any:  # the worker's time accounting (/stats, GET /fit)
+        return self.inner.times
+
     # -- views over the log
 
     def tokens_by_row(self) -> dict[int, list[int]]:

@@ -6,7 +6,8 @@ does not reveal which routes exist):
 
 | path                     | rule                                                                |
 |--------------------------|---------------------------------------------------------------------|
-| `/v1`, `/v1/*`           | `--api-key` when set: `Authorization: Bearer <key>` or `x-api-key`  |
+| `/v1`, `/v1/*`,          | `--api-key` when set: `Authorization: Bearer <key>` or `x-api-key`  |
+| `/tokenize`, `/detokenize`, `/apply-template` | (the same)                                     |
 | `/admin/*`,              | with `--admin-token`: that token (Bearer or `x-admin-token`) on     |
 | `/v1/adapters*`          | every request, loopback included (401). Without one: only a client  |
 |                          | connected directly over loopback (a loopback peer, or a unix        |
@@ -77,6 +78,8 @@ CORS_EXPOSE_HEADERS = "Retry-After, X-Request-Id"
 CORS_MAX_AGE_S = 600
 
 Client = tuple[str, int] | None  # ASGI `scope["client"]`
+# Outside /v1 but doing work for the caller with the model's tokenizer and template: keyed as /v1.
+KEYED_UTILITIES = frozenset({"/tokenize", "/detokenize", "/apply-template"})
 
 
 class Headers(Protocol):
@@ -114,11 +117,11 @@ class SecurityOptions:
 
 
 def route_class(path: str) -> str:
-    """`api` (/v1*), `admin` (/admin/*, and /v1/adapters*: mounting is an operator's act),
+    """`api` (/v1*, the keyed utilities), `admin` (/admin/*, and /v1/adapters*: mounting is an operator's act),
     `health`, or `open` for everything else."""
     if path == "/v1/adapters" or path.startswith("/v1/adapters/"):
         return "admin"
-    if path == "/v1" or path.startswith("/v1/"):
+    if path == "/v1" or path.startswith("/v1/") or path in KEYED_UTILITIES:
         return "api"
     if path == "/admin" or path.startswith("/admin/"):
         return "admin"

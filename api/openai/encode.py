@@ -24,6 +24,7 @@ from api.chat import Generation, StartedGeneration
 from api.completion import TIMED_OUT, Completion, add_events, finish, next_events_or_timeout
 from api.errors import ApiError, error_body
 from api.http.wire import DONE_FRAME, KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S, data_frame, new_id
+from api.openai.prompt_logprobs import ScoredPrompt
 from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallsEvent, ToolCallStart
 from model.engine.rows import TokenOut
 from model.text.tokenizer import ChatTokenizer
@@ -118,12 +119,12 @@ def logprobs_entries(
         content = []
         for out in outs:
             top = [
-                {"id": t.token, "token": _piece(tokenizer, t.token), "logprob": _json_float(t.logprob)}
+                {"id": t.token, "token": _piece(tokenizer, t.token), "logprob": json_float(t.logprob)}
                 for t in out.top_logprobs
             ]
             content.append({**top[0], "top_logprobs": top} if top else {})
         return content
-    return [{"id": out.token, "logprob": _json_float(out.logprob)} for out in outs]
+    return [{"id": out.token, "logprob": json_float(out.logprob)} for out in outs]
 
 
 def _piece(tokenizer: ChatTokenizer, token_id: int) -> str:
@@ -133,7 +134,7 @@ def _piece(tokenizer: ChatTokenizer, token_id: int) -> str:
         return ""
 
 
-def _json_float(value: float | None) -> float | None:
+def json_float(value: float | None) -> float | None:
     # JSON has no NaN / -Infinity; a masked (-inf) candidate reports OpenAI's floor instead.
     if value is None or math.isnan(value):
         return None
@@ -174,10 +175,10 @@ def legacy_logprobs(outs: Sequence[TokenOut], names: TokenNames, *, offset: int 
         token = names.name(out.token, text)
         top: dict[str, float | None] = {}
         for alternative in out.top_logprobs:  # most likely first
-            top.setdefault(names.name(alternative.token), _json_float(alternative.logprob))
-        top.setdefault(token, _json_float(out.logprob))
+            top.setdefault(names.name(alternative.token), json_float(alternative.logprob))
+        top.setdefault(token, json_float(out.logprob))
         block["tokens"].append(token)
-        block["token_logprobs"].append(_json_float(out.logprob))
+        block["token_logprobs"].append(json_float(out.logprob))
         block["top_logprobs"].append(top)
         block["text_offset"].append(offset)
         offset += len(text)
@@ -301,14 +302,17 @@ async def text_stream(
     *,
     include_usage: bool = False,
     echo: str = "",
+    scored: ScoredPrompt | None = None,
 ) -> AsyncIterator[bytes]:
-    """With `echo`, each choice's first chunk is that prompt text. With logprobs, a chunk carries
-    the tokens that arrived since the last one (their text may still be held back by the stop
-    matcher: it follows in a later chunk); the finishing chunk carries the rest, EOS included."""
+    """With `echo`, each choice's first chunk is that prompt text (with `scored`, its tokens'
+    logprobs: api/openai/prompt_logprobs.py). With logprobs, a chunk carries the tokens that
+    arrived since the last one (their text may still be held back by the stop matcher: it
+    follows in a later chunk); the finishing chunk carries the rest, EOS included."""
     choices = started.choices
     logprobs = started.generation.captures_logprobs
     sent = [0] * len(choices)  # per choice: the captured tokens already sent
-    offsets = [0] * len(choices)
+    prompt_block, prompt_end = prompt_block_of(scored, names)
+    offsets = [prompt_end] * len(choices)
 
     def chunk(index: int, text: str, finish: str | None = None, *, tokens: bool = True) -> bytes:
         block = None
@@ -316,6 +320,8 @@ async def text_stream(
             outs = choices[index].token_logprobs[sent[index] :]
             sent[index] += len(outs)
             block, offsets[index] = legacy_logprobs(outs, names, offset=offsets[index])
+        elif not tokens:  # the echo chunk: the prompt's scores, when asked
+            block = prompt_block
         choice = {"index": index, "text": text, "logprobs": block, "finish_reason": finish}
         return data_frame(meta.envelope("text_completion", [choice], usage_key=include_usage))
 
@@ -351,18 +357,87 @@ async def text_stream(
 
 
 async def text_whole(
-    started: StartedGeneration, meta: ResponseMeta, names: TokenNames, *, echo: str = ""
+    started: StartedGeneration,
+    meta: ResponseMeta,
+    names: TokenNames,
+    *,
+    echo: str = "",
+    scored: ScoredPrompt | None = None,
 ) -> dict[str, Any]:
-    """`echo`: the prompt text each choice's text starts with."""
+    """`echo`: the prompt text each choice's text starts with; `scored`: its tokens' logprobs,
+    which the logprobs block starts with (api/openai/prompt_logprobs.py)."""
     dones = await collect_choices(started.choices)  # no think split or tools here: all text is content
     logprobs = started.generation.captures_logprobs
+    prompt_block, prompt_end = prompt_block_of(scored, names)
     choices = [
         {
             "index": index,
             "text": echo + done.content,
-            "logprobs": legacy_logprobs(actor.token_logprobs, names)[0] if logprobs else None,
+            "logprobs": _joined(prompt_block, legacy_logprobs(actor.token_logprobs, names, offset=prompt_end)[0])
+            if logprobs
+            else None,
             "finish_reason": done.finish_reason,
         }
         for index, (done, actor) in enumerate(zip(dones, started.choices))
     ]
     return meta.envelope("text_completion", choices, usage(started.choices), usage_key=True)
+
+
+# -- prompt logprobs (api/openai/prompt_logprobs.py) ---------------------------------------------
+
+
+def prompt_block_of(scored: ScoredPrompt | None, names: TokenNames) -> tuple[dict[str, list[Any]] | None, int]:
+    """The legacy logprobs block of a scored prompt's tokens (the first with null logprob and
+    alternatives: nothing precedes it), and the text offset after them; (None, 0) without one."""
+    if scored is None:
+        return None, 0
+    block: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token, (logprob, alternatives) in zip(scored.tokens, scored.scores):
+        text = names.text(token)
+        name = names.name(token, text)
+        top: dict[str, float | None] | None = None
+        if logprob is not None:
+            top = {}
+            for alternative in alternatives:  # most likely first
+                top.setdefault(names.name(alternative.token), json_float(alternative.logprob))
+            top.setdefault(name, json_float(logprob))
+        block["tokens"].append(name)
+        block["token_logprobs"].append(json_float(logprob))
+        block["top_logprobs"].append(top)
+        block["text_offset"].append(offset)
+        offset += len(text)
+    return block, offset
+
+
+def _joined(prompt: dict[str, list[Any]] | None, generated: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """The prompt's block, then the generated tokens'."""
+    return generated if prompt is None else {key: prompt[key] + generated[key] for key in prompt}
+
+
+def _scored_choices(
+    scored: ScoredPrompt, names: TokenNames, echo: str, n: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    block = prompt_block_of(scored, names)[0]
+    choices = [{"index": i, "text": echo, "logprobs": block, "finish_reason": "length"} for i in range(n)]
+    tokens = len(scored.tokens)
+    usage = {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+    return choices, {**usage, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def scored_whole(scored: ScoredPrompt, meta: ResponseMeta, names: TokenNames, *, echo: str, n: int) -> dict[str, Any]:
+    """`max_tokens: 0` with echo and logprobs: each choice is the prompt and its scores."""
+    choices, usage_ = _scored_choices(scored, names, echo, n)
+    return meta.envelope("text_completion", choices, usage_, usage_key=True)
+
+
+async def scored_stream(
+    scored: ScoredPrompt, meta: ResponseMeta, names: TokenNames, *, echo: str, n: int, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """`scored_whole` streamed: one chunk per choice, then the usage chunk (when asked), [DONE]."""
+    choices, usage_ = _scored_choices(scored, names, echo, n)
+    for choice in choices:
+        yield data_frame(meta.envelope("text_completion", [choice], usage_key=include_usage))
+    if include_usage:
+        yield data_frame(meta.envelope("text_completion", [], usage_, usage_key=True))
+    yield DONE_FRAME

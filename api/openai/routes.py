@@ -12,12 +12,13 @@ from typing import Any
 from quart import Blueprint, Response, current_app
 
 from actors.handles import ServerHandles
-from api.chat import start_chat, start_text, vocab_size
+from api.chat import start_chat, start_text, text_prompt_tokens, vocab_size
 from api.chat_request import TextRequest
 from api.http import offload
 from api.http.wire import json_body, json_response, sse_response
 from api.model_names import adapter_model_names, check_requested_model, model_name, model_not_found, served_names
 from api.openai import encode as openai_encode
+from api.openai.prompt_logprobs import score_prompt
 from api.openai.translate import chat_request, completion_output, text_request
 from model.text import grammar
 
@@ -75,14 +76,25 @@ def blueprint(handles: ServerHandles) -> Blueprint:
             request = await offload.run(text_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))
             output = completion_output(await json_body())
             echo = await offload.run(_echo_text, handles, request) if output.echo else ""
-            started = await start_text(handles, request, adapters=adapters)
+            scored = None
+            if output.prompt_logprobs is not None:  # echo with logprobs: the prompt's tokens scored
+                prompt = await offload.run(text_prompt_tokens, handles, request)
+                scored = await score_prompt(handles, prompt, top=output.prompt_logprobs, adapters=adapters)
+            started = await start_text(handles, request, adapters=adapters) if output.generate else None
         meta = openai_encode.ResponseMeta("cmpl", model_name(handles, adapters))
         tokens = openai_encode.TokenNames(handles.tokenizer, as_ids=output.token_ids)
+        usage = request.generation.include_usage
+        if started is None:  # max_tokens 0: the prompt's scores alone
+            assert scored is not None
+            n = request.generation.n
+            if request.generation.stream:
+                only = openai_encode.scored_stream(scored, meta, tokens, echo=echo, n=n, include_usage=usage)
+                return sse_response(only)
+            return answer(openai_encode.scored_whole(scored, meta, tokens, echo=echo, n=n))
         if started.generation.stream:
-            usage = request.generation.include_usage
-            stream = openai_encode.text_stream(started, meta, tokens, include_usage=usage, echo=echo)
+            stream = openai_encode.text_stream(started, meta, tokens, include_usage=usage, echo=echo, scored=scored)
             return sse_response(stream)
-        return answer(await openai_encode.text_whole(started, meta, tokens, echo=echo))
+        return answer(await openai_encode.text_whole(started, meta, tokens, echo=echo, scored=scored))
 
     return bp
 

@@ -37,7 +37,7 @@ def chat_request(body: Mapping[str, Any], *, vocab_size: int | None, vision: boo
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
     constraint = structured.body_constraint(body)
     stop = stop_strings(body.get("stop"))
-    tools = _tools(body.get("tools"))
+    tools = tools_field(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is not None and not (isinstance(choice, dict) or choice in TOOL_CHOICES):
         raise bad_request(TOOL_CHOICE_MESSAGE, param="tool_choice")
@@ -66,7 +66,10 @@ def text_request(body: Mapping[str, Any], *, vocab_size: int | None) -> TextRequ
     legacy API's integer (the alternatives listed per token), not chat's boolean."""
     prompt = _text_prompt(body.get("prompt"), vocab_size)
     chat_fields = pick(body, ("logprobs", "top_logprobs"))
-    generation = parse_generation({k: v for k, v in body.items() if k not in chat_fields}, vocab_size=vocab_size)
+    fields = {k: v for k, v in body.items() if k not in chat_fields}
+    if not completion_output(body).generate:
+        del fields["max_tokens"]  # 0: the prompt's scores alone (api/openai/prompt_logprobs.py)
+    generation = parse_generation(fields, vocab_size=vocab_size)
     _check_unsupported_completion_fields(body, generation.n)
     alternatives = completion_logprobs(body)
     generation = attrs.evolve(
@@ -75,8 +78,6 @@ def text_request(body: Mapping[str, Any], *, vocab_size: int | None) -> TextRequ
         logprobs=alternatives is not None,
         top_logprobs=alternatives or 0,
     )
-    if completion_output(body).echo and alternatives is not None:
-        raise bad_request("echo with logprobs is not supported: the server does not score prompt tokens", param="echo")
     constraint = structured.body_constraint(body)
     return TextRequest(prompt=prompt, generation=generation, stop=stop_strings(body.get("stop")), constraint=constraint)
 
@@ -111,17 +112,31 @@ def completion_logprobs(body: Mapping[str, Any]) -> int | None:
 @attrs.frozen
 class CompletionOutput:
     """How /v1/completions answers: `echo`, the prompt's text before the completion's;
-    `token_ids` (vLLM's `return_tokens_as_token_ids`), logprobs name tokens "token_id:<id>"."""
+    `token_ids` (vLLM's `return_tokens_as_token_ids`), logprobs name tokens "token_id:<id>";
+    `prompt_logprobs`, echo with logprobs: the prompt's tokens scored, with that many
+    alternatives each (api/openai/prompt_logprobs.py); `generate` False for `max_tokens: 0`
+    with them: the prompt's scores alone."""
 
     echo: bool = False
     token_ids: bool = False
+    prompt_logprobs: int | None = None
+    generate: bool = True
 
 
 def completion_output(body: Mapping[str, Any]) -> CompletionOutput:
     for name in ("echo", "return_tokens_as_token_ids"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise bad_request(f"{name} must be a boolean", param=name)
-    return CompletionOutput(echo=bool(body.get("echo")), token_ids=bool(body.get("return_tokens_as_token_ids")))
+    echo = bool(body.get("echo"))
+    scored = completion_logprobs(body) if echo else None
+    max_tokens = body.get("max_tokens")
+    scores_only = scored is not None and max_tokens == 0 and not isinstance(max_tokens, bool)
+    return CompletionOutput(
+        echo=echo,
+        token_ids=bool(body.get("return_tokens_as_token_ids")),
+        prompt_logprobs=scored,
+        generate=not scores_only,
+    )
 
 
 def _text_prompt(value: Any, vocab_size: int | None) -> str | tuple[int, ...]:
@@ -137,7 +152,7 @@ def _text_prompt(value: Any, vocab_size: int | None) -> str | tuple[int, ...]:
     raise bad_request(_PROMPT_REQUIRED, param="prompt")
 
 
-def _tools(tools: Any) -> list[Any] | None:
+def tools_field(tools: Any) -> list[Any] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):

@@ -156,7 +156,10 @@ INVALID = [
         "return_tokens_as_token_ids must be a boolean",
         "return_tokens_as_token_ids",
     ),
-    (TEXT, {"prompt": "x", "echo": True, "logprobs": 1}, "echo with logprobs is not supported", "echo"),
+    # prompt logprobs need a worker that scores prompts (the fake one does not)
+    (TEXT, {"prompt": "x", "echo": True, "logprobs": 1}, "prompt logprobs (echo with logprobs) are not", "echo"),
+    (TEXT, {"prompt": "x", "echo": True, "max_tokens": 0}, "max_tokens must be a positive integer", "max_tokens"),
+    (TEXT, {"prompt": "x", "logprobs": 1, "max_tokens": 0}, "max_tokens must be a positive integer", "max_tokens"),
     (CHAT, chat(top_logprobs="3"), "top_logprobs must be of type int", "top_logprobs"),
     (CHAT, chat(top_logprobs=2.5), "top_logprobs must be of type int", "top_logprobs"),
     (CHAT, chat(top_logprobs=True), "top_logprobs must be of type int", "top_logprobs"),
