@@ -164,7 +164,7 @@ class Engine:
             raise RuntimeError(f"row {row_id} was aborted mid-prefill: it can only close")
         options = self.options
         chunk_tokens = min(options.prefill_chunk, max_tokens) if max_tokens else options.prefill_chunk
-        end = min(row.processed + chunk_tokens, len(row.prompt) - 1)
+        end = image_rows.chunk_end(row, row.processed, min(row.processed + chunk_tokens, len(row.prompt) - 1))
         if row.convert_at is not None and row.processed < row.convert_at < end:
             end = row.convert_at  # the chunk ends where the row turns quantized, as mlx-lm's does
         if end > row.processed:

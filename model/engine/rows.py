@@ -14,12 +14,15 @@ from model.engine.params import SamplingParams
 
 @attrs.frozen
 class ImageInput:
-    """One preprocessed image of a row's prompt (model/vision/preprocess.py): its patches, its
-    (t, h, w) patch grid and the sha256 of its encoded bytes (the prompt-cache key's part)."""
+    """One preprocessed media item of a row's prompt (model/vision/, model/audio/): an image, a
+    video or an audio clip. Its values, its grid, the sha256 of its encoded bytes (the prompt-cache
+    key's part) and the pad-token runs it fills in the prompt, in order."""
 
-    pixels: np.ndarray = attrs.field(eq=False)  # [t * h * w, patch values] float32
-    grid_thw: tuple[int, int, int]
+    pixels: np.ndarray = attrs.field(eq=False)  # patches (image, video) or log-mel frames (audio), float32
+    grid_thw: tuple[int, int, int]  # image, video: the patch grid (t, h, w); audio: (1, mel frames, 1)
     digest: str
+    kind: str = "image"  # "image" | "video" | "audio"
+    runs: tuple[int, ...] = ()  # tokens of each of its pad runs (() = one run of t * h * w / merge^2)
 
 
 @attrs.frozen

@@ -16,6 +16,7 @@ from model.families import (
     qwen3,
     qwen3_5,
     qwen3_5_moe,
+    qwen3_5_vl,
     qwen3_moe,
     qwen3_next,
 )
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     gemma3_text,
     gemma4_text,
     qwen3_5,
+    qwen3_5_vl,  # (after qwen3_5: it serves qwen3_5, building a text-only checkpoint there)
     qwen3_5_moe,
     qwen3_next,
     qwen2_5_vl,

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from model.engine.rows import ImageInput
 from model.families.common import tie_embeddings
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv.cache import LayerCache
@@ -57,6 +58,8 @@ class TextBody(nn.Module):
 
 
 class Qwen25VLModel(LanguageModel):
+    media_kinds = frozenset({"image"})
+
     def __init__(self, args: DecoderArgs, vision: VisionArgs, sections: Sequence[int], ids: dict[str, int]):
         super().__init__()
         self.args = args
@@ -98,9 +101,16 @@ class Qwen25VLModel(LanguageModel):
                 after_layer(i, h)
         return self.model.norm(h)
 
+    def media_token_ids(self) -> dict[str, int]:
+        return {"image": self.image_token_id}
+
     def encode_images(self, pixel_values: mx.array, grid_thw: Sequence[tuple[int, int, int]]) -> mx.array:
         """Preprocessed patches of one or more images -> one feature row per image-pad token."""
         return self.visual(pixel_values, list(grid_thw))
+
+    def encode_media(self, items: Sequence[ImageInput]) -> mx.array:
+        """A row's images (model/engine/image_rows.py) -> their features, in order: one tower call."""
+        return self.encode_images(mx.array(np.concatenate([i.pixels for i in items])), [i.grid_thw for i in items])
 
     def embed_with_images(self, tokens: mx.array, image_features: mx.array) -> mx.array:
         """[1, L] tokens -> [1, L, hidden] embeddings whose image-pad rows are the features, in order."""
@@ -116,7 +126,9 @@ class Qwen25VLModel(LanguageModel):
 
     def image_positions(self, tokens: Sequence[int], grid_thw: Sequence[tuple[int, int, int]]) -> tuple[mx.array, int]:
         """[3, 1, L] mrope positions of a prompt with these images, and the row's delta after it."""
-        positions, delta = mrope.rope_index(tokens, self.image_token_id, grid_thw, self.visual.args.spatial_merge_size)
+        positions, delta = mrope.rope_index(
+            tokens, (self.image_token_id,), grid_thw, self.visual.args.spatial_merge_size
+        )
         return mx.array(positions)[:, None, :], delta
 
     def logits(self, hidden: mx.array) -> mx.array:

@@ -47,3 +47,29 @@ def their_greedy(model, prompt: list[int], images) -> list[int]:
         image_grid_thw=grids,
     )  # fmt: skip
     return [int(cast(Any, tok.item() if hasattr(tok, "item") else tok)) for tok, _ in steps]
+
+
+def media_inputs(vlm_dir: Path, images: list[Image.Image]) -> tuple:
+    """Images as the engine takes them (patches, grid, a content digest)."""
+    import hashlib
+
+    from model.engine.rows import ImageInput
+
+    out = []
+    for image, p in zip(images, prepared(vlm_dir, images)):
+        out.append(ImageInput(p.pixel_values, p.grid_thw, hashlib.sha256(image.tobytes()).hexdigest()))
+    return tuple(out)
+
+
+def row_spec(row_id: int, prompt: list[int], images=(), max_tokens: int = N_TOKENS):
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
+
+    return RowSpec(row_id, tuple(prompt), SamplingParams(), max_tokens, images=tuple(images))
+
+
+def vlm_engine(model, *, cache=None, chunk: int = 2048):
+    from model.engine.engine import Engine
+    from model.options import EngineOptions
+
+    return Engine(model, eos_token_ids=[], prompt_cache=cache, options=EngineOptions(prefill_chunk=chunk))
