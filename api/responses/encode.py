@@ -13,6 +13,7 @@ from typing import Any
 from api.completion import Completion
 from api.http.wire import new_id, sse_event
 from api.pipeline.events import Event, TextDelta, ToolCall, ToolCallDelta, ToolCallStart
+from api.responses.tools import InputStream, ToolSet, ToolSpec
 
 
 class ResponseMeta:
@@ -49,9 +50,7 @@ class ResponseMeta:
             "temperature": body.get("temperature"),
             "text": {"format": _echo_format(_get(body, "text", "format"))},
             "tool_choice": _echo_tool_choice(body.get("tool_choice")),
-            "tools": [
-                _echo_tool(t) for t in body.get("tools") or [] if isinstance(t, Mapping) and t.get("type") == "function"
-            ],
+            "tools": _echo_tools(body.get("tools")),
             "top_p": body.get("top_p"),
             "truncation": _one_of(body.get("truncation"), ("auto", "disabled")) or "disabled",
             "user": body.get("user") if isinstance(body.get("user"), str) else None,
@@ -120,9 +119,23 @@ def _echo_tool_choice(choice: Any) -> Any:
     return choice if isinstance(choice, str) else "auto"
 
 
+def _echo_tools(tools: Any) -> list[dict[str, Any]]:
+    """The function, custom and namespace tools the request declared (built-in ones are dropped)."""
+    out: list[dict[str, Any]] = []
+    for tool in tools if isinstance(tools, list) else []:
+        if not isinstance(tool, Mapping):
+            continue
+        if tool.get("type") == "namespace":
+            description = tool.get("description") if isinstance(tool.get("description"), str) else ""
+            out.append({**tool, "description": description, "tools": _echo_tools(tool.get("tools"))})
+        elif tool.get("type") in ("function", "custom"):
+            out.append(_echo_tool(tool))
+    return out
+
+
 def _echo_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(tool)
-    for key, kind in (("parameters", Mapping), ("description", str), ("strict", bool)):
+    for key, kind in (("parameters", Mapping), ("description", str), ("strict", bool), ("format", Mapping)):
         if key in out and not isinstance(out[key], kind):
             out[key] = None
     return out
@@ -193,21 +206,44 @@ def output_text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def function_call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+def function_call_item(
+    item_id: str, call: ToolCall, status: str = "completed", spec: ToolSpec | None = None
+) -> dict[str, Any]:
+    """A function_call item; a namespace's tool (`spec`) is named as OpenAI names it: its own name
+    and its `namespace`."""
+    named = {"name": call.name} if spec is None else {"name": spec.name, **_namespace(spec)}
     return {
         "id": item_id,
         "type": "function_call",
         "call_id": call.id,
-        "name": call.name,
+        **named,
         "arguments": call.arguments,
         "status": status,
     }
 
 
-def function_item_id(call: ToolCall) -> str:
-    """The function_call item's own id, derived from its call id so stream and store agree."""
+def custom_call_item(
+    item_id: str, call_id: str, spec: ToolSpec, text: str, status: str = "completed"
+) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "custom_tool_call",
+        "call_id": call_id,
+        "name": spec.name,
+        **_namespace(spec),
+        "input": text,
+        "status": status,
+    }
+
+
+def _namespace(spec: ToolSpec) -> dict[str, str]:
+    return {} if spec.namespace is None else {"namespace": spec.namespace}
+
+
+def function_item_id(call: ToolCall, prefix: str = "fc") -> str:
+    """A call item's own id, derived from its call id so stream and store agree."""
     suffix = re.sub(r"[^A-Za-z0-9]", "", call.id.removeprefix("call_"))
-    return f"fc_{suffix}" if suffix else new_id("fc")
+    return f"{prefix}_{suffix}" if suffix else new_id(prefix)
 
 
 class ResponsesStream:
@@ -215,9 +251,16 @@ class ResponsesStream:
     native event stream (`start`, `add`, `finish`) and the final object, whose output is the items
     the stream sent (a whole answer is `response`; with `frames=False` no event is encoded)."""
 
-    def __init__(self, meta: ResponseMeta, *, frames: bool = True) -> None:
+    def __init__(
+        self, meta: ResponseMeta, *, frames: bool = True, tools: ToolSet = ToolSet(), forced: ToolSpec | None = None
+    ) -> None:
+        """`tools`: the request's (a call of a custom tool is a custom_tool_call item, a namespace's
+        tool carries its namespace); `forced`: a grammar-forced custom tool, whose input is the
+        whole answer text (api/responses/tools.py)."""
         self.meta = meta
         self._frames = frames
+        self._tools = tools
+        self._forced = forced
         self.output: list[dict[str, Any]] = []  # finished items, as the final object lists them
         self._seq = 0
         self._open: dict[str, Any] | None = None  # the item being streamed
@@ -233,11 +276,21 @@ class ResponsesStream:
         out = b""
         for event in events:
             if isinstance(event, ToolCallStart):  # every call streams: its item stays open for its arguments
-                out += self._close() + self._open_function_call(event)
+                out += self._close() + self._open_call(event)
             elif isinstance(event, ToolCallDelta) and self._open is not None:
                 self._open["arguments"].append(event.arguments)
+                if self._open["type"] == "custom_tool_call":
+                    out += self._input_delta(self._open["input"].feed(event.arguments))
+                    continue
                 ids = {"item_id": self._open["id"], "output_index": self._open["index"]}
                 out += self._event("response.function_call_arguments.delta", **ids, delta=event.arguments)
+            elif isinstance(event, TextDelta) and event.text and self._forced:  # (a template's open <think> too)
+                if self._open is None or not self._open.get("forced"):
+                    out += self._close() + self._open_call(
+                        ToolCallStart(0, new_id("call"), self._forced.called), forced=True
+                    )
+                self._parts.append(event.text)
+                out += self._input_delta(event.text)
             elif isinstance(event, TextDelta) and event.text:  # (ToolCallsEvent: calls already streamed)
                 kind = "reasoning" if event.kind == "reasoning" else "message"
                 item = self._open
@@ -266,7 +319,11 @@ class ResponsesStream:
         else:
             status, incomplete = status_of(finish_reason)
         out = self._close(item_status(status))
-        if not self.output and error is None:  # an empty generation still answers one message
+        if not self.output and error is None and self._forced is not None:  # the forced call, empty
+            out += self._open_call(ToolCallStart(0, new_id("call"), self._forced.called), forced=True) + self._close(
+                item_status(status)
+            )
+        elif not self.output and error is None:  # an empty generation still answers one message
             out += self._open_item("message")[0] + self._close(item_status(status))
         final = self.meta.response(
             status=status,
@@ -341,10 +398,19 @@ class ResponsesStream:
             return b""
         ids = {"item_id": item["id"], "output_index": item["index"]}
         text = "".join(self._parts)
-        if item["type"] == "function_call":  # a streamed call; cut short unless the response completed
+        if item["type"] == "custom_tool_call":  # its input: the decoded `input` argument, or the forced text
+            stream: InputStream = item["input"]
+            whole, rest = (text, "") if item["forced"] else stream.finish()
+            done = custom_call_item(item["id"], item["call_id"], item["spec"], whole, status)
+            out = self._input_delta(rest, item) + self._event(
+                "response.custom_tool_call_input.done", **ids, input=whole
+            )
+        elif item["type"] == "function_call":  # a streamed call; cut short unless the response completed
             call = ToolCall(item["call_id"], item["name"], "".join(item["arguments"]))
-            done = function_call_item(item["id"], call, status)
-            out = self._event("response.function_call_arguments.done", **ids, name=call.name, arguments=call.arguments)
+            done = function_call_item(item["id"], call, status, item["spec"])
+            out = self._event(
+                "response.function_call_arguments.done", **ids, name=done["name"], arguments=call.arguments
+            )
         elif item["type"] == "reasoning":
             done = reasoning_item(item["id"], text, status)
             out = self._event("response.reasoning_summary_text.done", **ids, summary_index=0, text=text) + self._event(
@@ -361,15 +427,34 @@ class ResponsesStream:
         self.output.append(done)
         return out + self._event("response.output_item.done", output_index=item["index"], item=done)
 
-    def _open_function_call(self, start: ToolCallStart) -> bytes:
-        """A function_call item whose arguments follow as function_call_arguments.delta events."""
+    def _open_call(self, start: ToolCallStart, *, forced: bool = False) -> bytes:
+        """A function_call item whose arguments follow as function_call_arguments.delta events, or
+        a custom_tool_call item whose input follows as custom_tool_call_input.delta events (the
+        answer's text itself, when `forced`)."""
         index = len(self.output)
         call = ToolCall(start.id, start.name, "")
-        item_id = function_item_id(call)
-        self._open = {"type": "function_call", "id": item_id, "index": index, "call_id": start.id, "name": start.name}
+        spec = self._tools.resolve(start.name)
+        custom = spec is not None and spec.kind == "custom"
+        item_id = function_item_id(call, "ctc" if custom else "fc")
+        self._parts = []
+        self._open = {"id": item_id, "index": index, "call_id": start.id, "name": start.name, "spec": spec}
         self._open["arguments"] = []  # the pieces so far
-        added = function_call_item(item_id, call, status="in_progress")
+        if custom:
+            assert spec is not None
+            self._open.update(type="custom_tool_call", input=InputStream(), forced=forced)
+            added = custom_call_item(item_id, start.id, spec, "", status="in_progress")
+        else:
+            self._open["type"] = "function_call"
+            added = function_call_item(item_id, call, "in_progress", spec if spec and spec.namespace else None)
         return self._event("response.output_item.added", output_index=index, item=added)
+
+    def _input_delta(self, text: str, item: dict[str, Any] | None = None) -> bytes:
+        item = item or self._open
+        if not text or item is None:
+            return b""
+        return self._event(
+            "response.custom_tool_call_input.delta", item_id=item["id"], output_index=item["index"], delta=text
+        )
 
     def _event(self, event_type: str, **fields: Any) -> bytes:
         self._seq += 1

@@ -35,8 +35,10 @@ from api.http.wire import KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S, json_body, json
 from api.model_names import check_requested_model, model_name
 from api.pipeline.events import Event
 from api.responses.encode import ResponseMeta, ResponsesStream
+from api.responses.items import output_to_input, stored_input
 from api.responses.store import ResponseStore, StoredResponse
-from api.responses.translate import input_items, output_to_input, responses_request, stored_input
+from api.responses.tools import tool_set
+from api.responses.translate import input_items, responses_request
 
 DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items page sizes, OpenAI's
 
@@ -80,6 +82,9 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
                 vision=handles.info.vision,
             )
             started = await start_chat(handles, request, adapters=adapters)
+        toolset = tool_set(body.get("tools"))  # (checked by the translation)
+        forced = toolset.forced_custom(body.get("tool_choice"))
+        grammar_forced = forced if forced is not None and forced.grammar is not None else None
         meta = ResponseMeta(
             body,
             model=model_name(handles, adapters),
@@ -94,9 +99,11 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
                 store.put(final["id"], input=kept, output=final["output"], instructions=instructions, response=final)
 
         if started.generation.stream:
-            return sse_response(_stream(started.actor, ResponsesStream(meta), remember))
+            return sse_response(
+                _stream(started.actor, ResponsesStream(meta, tools=toolset, forced=grammar_forced), remember)
+            )
         # The whole answer is the items its stream would have sent, from the same events.
-        builder = ResponsesStream(meta, frames=False)
+        builder = ResponsesStream(meta, frames=False, tools=toolset, forced=grammar_forced)
         final = builder.response(await collect(started.actor, on_events=builder.add))
         remember(final)
         return json_response(final)

@@ -1,8 +1,9 @@
 """OpenAI Responses bodies → the typed chat requests of api/chat_request.py.
 
-A request's input (a string or items: messages, function_call / function_call_output items;
-instructions; a continuation's stored items before it) becomes template-ready messages with one
-leading system message; flat function tools become the nested shape templates read. The request's
+A request's input (a string or items: messages, function_call / function_call_output and
+custom_tool_call / custom_tool_call_output items; instructions; a continuation's stored items
+before it) becomes template-ready messages with one leading system message; function, custom and
+namespace tools become the nested function shape templates read (api/responses/tools.py). The request's
 own shape is checked first, then what the server cannot take (media parts, non-string call ids),
 then the generation fields (api/fields.py, named as in OpenAI), structured output, tool_choice
 and reasoning. Raises `ApiError`.
@@ -21,9 +22,12 @@ from api.cache_hints import cache_hints, retention_points
 from api.chat_request import ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
 from api.fields import flag, parse_generation, pick, reasoning_options, stream_flag, token_count
-from api.http.wire import new_id
 from api.images import PLACEHOLDER, ImagePart, from_url
+from api.responses.items import SYSTEM_ROLES, output_to_input, stored_input
+from api.responses.tools import INPUT, ToolSet, tool_set
 from api.template_messages import media_error, template_arguments
+
+__all__ = ["input_items", "output_to_input", "responses_request", "stored_input"]
 
 GENERATION_FIELDS = (
     "temperature",
@@ -46,7 +50,6 @@ TOOL_CHOICES = ("none", "auto", "required")
 # `[] in frozenset(...)` raises TypeError (unhashable) where a tuple compares with ==.
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 AUDIO_PART_TYPES = ("input_audio", "audio", "audio_url")
-SYSTEM_ROLES = ("system", "developer")
 TEXT_FORMATS = ("text", "json_object", "json_schema")
 # OpenAI's metadata bounds: at most 16 pairs, keys up to 64 characters, values up to 512.
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
@@ -61,7 +64,7 @@ INCLUDE_VALUES = (
     "web_search_call.action.sources",
 )
 # Shared code names chat's fields; a 400 from it names Responses' own.
-PARAMS = {"response_format": "text.format"}
+PARAMS = {"response_format": "text.format", "guided_grammar": "tools", "guided_regex": "tools"}
 METADATA_MESSAGE = (
     f"metadata must be an object of at most {METADATA_PAIRS} string keys (at most {METADATA_KEY_CHARS} characters)"
     f" with string values (at most {METADATA_VALUE_CHARS} characters)"
@@ -81,98 +84,6 @@ def input_items(value: Any) -> list[dict[str, Any]]:
     raise bad_request("input: must be a string or an array of input items", param="input")
 
 
-def output_to_input(output: list[Any]) -> list[dict[str, Any]]:
-    """A stored response's output as input items for a continuation, ids kept (the continuation's
-    input_items lists them as they were answered); reasoning is dropped (replaying it invites
-    repetition)."""
-    items = []
-    for item in output:
-        if not isinstance(item, Mapping):
-            continue
-        if item.get("type") == "message":
-            content = item.get("content") or []
-            items.append({"id": item.get("id"), "type": "message", "role": "assistant", "content": content})
-        elif item.get("type") == "function_call":
-            items.append(
-                {
-                    "id": item.get("id"),
-                    "type": "function_call",
-                    "call_id": item.get("call_id"),
-                    "name": item.get("name"),
-                    "arguments": item.get("arguments", ""),
-                }
-            )
-    return stored_input(items)
-
-
-def stored_input(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Already translated input items as the store keeps them and GET .../input_items lists them:
-    in OpenAI's item shapes (an id, `status`, content as parts: `input_text` for user / system /
-    developer messages, `output_text` for the assistant's), meaning what they meant to the
-    translation, so a continuation re-feeds them to the same prompt. Reasoning and item references
-    (never re-fed) are left out; an unknown role is the user it was taken for. Idempotent."""
-    out = []
-    for item in items:
-        kind = item.get("type", "message")
-        status = {"status": "completed"}
-        if kind == "message":
-            assistant = item.get("role") == "assistant"
-            role = item.get("role") if item.get("role") in (*SYSTEM_ROLES, "assistant") else "user"
-            content = [_stored_part(part, assistant) for part in _parts(item.get("content"))]
-            out.append({"id": _item_id(item, "msg"), "type": "message", "role": role, **status, "content": content})
-        elif kind == "function_call":
-            arguments = item.get("arguments", "")
-            call = {
-                "call_id": item.get("call_id") or item.get("id") or "",
-                "name": item.get("name"),
-                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-            }
-            out.append({"id": _item_id(item, "fc"), "type": "function_call", **call, **status})
-        elif kind == "function_call_output":
-            output = item.get("output", "")
-            if isinstance(output, list):
-                output = [_stored_part(part, False) for part in output]
-            elif not isinstance(output, str):
-                output = json.dumps(output)
-            call_id = item.get("call_id") or ""
-            out.append(
-                {
-                    "id": _item_id(item, "fco"),
-                    "type": "function_call_output",
-                    "call_id": call_id,
-                    "output": output,
-                    **status,
-                }
-            )
-    return out
-
-
-def _item_id(item: Mapping[str, Any], prefix: str) -> str:
-    given = item.get("id")
-    return given if isinstance(given, str) and given else new_id(prefix)
-
-
-def _parts(content: Any) -> list[Any]:
-    if content is None:
-        return []
-    return [{"type": "input_text", "text": content}] if isinstance(content, str) else list(content)
-
-
-def _stored_part(part: Mapping[str, Any], assistant: bool) -> dict[str, Any]:
-    """A content part the translation took, in the role's part type (text parts as
-    `output_text` / `input_text`, refusals the assistant's own); images as OpenAI lists them."""
-    kind = part.get("type")
-    if kind == "input_image":
-        detail = part.get("detail") if part.get("detail") in ("low", "high", "auto") else "auto"
-        return {**part, "detail": detail}
-    text = part.get("refusal") if kind == "refusal" else part.get("text")
-    if assistant and kind == "refusal":
-        return {"type": "refusal", "refusal": text}
-    if assistant:
-        return {"type": "output_text", "text": text, "annotations": []}
-    return {"type": "input_text", "text": text}
-
-
 def responses_request(
     body: Mapping[str, Any],
     items: list[dict[str, Any]],
@@ -184,7 +95,8 @@ def responses_request(
     """The chat request for the (already resolved, continuation-included) input items.
     `vocab_size`, when known, bounds `logit_bias` token ids; `vision`: the model takes images
     (else an image part is a 400)."""
-    turns = _Turns([instructions] if instructions else [], vision=vision)
+    toolset = tool_set(body.get("tools"))
+    turns = _Turns([instructions] if instructions else [], vision=vision, toolset=toolset)
     for index, item in enumerate(items):
         turns.add_item(item, index)
     messages = turns.messages()
@@ -203,8 +115,9 @@ def responses_request(
     max_tokens = token_count(body.get(length_name), length_name)
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
-    tools = _tools(body.get("tools"))
-    choice = _tool_choice(body["tool_choice"]) if "tool_choice" in body else None
+    tools = toolset.template_tools()
+    forced = toolset.forced_custom(body.get("tool_choice"))
+    choice = _tool_choice(body["tool_choice"], toolset) if "tool_choice" in body else None
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, Mapping):
         raise bad_request("reasoning must be an object", param="reasoning")
@@ -224,11 +137,16 @@ def responses_request(
     if isinstance(choice, str) and choice not in TOOL_CHOICES:
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice")
     _check_tool_choice(choice, tools)
-    try:
-        constraint = structured.request_constraint(
-            structured.ConstraintFields(response_format=response_format),
-            structured.forced_tool_call(tools, choice),
+    constraint_fields = structured.ConstraintFields(response_format=response_format)
+    if forced is not None and forced.grammar is not None:  # the whole output is the call's input
+        syntax, definition = forced.grammar
+        regex = definition if syntax == "regex" else None
+        constraint_fields = structured.ConstraintFields(
+            guided_regex=regex, guided_grammar=None if regex else definition
         )
+        choice = "auto"
+    try:
+        constraint = structured.request_constraint(constraint_fields, structured.forced_tool_call(tools, choice))
     except ApiError as error:
         error.param = PARAMS.get(error.param or "", error.param)
         raise
@@ -274,6 +192,7 @@ class _Turns:
     reference: str | None = None  # where the first item_reference is (dropped: nothing is kept to resolve it)
     images: list[ImagePart] = attrs.Factory(list)  # in prompt order (api/images.py)
     vision: bool = False  # the model takes images (else an image part is a 400)
+    toolset: ToolSet = ToolSet()  # the request's tools: how an earlier call's name was shown
 
     def messages(self) -> tuple[dict[str, Any], ...]:
         # One leading system message: strict templates reject a second one.
@@ -302,17 +221,15 @@ class _Turns:
         kind = item.get("type", "message")
         if kind == "message":
             self._add_message(item, where)
-        elif kind == "function_call":
-            self._add_call(item, where)
-        elif kind == "function_call_output":
+        elif kind in ("function_call", "custom_tool_call"):
+            self._add_call(item, where, kind)
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output", "")
             if not isinstance(output, str):
                 output = _only_text(_content(output, where), where) if isinstance(output, list) else json.dumps(output)
             call_id = item.get("call_id")
             if call_id is None or call_id == "":
-                raise bad_request(
-                    f"{where}.call_id: required (the call_id of the function_call it answers)", param="input"
-                )
+                raise bad_request(f"{where}.call_id: required (the call_id of the call it answers)", param="input")
             message = {"role": "tool", "tool_call_id": call_id, "content": output}
             self._append(message, where, unsupported=not isinstance(call_id, str))
         elif kind == "reasoning":
@@ -343,14 +260,20 @@ class _Turns:
         else:  # user, and any unknown role
             self._append({"role": "user", "content": text}, where, media=media)
 
-    def _add_call(self, item: Mapping[str, Any], where: str) -> None:
-        name = item.get("name")
+    def _add_call(self, item: Mapping[str, Any], where: str, kind: str) -> None:
+        name, namespace = item.get("name"), item.get("namespace")
         if not isinstance(name, str) or not name:
-            raise bad_request(f"{where}: a function_call item needs a name", param="input")
+            raise bad_request(f"{where}: a {kind} item needs a name", param="input")
+        if kind == "custom_tool_call":  # as the model called it: its input as the one argument
+            value = item.get("input", "")
+            arguments = {INPUT: value if isinstance(value, str) else json.dumps(value)}
+        else:
+            arguments = template_arguments(item.get("arguments", ""))
+        called = self.toolset.called_name(name, namespace if isinstance(namespace, str) else None)
         call = {
             "id": item.get("call_id") or item.get("id") or "",
             "type": "function",
-            "function": {"name": name, "arguments": template_arguments(item.get("arguments", ""))},
+            "function": {"name": called, "arguments": arguments},
         }
         # Consecutive calls (and the assistant text before them) are one assistant turn.
         if self.turns and self.turns[-1]["role"] == "assistant":
@@ -399,35 +322,15 @@ def _only_text(content: tuple[str, str | None], where: str) -> str:
     return text
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise bad_request("tools must be an array", param="tools")
-    out = []
-    for tool in tools:  # function tools only; built-in tools (web_search, ...) are dropped
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            continue
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad_request("a function tool needs a name", param="tools")
-        function: dict[str, Any] = {
-            "name": tool["name"],
-            "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
-        }
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        if "strict" in tool:
-            function["strict"] = tool["strict"]
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _tool_choice(choice: Any) -> Any:
-    """In OpenAI chat's terms: a named function, a mode string, else "auto"."""
-    if isinstance(choice, Mapping) and choice.get("type") == "function":
+def _tool_choice(choice: Any, toolset: ToolSet) -> Any:
+    """In OpenAI chat's terms: a named function (a namespace's by its prompt name), a forced
+    custom tool as the function call of its input (one with a grammar is constrained otherwise:
+    `responses_request`), a mode string, else "auto"."""
+    if isinstance(choice, Mapping) and choice.get("type") in ("function", "custom"):
         if not isinstance(choice.get("name"), str):
             raise bad_request("tool_choice.name must be a string", param="tool_choice")
-        return {"type": "function", "function": {"name": choice["name"]}}
+        spec = toolset.resolve(choice["name"])
+        return {"type": "function", "function": {"name": spec.called if spec else choice["name"]}}
     if isinstance(choice, str):
         return choice
     return "auto"  # allowed_tools, built-in tool types: not enforced
@@ -437,7 +340,9 @@ def _check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> None:
     """A choice that can only be met by a function tool the request has."""
     names = [tool["function"]["name"] for tool in tools]
     if choice == "required" and not names:
-        raise bad_request("tool_choice 'required' needs at least one function tool in tools", param="tool_choice")
+        raise bad_request(
+            "tool_choice 'required' needs at least one function tool (or custom tool) in tools", param="tool_choice"
+        )
     if isinstance(choice, Mapping) and choice["function"]["name"] not in names:
         raise bad_request(
             f"tool_choice names {choice['function']['name']!r}, which is not in tools", param="tool_choice"

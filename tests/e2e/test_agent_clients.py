@@ -52,8 +52,8 @@ def workdir(tmp_path: Path) -> Path:
     return work
 
 
-def serve(model_dir: Path, log_path: Path) -> Iterator[str]:
-    proc = launch_quick(["--model", str(model_dir), "--served-model-name", MODEL, "--log-prompts"], log_path)
+def serve(model_dir: Path, log_path: Path, model: str = MODEL) -> Iterator[str]:
+    proc = launch_quick(["--model", str(model_dir), "--served-model-name", model, "--log-prompts"], log_path)
     try:
         yield wait_until_serving(proc, log_path, 60)
     finally:
@@ -165,7 +165,7 @@ def codex_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
         yield base, log_path
 
 
-def codex_run(base: str, work: Path, prompt: str) -> subprocess.CompletedProcess[str]:
+def codex_run(base: str, work: Path, prompt: str, model: str = MODEL) -> subprocess.CompletedProcess[str]:
     home = work.parent / "home"
     (home / ".codex").mkdir(parents=True, exist_ok=True)
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home / ".codex"), "LOCAL_KEY": "sk-local"}
@@ -180,7 +180,7 @@ def codex_run(base: str, work: Path, prompt: str) -> subprocess.CompletedProcess
         "-c",
         f"model_providers.local={provider}",
         "-m",
-        MODEL,
+        model,
         prompt,
     ]
     return run_client(args, env, work)
@@ -199,3 +199,52 @@ def test_codex_runs_a_tool_and_sends_its_result(codex_server, workdir):
     done = codex_run(base, workdir, f"Read {CLUE} and tell me what it says.")
     assert "".join(AFTER_CALL) in done.stdout
     check_tool_turn(log_path, "/v1/responses", before)
+
+
+# --- Codex's own tool shapes: a custom (freeform) apply_patch, a namespace's tool -------------
+
+PATCHED = "patched.txt"
+PATCH = f"*** Begin Patch\n*** Add File: {PATCHED}\n+written by the scripted agent\n*** End Patch\n"
+# Codex sends apply_patch as a `custom` tool with a lark grammar for the models its catalog marks
+# "freeform": serving the scripted model under such a name makes Codex send it.
+FREEFORM_MODEL = "gpt-5.5"
+
+
+def codex_tool_server(root: Path, call: dict[str, Any], model: str) -> Iterator[tuple[str, Path]]:
+    markup = ["<tool_call>", "\n" + json.dumps(call) + "\n", "</tool_call>"]
+    model_dir = write_agent_model_dir(
+        root / "model", answer=ANSWER, call=markup, after_call=AFTER_CALL, call_trigger=CLUE
+    )
+    log_path = root / "server.log"
+    for base in serve(model_dir, log_path, model):
+        yield base, log_path
+
+
+@pytest.fixture(scope="module")
+def codex_patch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    call = {"name": "apply_patch", "arguments": {"input": PATCH}}
+    yield from codex_tool_server(tmp_path_factory.mktemp("codex_patch"), call, FREEFORM_MODEL)
+
+
+@pytest.fixture(scope="module")
+def codex_namespace_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    call = {"name": "multi_agent_v1.close_agent", "arguments": {"target": "no-such-agent"}}
+    yield from codex_tool_server(tmp_path_factory.mktemp("codex_namespace"), call, MODEL)
+
+
+def test_codex_applies_a_freeform_patch_the_model_calls(codex_patch_server, workdir):
+    base, log_path = codex_patch_server
+    done = codex_run(base, workdir, f"Patch {CLUE}.", model=FREEFORM_MODEL)
+    assert (workdir / PATCHED).read_text() == "written by the scripted agent\n"  # Codex ran our custom_tool_call
+    assert "".join(AFTER_CALL) in done.stdout
+    call, result = [r for r in requests(log_path, "/v1/responses") if r.get("prompt_tokens")][-2:]
+    assert "apply_patch" in call["prompt"] and f"A {PATCHED}" in result["prompt"]  # its output came back
+
+
+def test_codex_dispatches_a_namespace_tool_the_model_calls(codex_namespace_server, workdir):
+    base, log_path = codex_namespace_server
+    done = codex_run(base, workdir, f"Close the agent of {CLUE}.")
+    assert "".join(AFTER_CALL) in done.stdout
+    result = [r for r in requests(log_path, "/v1/responses") if r.get("prompt_tokens")][-1]
+    # Codex ran close_agent (which found no such agent) instead of answering "unsupported call".
+    assert "no-such-agent" in result["prompt"] and "unsupported call" not in result["prompt"]
