@@ -80,7 +80,7 @@ def loaded_fields(loaded: LoadedModel) -> dict[str, Any]:
     model = loaded.model
     state = getattr(model, "state_bytes_per_row", None)
     common = {"embedding": loaded.pooling, "state_bytes_per_row": state(loaded.kv_dtype.size) if state else 0}
-    if not hasattr(model, "encode_images"):
+    if "image" not in getattr(model, "media_kinds", ()):
         return common
     config = ImageProcessorConfig.read(loaded.path)
     vision = {"vision": True, "image_token_id": int(model.image_token_id), "image_processor": config}
