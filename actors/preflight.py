@@ -8,6 +8,7 @@ usage: exit 2; actors/startup.py):
 * a `--model` that does not resolve, whose config.json is missing or names an unsupported
   `model_type`, or whose tokenizer (tokenizer.json, tokenizer_config.json, the chat template)
   is missing or does not load (the loader would read gigabytes of weights first and then fail);
+* a `--chat-template` file that cannot be read or does not compile;
 * an `--ssd-cache` directory that cannot be created or written — unless `--ssd-optional`, which
   makes it a warning and serves without the SSD tier (the options returned have none).
 
@@ -37,6 +38,8 @@ def preflight(options: ServerOptions) -> ServerOptions:
     raises StartupFailed (usage) naming the first problem."""
     if options.model.model:
         check_model_dir(options.model.model)
+    if options.templates.chat_template is not None:
+        check_template_file(options.templates.chat_template)
     caches = options.caches
     if caches.ssd_cache_dir and (problem := ssd_dir_problem(Path(caches.ssd_cache_dir))):
         if not caches.ssd_optional:
@@ -44,6 +47,16 @@ def preflight(options: ServerOptions) -> ServerOptions:
         log.warning("SSD cache disabled (--ssd-optional): %s", problem)
         return attrs.evolve(options, caches=attrs.evolve(caches, ssd_cache_dir=None))
     return options
+
+
+def check_template_file(path: str) -> None:
+    """`--chat-template` reads and compiles (its syntax errors name the line)."""
+    from model.text.tokenizer import read_template_file
+
+    try:
+        read_template_file(path)
+    except ValueError as exc:
+        raise StartupFailed(str(exc), usage=True) from exc
 
 
 def check_model_dir(spec: str) -> Path:

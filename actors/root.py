@@ -100,6 +100,10 @@ async def start_actors(
         info.kv_scheme,
     )
     tokenizer = make_tokenizer(info)
+    if options.templates.chat_template is not None:  # --chat-template: the model's own replaced
+        from model.text.tokenizer import with_template_file
+
+        tokenizer = with_template_file(tokenizer, options.templates.chat_template)
     resolved = resolve(options, info)  # every auto, for this model on this device
     budget = resolved.memory_budget_bytes
     ceiling = admission_ceiling(

@@ -173,17 +173,29 @@ def _shows_all(text: str | None, system_texts: list[str]) -> bool:
     return text is None or all(t.strip() in text for t in system_texts)
 
 
+def with_template_defaults(handles: ServerHandles, prompt: ChatPrompt) -> ChatPrompt:
+    """`prompt` with the server's template defaults under its own variables (`--thinking`,
+    `--chat-template-args`). The prompt cache keys token ids, so the same rendered prompt hits
+    whichever way its variables came."""
+    templates = handles.options.templates
+    reasoning = prompt.reasoning.with_defaults(dict(templates.chat_template_args), templates.thinking)
+    return attrs.evolve(prompt, reasoning=reasoning)
+
+
 def render_chat_prompt(handles: ServerHandles, prompt: ChatPrompt, *, generation_prompt: bool = True) -> RenderedPrompt:
     """What the chat routes render for `prompt`, once it passes the size bound (blocking; the
     utilities' /tokenize and /apply-template). Raises `ApiError` (400)."""
     check_prompt_size(handles, prompt)
-    return render_prompt(handles.tokenizer, prompt, generation_prompt=generation_prompt)
+    return render_prompt(
+        handles.tokenizer, with_template_defaults(handles, prompt), generation_prompt=generation_prompt
+    )
 
 
 def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
     """The length of the prompt `start_chat` renders for `prompt` (tokenizer only; blocking).
     Raises `ApiError` (400) for a prompt that cannot fit the context window."""
     check_prompt_size(handles, prompt)
+    prompt = with_template_defaults(handles, prompt)
     tokens = render_prompt(handles.tokenizer, prompt).tokens
     if prompt.images:  # each image counts its grid's tokens, read from its header (nothing decoded)
         return images.expanded_length(
@@ -266,6 +278,7 @@ def _with_images(
 def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
     """Everything `start_chat` does before admission (blocking). Raises `ApiError` (400)."""
     check_prompt_size(handles, request.prompt)
+    request = attrs.evolve(request, prompt=with_template_defaults(handles, request.prompt))
     tokenizer = handles.tokenizer
     fields = request.generation
     reasoning = request.prompt.reasoning

@@ -8,6 +8,7 @@ Messages and tools are in the shape chat templates read (OpenAI-style dicts: `de
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -53,18 +54,42 @@ class GenerationFields:
     top_logprobs: int = 0
     n: int = 1  # choices to generate from one prefill (OpenAI's `n`)
     include_usage: bool = False  # a stream ends with a usage chunk (OpenAI's `stream_options`)
+    # Reasoning tokens a row may generate before the server ends its reasoning (None: the server's).
+    thinking_budget: int | None = None
 
 
 @attrs.frozen
 class ReasoningOptions:
-    """Thinking switches passed to the chat template."""
+    """Thinking switches and the other variables passed to the chat template."""
 
     enable_thinking: bool | None = None  # None: the template's default
     preserve_thinking: bool | None = None
     effort: str | None = None  # template depth ("low" | "medium" | "xhigh"), for templates that read one
+    # Every other chat_template_kwargs variable, as (name, value) pairs: passed through as given.
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def with_defaults(self, args: Mapping[str, Any], thinking: str) -> ReasoningOptions:
+        """These options over the server's (`--chat-template-args`, `--thinking on|off|auto`):
+        the request's own variables win, then the flag, then the args."""
+        switch = {"on": True, "off": False}.get(thinking)
+        default = args.get("enable_thinking")
+        enable = self.enable_thinking
+        if enable is None:
+            enable = switch if switch is not None else default if isinstance(default, bool) else None
+        preserve = self.preserve_thinking
+        if preserve is None and isinstance(args.get("preserve_thinking"), bool):
+            preserve = args["preserve_thinking"]
+        own = dict(self.extra)
+        extra = {k: v for k, v in args.items() if k not in ("enable_thinking", "preserve_thinking") and k not in own}
+        return attrs.evolve(
+            self,
+            enable_thinking=enable,
+            preserve_thinking=preserve,
+            extra=tuple(sorted({**extra, **own}.items())),
+        )
 
     def template_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(self.extra)
         if self.enable_thinking is not None:
             kwargs["enable_thinking"] = self.enable_thinking
         if self.preserve_thinking is not None:

@@ -33,7 +33,9 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 REASONING_EFFORT_MESSAGE = "reasoning_effort must be one of 'none', 'minimal', 'low', 'medium', 'high', 'xhigh'"
 # Templates with a depth variable get one of three levels; "none" (thinking off) passes none.
 _TEMPLATE_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": "xhigh", "xhigh": "xhigh"}
-TEMPLATE_SWITCHES = ("enable_thinking", "preserve_thinking")  # other chat_template_kwargs are ignored
+TEMPLATE_SWITCHES = ("enable_thinking", "preserve_thinking")  # booleans; other chat_template_kwargs pass as given
+# Names the renderer passes itself: a chat_template_kwargs variable cannot replace them.
+RESERVED_TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 def pick(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -231,18 +233,24 @@ def template_effort(effort: str) -> str | None:
 
 def reasoning_options(template_kwargs: Any, effort: Any, *, effort_param: str = "reasoning_effort") -> ReasoningOptions:
     """`chat_template_kwargs` and `reasoning_effort`: explicit enable_thinking > the effort
-    ("none" = off, any level = on) > the template's default. `effort_param`: the effort's name
-    in the request's protocol (Responses: `reasoning.effort`), as its 400 names it."""
+    ("none" = off, any level = on) > the template's default. Every other variable reaches the
+    template as given. `effort_param`: the effort's name in the request's protocol (Responses:
+    `reasoning.effort`), as its 400 names it."""
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
     switches: dict[str, bool] = {}
-    for name in TEMPLATE_SWITCHES:
-        value = (template_kwargs or {}).get(name)
-        if value is None:
-            continue
-        if not isinstance(value, bool):
+    extra: dict[str, Any] = {}
+    for name, value in (template_kwargs or {}).items():
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise bad_request(
+                f"chat_template_kwargs.{name} is set by the server and cannot be given", param="chat_template_kwargs"
+            )
+        if name not in TEMPLATE_SWITCHES:
+            extra[name] = value
+        elif value is not None and not isinstance(value, bool):
             raise bad_request(f"chat_template_kwargs.{name} must be a boolean", param="chat_template_kwargs")
-        switches[name] = value
+        elif value is not None:
+            switches[name] = value
     if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
         message = REASONING_EFFORT_MESSAGE.replace("reasoning_effort", effort_param, 1)
         raise bad_request(message, param=effort_param)
@@ -253,4 +261,5 @@ def reasoning_options(template_kwargs: Any, effort: Any, *, effort_param: str = 
         enable_thinking=thinking,
         preserve_thinking=switches.get("preserve_thinking"),
         effort=_TEMPLATE_EFFORT.get(effort) if isinstance(effort, str) else None,
+        extra=tuple(sorted(extra.items())),
     )

@@ -40,9 +40,7 @@ def engine_scores(
         engine.adapters.close(adapters)
 
 
-def prompt_logprobs(
-    model: LanguageModel, tokens: Sequence[int], *, top: int = 0, chunk: int = 2048
-) -> list[PromptScore]:
+def prompt_logprobs(model: LanguageModel, tokens: Sequence[int], *, top: int = 0, chunk: int) -> list[PromptScore]:
     """Per prompt token: (its logprob given the tokens before it, the `top` likeliest tokens at its
     position, most likely first); (None, ()) for the first token."""
     if not tokens:

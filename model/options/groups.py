@@ -222,6 +222,45 @@ class SamplingOptions:
     )
 
 
+# Read by api/chat.py (template defaults, the reasoning budget) and actors/root.py (the template).
+@attrs.frozen
+class TemplateOptions:
+    """Chat template and reasoning: the template, and the defaults of requests that set none.
+
+    A request's own values win over these flags, and they over the template's own defaults."""
+
+    chat_template: str | None = option(
+        None,
+        Flag(
+            "--chat-template",
+            "render chat prompts with this Jinja template FILE instead of the model's own",
+            parse=v.path_arg,
+            metavar="FILE",
+            shown="the model's",
+        ),
+    )
+    # (name, value) pairs, sorted: variables every render gets unless a request's chat_template_kwargs set them.
+    chat_template_args: tuple[tuple[str, object], ...] = option(
+        (),
+        Flag(
+            "--chat-template-args",
+            "a JSON object of variables the chat template gets unless a request's chat_template_kwargs "
+            "set them, e.g. '{\"preserve_thinking\": true}' (default: none)",
+            parse=v.json_object,
+            metavar="JSON",
+        ),
+        converter=v.sorted_items,
+    )
+    thinking: str = option(
+        "auto",
+        Flag(
+            "--thinking",
+            "enable_thinking for requests that do not set it: on, off, or auto = the template's own default",
+            choices=("on", "off", "auto"),
+        ),
+    )
+
+
 @attrs.frozen
 class SchedulingOptions:
     """Scheduling: rows decoding at once and how prefills share the engine (actors/scheduler.py)."""
@@ -652,6 +691,7 @@ class ServerOptions:
     access: AccessOptions = group(AccessOptions)
     admission: AdmissionOptions = group(AdmissionOptions)
     sampling: SamplingOptions = group(SamplingOptions)
+    templates: TemplateOptions = group(TemplateOptions)
     scheduling: SchedulingOptions = group(SchedulingOptions)
     caches: CacheOptions = group(CacheOptions)
     kv: KVOptions = group(KVOptions)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import ipaddress
+import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from model.lora.ids import adapter_id_problem
@@ -89,6 +90,23 @@ def batch_rows(text: str) -> int | None:
     if value < 1:
         raise argparse.ArgumentTypeError("must be auto or an integer >= 1")
     return value
+
+
+def json_object(text: str) -> tuple[tuple[str, object], ...]:
+    """A JSON object's (name, value) pairs, sorted by name (`--chat-template-args`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return sorted_items(value)
+
+
+def sorted_items(value: Mapping[str, object] | Iterable[tuple[str, object]]) -> tuple[tuple[str, object], ...]:
+    """A mapping (or its pairs) as (name, value) pairs sorted by name: a frozen option's value."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted(pairs, key=lambda pair: pair[0]))
 
 
 def adapter_spec(text: str) -> tuple[str, str]:

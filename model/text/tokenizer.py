@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import tokenizers
 
-from model.text.chat_template import ChatTemplate
+from model.text.chat_template import ChatTemplate, TemplateError
 from model.text.detokenizer import StreamingDetokenizer, TextStream, detokenizer_kind, make_detokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -106,6 +106,28 @@ def _load_chat_template(path: Path, config: Mapping[str, Any]) -> ChatTemplate |
         }
         return named or None
     return None
+
+
+def read_template_file(path: Path | str) -> ChatTemplate:
+    """The Jinja chat template in `path` (`--chat-template`). Raises ValueError (one line) for a
+    file that cannot be read or does not compile."""
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: cannot be read ({exc})") from None
+    try:
+        return ChatTemplate(source)
+    except TemplateError as exc:
+        raise ValueError(f"--chat-template {path}: {exc}") from None
+
+
+def with_template_file(tokenizer: ChatTokenizer, path: Path | str) -> ChatTokenizer:
+    """`tokenizer` rendering the template in `path` instead of the model's own. Raises ValueError
+    as `read_template_file`, or for a tokenizer that cannot take another template."""
+    template = read_template_file(path)
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError("--chat-template: this tokenizer cannot take another chat template")
+    return tokenizer.with_chat_template(template)
 
 
 class ChatTokenizer(Protocol):
@@ -279,6 +301,13 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self._templates)
+
+    def with_chat_template(self, template: ChatTemplate) -> Tokenizer:
+        """This tokenizer rendering `template` instead of its own (`--chat-template`), for every
+        conversation, with or without tools."""
+        replaced = copy.copy(self)
+        replaced._templates = {"default": template}
+        return replaced
 
     def chat_template(self, *, tools: Sequence[Any] | None = None) -> ChatTemplate:
         """The template transformers would pick: "tool_use" when tools are given and one exists,

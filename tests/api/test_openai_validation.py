@@ -558,7 +558,7 @@ async def test_messages_are_normalized_before_templating(autojump_clock):
         (
             {"chat_template_kwargs": {"enable_thinking": True, "preserve_thinking": False, "other": 1}},
             None,
-            {"enable_thinking": True, "preserve_thinking": False},
+            {"enable_thinking": True, "preserve_thinking": False, "other": 1},  # any variable passes through
         ),
     ],
 )
