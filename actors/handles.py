@@ -23,6 +23,7 @@ from model.options import SamplingOptions, ServerOptions
 
 if TYPE_CHECKING:
     from actors.ssd.durability import SsdTier
+    from actors.ssd.response_log import ResponseLog
     from model.engine.machine import MachineFacts
     from model.engine.scoring import PromptScore
     from model.text.tokenizer import ChatTokenizer
@@ -89,6 +90,7 @@ class ServerHandles:
     prompt_cache: CacheStats | None = None  # the worker's prompt cache, when it has one
     worker: Worker | None = None
     ssd: SsdTier | None = None  # when --ssd-cache is on and the store opened
+    responses: ResponseLog | None = None  # the durable Responses store (--response-store, or under --ssd-cache)
     adapters: AdapterRegistry = attrs.Factory(AdapterRegistry)  # mounted LoRA adapters
     # /stats blocks the app adds for what it owns itself (the Responses store: api/responses/routes.py).
     stats_blocks: dict[str, Callable[[], dict[str, Any]]] = attrs.Factory(dict)

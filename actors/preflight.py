@@ -10,7 +10,8 @@ usage: exit 2; actors/startup.py):
   is missing or does not load (the loader would read gigabytes of weights first and then fail);
 * a `--chat-template` file that cannot be read or does not compile;
 * an `--ssd-cache` directory that cannot be created or written — unless `--ssd-optional`, which
-  makes it a warning and serves without the SSD tier (the options returned have none).
+  makes it a warning and serves without the SSD tier (the options returned have none);
+* a `--response-store` directory that cannot be created or written.
 
 A model without a chat template is a warning, not a failure: /v1/completions still works. An SSD
 directory another server holds is found only once the model is loaded (the lock is per model
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import attrs
 
+from actors.ssd.response_records import dir_problem
 from actors.startup import StartupFailed
 from model.options import ServerOptions
 
@@ -40,6 +42,9 @@ def preflight(options: ServerOptions) -> ServerOptions:
         check_model_dir(options.model.model)
     if options.templates.chat_template is not None:
         check_template_file(options.templates.chat_template)
+    store = options.responses.response_store
+    if store not in (None, "memory") and (problem := dir_problem(Path(store))):
+        raise StartupFailed(problem, usage=True)
     caches = options.caches
     if caches.ssd_cache_dir and (problem := ssd_dir_problem(Path(caches.ssd_cache_dir))):
         if not caches.ssd_optional:

@@ -9,6 +9,7 @@ Tree (all in one nursery, started in dependency order; any actor crashing takes 
     ├── spill_queue       inbox: Spill (--ssd-cache only)      → SSD writes off the MLX thread
     ├── durability        inbox: MarkDirty (worker put hook)    → snapshot jobs, Spill
     ├── demotion_timer    its own cadence, polls `scheduler.busy` → demote jobs, Spill
+    ├── response_log      put / delete ops from the Responses routes → fsync'd batches (--response-store)
     └── HTTP (hypercorn `serve`, started first: the port is bound before the model loads, and
                   api/http/lifecycle.py answers 503 "loading" until the app is ready; the root
                   decides when it ends and what still runs after it)
@@ -52,6 +53,7 @@ from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.shutdown import Shutdown, ShutdownPlan
 from actors.ssd.durability import shutdown_flush, start_ssd_tier
+from actors.ssd.response_log import RESPONSE_DRAIN_S, start_response_log
 from actors.startup import listen_failed, load_failed
 from actors.worker_api import ModelInfo, Worker
 from model.engine.params import SamplingParams
@@ -193,6 +195,7 @@ async def start_actors(
         prompt_cache=worker.prompt_cache if isinstance(worker, HoldsPromptCache) else None,
         worker=worker,
         ssd=ssd,
+        responses=await start_response_log(nursery, options),  # stored Responses on disk, or None
         adapters=AdapterRegistry(worker),
     )
     await mount_flag_adapters(handles.adapters, options.adapters.adapters)  # --adapter: a bad one fails start-up
@@ -313,6 +316,10 @@ async def run_server(
                 with flush_scope:
                     flushed = await shutdown_flush(handles.ssd, timeout=plan.durability_flush)
                     trace("durability flushed")
+            if handles.responses is not None:  # (every answered put is already on disk)
+                with trio.move_on_after(RESPONSE_DRAIN_S) as drain_scope:
+                    drain_scope.shield = True
+                    await handles.responses.drain()
         nursery.cancel_scope.cancel()
     trace("actors stopped")
     await run_flush_hooks(flush_hooks, budget=plan.flush_hooks)

@@ -6,19 +6,21 @@ stored output re-fed as input, reasoning dropped, instructions carried forward u
 replaced), translated into a typed chat request (api/responses/translate.py) and run through
 the chat core (api/chat.py); only the encoding differs (api/responses/encode.py). The finished
 Response object is stored under its id unless the request says `store: false` (failed streams
-are never stored). Errors use the Responses shape (the app's error handler dispatches
+are never stored; with a durable store it is on disk before the final event or the body goes
+out: api/responses/store.py `Responses`). Errors use the Responses shape (the app's error handler dispatches
 /v1/responses* there).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from quart import Blueprint, Response, request
 
 from actors.handles import ServerHandles
 from actors.request import GenerationFailed, RequestActor
+from actors.ssd.response_log import store_ttl
 from api.chat import start_chat, vocab_size
 from api.completion import (
     TIMED_OUT,
@@ -36,16 +38,18 @@ from api.model_names import check_requested_model, model_name
 from api.pipeline.events import Event
 from api.responses.encode import ResponseMeta, ResponsesStream
 from api.responses.items import output_to_input, stored_input
-from api.responses.store import ResponseStore, StoredResponse
+from api.responses.store import Responses, ResponseStore, StoredResponse
 from api.responses.tools import tool_set
 from api.responses.translate import input_items, responses_request
 
 DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items page sizes, OpenAI's
 
 
-def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> Blueprint:
+def blueprint(handles: ServerHandles) -> Blueprint:
     bp = Blueprint("responses", __name__)
-    store = store if store is not None else ResponseStore()
+    durable = handles.responses  # the durable store (actors/ssd/response_log.py), or None
+    ttl = store_ttl(handles.options.responses, durable=durable is not None)
+    store = Responses(ResponseStore(ttl_s=ttl), durable)
     handles.stats_blocks["responses_store"] = store.stats  # /stats and /metrics show what it holds
 
     @bp.post("/v1/responses")
@@ -61,7 +65,7 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
             if previous_id is not None:
                 if not isinstance(previous_id, str):
                     raise bad_request("previous_response_id must be a string", param="previous_response_id")
-                previous = store.get(previous_id)
+                previous = await store.get(previous_id)
                 if previous is None:
                     raise ApiError(
                         404,
@@ -93,10 +97,12 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
             store=keep,
         )
 
-        def remember(final: dict[str, Any]) -> None:
-            if keep and final["status"] != "failed":
+        async def remember(final: dict[str, Any]) -> None:
+            if keep and final["status"] != "failed":  # durable (with a durable store) once this returns
                 kept = stored_input(items)
-                store.put(final["id"], input=kept, output=final["output"], instructions=instructions, response=final)
+                await store.put(
+                    final["id"], input=kept, output=final["output"], instructions=instructions, response=final
+                )
 
         if started.generation.stream:
             return sse_response(
@@ -105,21 +111,21 @@ def blueprint(handles: ServerHandles, *, store: ResponseStore | None = None) -> 
         # The whole answer is the items its stream would have sent, from the same events.
         builder = ResponsesStream(meta, frames=False, tools=toolset, forced=grammar_forced)
         final = builder.response(await collect(started.actor, on_events=builder.add))
-        remember(final)
+        await remember(final)
         return json_response(final)
 
     @bp.get("/v1/responses/<response_id>")
     async def retrieve(response_id: str) -> Response:
-        return json_response(_stored(store, response_id).response)
+        return json_response((await _stored(store, response_id)).response)
 
     @bp.get("/v1/responses/<response_id>/input_items")
     async def input_items_list(response_id: str) -> Response:
-        entry = _stored(store, response_id)
+        entry = await _stored(store, response_id)
         return json_response(input_items_page(entry.input, request.args))
 
     @bp.delete("/v1/responses/<response_id>")
     async def delete(response_id: str) -> Response:
-        if not store.delete(response_id):
+        if not await store.delete(response_id):
             raise _not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -156,8 +162,8 @@ def input_items_page(items: list[dict[str, Any]], args: Mapping[str, str]) -> di
     }
 
 
-def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
-    entry = store.get(response_id)
+async def _stored(store: Responses, response_id: str) -> StoredResponse:
+    entry = await store.get(response_id)
     if entry is None:
         raise _not_found(response_id)
     return entry
@@ -168,7 +174,7 @@ def _not_found(response_id: str) -> ApiError:
 
 
 async def _stream(
-    actor: RequestActor[Event], stream: ResponsesStream, remember: Callable[[dict[str, Any]], None]
+    actor: RequestActor[Event], stream: ResponsesStream, remember: Callable[[dict[str, Any]], Awaitable[None]]
 ) -> AsyncIterator[bytes]:
     completion = Completion()
     try:
@@ -187,7 +193,7 @@ async def _stream(
         closing, final = stream.finish(
             finish_reason=completion.finish_reason, openai_usage=completion.usage, reasoning=completion.reasoning
         )
-        remember(final)  # before response.completed: a client may continue from it at once
+        await remember(final)  # before response.completed: a client may continue from it at once
         yield closing
     except Exception as exc:  # after the headers an exception would only truncate the body
         log_stream_failure(exc, "responses")

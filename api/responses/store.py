@@ -1,6 +1,11 @@
 """The Responses store: what `previous_response_id` continues from.
 
-Process-local and in memory. Each entry keeps a finished response's effective input items
+`ResponseStore` is the memory tier, process-local. `Responses` puts it in front of the durable
+store when there is one (actors/ssd/response_log.py: `--response-store`, or under
+`--ssd-cache`): a put is written there before the route answers, and a read that misses memory
+reads the record back from disk (verified) into memory.
+
+Each entry keeps a finished response's effective input items
 (continuations included, in OpenAI's item shapes with their ids: what GET
 /v1/responses/{id}/input_items lists), its output items, its instructions and the Response
 object itself (for GET /v1/responses/{id}). Entries expire `ttl_s` after they were stored; reads touch them
@@ -22,7 +27,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -97,8 +102,10 @@ class ResponseStore:
         output: list[Any],
         instructions: str | None,
         response: dict[str, Any],
+        ttl_s: float | None = None,
     ) -> bool:
-        """Store (or replace) an entry; False when it alone is over the byte cap (not kept)."""
+        """Store (or replace) an entry, for `ttl_s` (default: the store's); False when it alone is
+        over the byte cap (not kept)."""
         self._sweep()
         self._drop(response_id)
         own, large = measure([input, output, instructions, response])
@@ -112,7 +119,7 @@ class ResponseStore:
             response=response,
             size=own,
             shared=tuple(large),
-            expires_at=self._clock() + self.ttl_s,
+            expires_at=self._clock() + (self.ttl_s if ttl_s is None else ttl_s),
         )
         self.bytes += own
         for text in large:
@@ -171,3 +178,69 @@ class ResponseStore:
         now = self._clock()
         for response_id in [rid for rid, e in self._entries.items() if e.expires_at <= now]:
             self._drop(response_id)
+
+
+class DurableLog(Protocol):
+    """The durable store as the routes use it (actors.ssd.response_log.ResponseLog)."""
+
+    async def put(self, record: dict[str, Any]) -> bool: ...
+
+    async def get(self, rid: str) -> dict[str, Any] | None: ...
+
+    async def delete(self, rid: str) -> bool: ...
+
+    def record(self, rid: str, **fields: Any) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class Responses:
+    """The memory store in front of the durable one (None: memory alone)."""
+
+    def __init__(
+        self, memory: ResponseStore, durable: DurableLog | None = None, *, wall: Callable[[], float] = time.time
+    ) -> None:
+        self.memory = memory
+        self.durable = durable
+        self._wall = wall
+
+    async def put(
+        self,
+        response_id: str,
+        *,
+        input: list[Any],
+        output: list[Any],
+        instructions: str | None,
+        response: dict[str, Any],
+    ) -> bool:
+        """Keep an entry; with a durable store, returns once it is on disk (False: it could not be
+        written and lives in memory only)."""
+        fields: dict[str, Any] = {"input": input, "output": output, "instructions": instructions, "response": response}
+        self.memory.put(response_id, **fields)
+        if self.durable is None:
+            return True
+        return await self.durable.put(self.durable.record(response_id, **fields))
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        entry = self.memory.get(response_id)
+        if entry is not None or self.durable is None:
+            return entry
+        record = await self.durable.get(response_id)
+        if record is None:
+            return None
+        fields: dict[str, Any] = {k: record[k] for k in ("input", "output", "instructions", "response")}
+        ttl_s = max(0.0, float(record["expires_at"]) - self._wall())
+        if self.memory.put(response_id, **fields, ttl_s=ttl_s):
+            entry = self.memory.get(response_id)
+        # Too large for memory: served from this read alone.
+        return entry or StoredResponse(**fields, size=0, shared=(), expires_at=0.0)
+
+    async def delete(self, response_id: str) -> bool:
+        in_memory = self.memory.delete(response_id)
+        on_disk = await self.durable.delete(response_id) if self.durable is not None else False
+        return in_memory or on_disk
+
+    def stats(self) -> dict[str, Any]:
+        """/stats' `responses_store` block (the durable store's under `durable`)."""
+        stats = self.memory.stats()
+        return stats if self.durable is None else {**stats, "durable": self.durable.stats()}

@@ -395,6 +395,45 @@ class CacheOptions:
 
 
 @attrs.frozen
+class ResponsesOptions:
+    """Responses store: what previous_response_id continues from, and where it is kept."""
+
+    # A directory, "memory", or None: DIR/responses under --ssd-cache, else memory
+    # (actors/ssd/response_log.py).
+    response_store: str | None = option(
+        None,
+        Flag(
+            "--response-store",
+            "keep stored Responses (store: true) in DIR, each on disk before its answer is sent, so "
+            "previous_response_id, GET and DELETE survive restarts and crashes; 'memory' keeps them in "
+            "RAM only (default: DIR/responses under --ssd-cache, else memory)",
+            parse=v.path_arg,
+            metavar="DIR|memory",
+            shown="DIR/responses under --ssd-cache, else memory",
+        ),
+    )
+    response_store_ttl_s: float | None = option(
+        None,
+        Flag(
+            "--response-store-ttl",
+            "seconds a stored response is kept (default: 30 days on disk, 1 hour in memory)",
+            parse=v.positive_float,
+            metavar="S",
+            shown="30 days on disk, 1 hour in memory",
+        ),
+    )
+    response_store_max_gb: float = option(
+        4.0,
+        Flag(
+            "--response-store-max",
+            "size cap of the store on disk in GiB; over it the least recently used responses go first (default 4)",
+            parse=v.positive_float,
+            metavar="GiB",
+        ),
+    )
+
+
+@attrs.frozen
 class KVOptions:
     """KV cache storage: quantized or the activation dtype (model/kv/scheme.py)."""
 
@@ -694,6 +733,7 @@ class ServerOptions:
     templates: TemplateOptions = group(TemplateOptions)
     scheduling: SchedulingOptions = group(SchedulingOptions)
     caches: CacheOptions = group(CacheOptions)
+    responses: ResponsesOptions = group(ResponsesOptions)
     kv: KVOptions = group(KVOptions)
     speculation: SpeculationOptions = group(SpeculationOptions)
     adapters: AdapterOptions = group(AdapterOptions)

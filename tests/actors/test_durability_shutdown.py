@@ -29,7 +29,10 @@ async def run(worker, clients, *, timeout, signals_at, demote_idle_s=300.0):
         note("flush")
 
     shutdown = Shutdown()
-    config = serve_options(shutdown_timeout=timeout, ssd_cache_dir="/fake", ssd_demote_idle_s=demote_idle_s)
+    # (no durable Responses store: it would open a directory under /fake)
+    config = serve_options(
+        shutdown_timeout=timeout, ssd_cache_dir="/fake", ssd_demote_idle_s=demote_idle_s, response_store="memory"
+    )
     out = {}
 
     async def serve():
