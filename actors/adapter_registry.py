@@ -134,6 +134,7 @@ def ceiling_with_adapters(ceiling: AdmissionCeiling, info: ModelInfo, adapter_by
         kv_quantized_from=info.kv_quantized_from,
         adapter_bytes=adapter_bytes,
         state_bytes_per_row=info.state_bytes_per_row,
+        kv_budget_bytes=ceiling.kv_budget_bytes,
     )
 
 

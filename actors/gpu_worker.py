@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -37,10 +36,11 @@ import outcome
 import trio
 
 from actors.adapter_registry import mounted_for
+from actors.kv_memory import buffer_cache_bytes
 from actors.options import resolve
-from actors.policy import device_memory, system_memory_bytes
 from actors.tp.leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
+from actors.worker_memory import after_row_job, device_memory_bytes
 from model.engine.abort_flags import AbortFlags
 from model.engine.prefill_memory import prefill_transient_bytes
 from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
@@ -123,7 +123,10 @@ class GpuWorker:
         self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
         self._protected = frozenset(protected_ids)
         caches = options.caches
-        self.prompt_cache_bytes = int(caches.prompt_cache_gb * 2**30)
+        # Off only when --prompt-cache 0 or under tensor parallelism; sized once the model is loaded.
+        self.prompt_cache_on = caches.prompt_cache_gb != 0
+        self.prompt_cache_bytes = 0
+        self._kv_room = 0  # what running rows and the prompt cache share (set once resolved)
         # Read from the trio side for /stats: plain ints only, so no lock is needed.
         self.prompt_cache: PromptCache | None = None
         self._tiered: TieredPromptCache | None = None
@@ -204,6 +207,7 @@ class GpuWorker:
 
         from cache.prompt_cache import PromptCache
         from model.engine.build import build_engine, eos_of, kv_scheme_for
+        from model.kv.rows import resumable
         from model.load.loader import load_model
 
         self.thread_ident = threading.get_ident()
@@ -212,12 +216,12 @@ class GpuWorker:
         eos = eos_of(loaded, self._eos)
         self.tp.start(self, loaded, eos, self._trio_token)  # (size 1: nothing)
         self.pooling = loaded.pooling
-        if self.prompt_cache_bytes > 0:
+        if self.prompt_cache_on:  # (sized below, once the budget is resolved, before any put)
             self._tiered = self._make_prompt_cache(loaded)  # (an empty cache is falsy: test for None)
             self.prompt_cache = self._tiered
             if self.prompt_cache is None:
                 share = self.options.caches.cache_retention_share
-                self.prompt_cache = PromptCache(self.prompt_cache_bytes, retention_share=share)
+                self.prompt_cache = PromptCache(0, retention_share=share)
         built = build_engine(
             loaded,
             engine=self.options.engine,
@@ -238,9 +242,11 @@ class GpuWorker:
             eos_token_ids=eos,
             device=str(device.type).rsplit(".", 1)[-1],
             backend="cpu" if device.type != mx.gpu else "metal" if mx.metal.is_available() else "cuda",
-            memory_bytes=_device_memory_bytes(mx),
+            memory_bytes=device_memory_bytes(mx),
             model_type=loaded.config.model_type,
             speculation=built.speculation,
+            # (a preempted row resumes from the prompt cache; its ranks' caches cannot follow)
+            preemptible=resumable(kv_scheme, loaded.model.make_caches()) and self.tp.size == 1 and self.prompt_cache_on,
             prefill_transient_bytes=prefill_transient_bytes(
                 loaded.config.raw, chunk=self.options.engine.prefill_chunk, dtype_bytes=loaded.kv_dtype.size
             ),
@@ -257,6 +263,10 @@ class GpuWorker:
             ),
         )
         resolved = resolve(self.options, self.info)  # --batch auto is sized once the model is loaded
+        self._kv_room = resolved.kv_room_bytes
+        mx.set_cache_limit(buffer_cache_bytes(self.info.prefill_transient_bytes))
+        if self.prompt_cache is not None:
+            self.prompt_cache_bytes = self.prompt_cache.max_bytes = resolved.prompt_cache_bytes
         batch = resolved.batch if resolved.warm_up else 0
         if loaded.pooling is not None:
             batch = 0  # an embedding model never decodes
@@ -289,6 +299,7 @@ class GpuWorker:
             self._current_reply = job.reply
             result = outcome.capture(job.fn, engine)
             self._current_reply = None
+            after_row_job(engine, job.kind, self.prompt_cache, self._kv_room)
             times.add(job.kind, clock() - started)
             try:
                 token.run_sync_soon(_reply, job.reply, result)
@@ -343,9 +354,12 @@ class GpuWorker:
         return await self._call(lambda engine: engine.step(), "step")
 
     async def close_row(self, row_id: int, *, reusable: bool, retain_s: float | None = None) -> None:
-        return await self._call(
-            lambda engine: engine.close_row(row_id, reusable=reusable, retain_s=retain_s), "close_row"
-        )
+        def job(engine: Engine) -> None:
+            if retain_s is not None and self.prompt_cache is not None:
+                self.prompt_cache.room = None  # a preempted row's KV moves to the cache (re-capped after)
+            engine.close_row(row_id, reusable=reusable, retain_s=retain_s)
+
+        return await self._call(job, "close_row")
 
     async def mount_adapter(self, adapter_id: str, path: str) -> AdapterReport:
         info = await self._call(lambda engine: engine.mount_adapter(adapter_id, path), "adapter")
@@ -432,7 +446,7 @@ class GpuWorker:
         if store is None:
             return None
         self.ssd_store = store
-        cache = TieredPromptCache(self.prompt_cache_bytes, store, retention_share=caches.cache_retention_share)
+        cache = TieredPromptCache(0, store, retention_share=caches.cache_retention_share)
         cache.on_put.append(self._forward_put)
         return cache
 
@@ -486,13 +500,3 @@ def _reply(channel: trio.MemorySendChannel, result: outcome.Outcome) -> None:
         channel.send_nowait(result)
     except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
         pass  # the caller went away (cancelled); the job still ran to completion
-
-
-def _device_memory_bytes(mx: ModuleType) -> int:
-    """What the device can hold (actors/policy.py `device_memory` picks the key); 0 = unknown."""
-    try:
-        device = "cpu" if mx.default_device().type == mx.cpu else "gpu"
-        info = {} if device == "cpu" else (mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info())
-        return device_memory(device, info, ram_bytes=system_memory_bytes())
-    except Exception:
-        return 0

@@ -12,6 +12,7 @@ import attrs
 from actors.adapter_registry import AdapterRegistry, ceiling_with_adapters
 from actors.admission import Admission
 from actors.arrivals import Arrivals
+from actors.kv_memory import kv_budget
 from actors.messages import FlushResult
 from actors.options import Resolved
 from actors.policy import AdmissionCeiling, BatchMode
@@ -99,8 +100,11 @@ class ServerHandles:
         self.adapters.on_change = self._bill_adapters
 
     def _bill_adapters(self, nbytes: int) -> None:
-        """Mounted adapters' weights come out of admission's memory budget."""
+        """Mounted adapters' weights come out of admission's memory budget, and of the live-KV
+        budget all rows share."""
         self.ceiling = self.admission.ceiling = ceiling_with_adapters(self.ceiling, self.info, nbytes)
+        if self.scheduler.kv_budget is not None:
+            self.scheduler.kv_budget = kv_budget(max(0, self.ceiling.usable_bytes), self.info)
 
     async def flush_cache(self) -> FlushResult:
         """POST /admin/cache/flush: durable, with zeros, without the SSD tier."""
@@ -137,6 +141,10 @@ class ServerHandles:
                 "pending_rows": sched.pending_rows(self.admission.enqueued),
                 "waiting_rows": self.admission.waiting_rows,
                 "draining": sched.table.draining,
+                # Live KV as the scheduler bills it (rows padded to the batch's longest), against
+                # the budget all rows share; `peak_kv_bytes`, `preemptions`, `resumes` below.
+                "kv_bytes": sched.table.kv_bytes(),
+                **({"kv_budget_bytes": sched.kv_budget.budget_bytes} if sched.kv_budget is not None else {}),
                 **attrs.asdict(sched.counters),
                 # (row id, reached the queue [ms, server clock], waited [ms], opened with N rows)
                 "recent_opens": [(i, round(t * 1e3, 1), round(w * 1e3, 2), n) for i, t, w, n in sched.recent_opens],

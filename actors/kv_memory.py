@@ -15,12 +15,27 @@ padded to its longest, so the rows together cost their count times the longest o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import attrs
 
 from actors.policy import KvRate, kv_bill
+from model.engine.rows import RowSpec
+
+if TYPE_CHECKING:
+    from actors.worker_api import ModelInfo
 
 GROWTH_TOKENS = 256  # KV buffers grow by this many positions (model/kv/cache.py STEP)
 PREEMPT_RETAIN_S = 600.0  # a preempted row's KV is protected in the prompt cache this long
+# MLX keeps freed buffers for reuse; unbounded, it keeps every transient a burst ever made. Twice
+# one prefill forward's peak lets each forward reuse the last one's buffers.
+BUFFER_CACHE_FLOOR = 1 << 30
+
+
+def buffer_cache_bytes(prefill_transient_bytes: int) -> int:
+    """The bound on MLX's buffer cache (`mx.set_cache_limit`); it is emptied when the server idles."""
+    return max(BUFFER_CACHE_FLOOR, 2 * prefill_transient_bytes)
 
 
 @attrs.frozen
@@ -43,3 +58,27 @@ class KvBudget:
     def batch_bytes(self, rows: int, longest: int) -> int:
         """A batch of `rows` rows holds each padded to its `longest` (model/kv/cache.py)."""
         return rows * self.row_bytes(longest)
+
+
+def kv_budget(budget_bytes: int, info: ModelInfo) -> KvBudget:
+    """The live-KV budget of `budget_bytes`, billed at the loaded model's rates."""
+    rate = KvRate(info.kv_bytes_per_token, info.kv_quant_ratio, info.kv_quantized_from, info.state_bytes_per_row)
+    return KvBudget(budget_bytes, rate)
+
+
+def preemptible(spec: RowSpec) -> bool:
+    """A row the scheduler may preempt, on a model whose KV comes back exactly (`ModelInfo.
+    preemptible`): not grammar-constrained (the matcher's state lives on the worker) and without
+    images (their features would be encoded again)."""
+    return spec.sampling.constraint is None and not spec.images
+
+
+def resumed_spec(spec: RowSpec, generated: Sequence[int]) -> RowSpec:
+    """The row a preempted one resumes as: its prompt ends with what it generated, its sampler's
+    steps go on from there (`RowSpec.resumed`), and it may generate what is left."""
+    return attrs.evolve(
+        spec,
+        prompt=spec.prompt + tuple(generated),
+        max_tokens=spec.max_tokens - len(generated),
+        resumed=spec.resumed + len(generated),
+    )

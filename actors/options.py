@@ -26,6 +26,10 @@ PROG = "mlx-trio-server"  # the console script (pyproject.toml) that runs actors
 # The joiner's chunk while other rows decode, on CPU: the long-joiner workload's worst gap
 # between a running stream's tokens was a whole 2048-token chunk (1.8 s on the CPU machine).
 DECODING_PREFILL_CHUNK = 512
+# `--prompt-cache` auto: this fraction of the KV room the memory budget leaves, at most the 8 GiB
+# the cache was before it lived inside the budget (running rows take room from it anyway).
+AUTO_PROMPT_CACHE_SHARE = 4
+AUTO_PROMPT_CACHE_MAX = 8 * 2**30
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -71,7 +75,7 @@ def validate(options: ServerOptions) -> str | None:
         return "--draft-model is only used with --draft-kind draft"
     if spec.ngram_min > spec.ngram_max:
         return "--ngram-min must not exceed --ngram-max"
-    if options.caches.ssd_cache_dir and options.caches.prompt_cache_gb <= 0:
+    if options.caches.ssd_cache_dir and options.caches.prompt_cache_gb == 0:
         return "--ssd-cache requires the RAM prompt cache (--prompt-cache 0 disables it)"
     return None
 
@@ -82,6 +86,9 @@ class Resolved:
 
     batch: int  # rows decoding at once
     memory_budget_bytes: int
+    kv_room_bytes: int  # what the budget leaves after weights and the prefill transient
+    kv_budget_bytes: int  # live KV of all rows together (--kv-budget; auto: the room)
+    prompt_cache_bytes: int  # the RAM prompt cache's size (--prompt-cache; auto: a share of the room)
     warm_up: bool  # decode batch sizes 1..batch are met before serving
     group_prefill: bool
     decoding_prefill_chunk: int  # a joiner's chunk while other rows decode (0 = the full chunk)
@@ -106,9 +113,18 @@ def resolve(options: ServerOptions, info: ModelInfo) -> Resolved:
         state_bytes_per_row=info.state_bytes_per_row,
     )
     chunk = options.scheduling.decoding_prefill_chunk
+    room = max(0, budget - info.weights_bytes - info.prefill_transient_bytes)
+    kv_gb, cache_gib = options.admission.kv_budget_gb, options.caches.prompt_cache_gb
     return Resolved(
         batch=batch,
         memory_budget_bytes=budget,
+        kv_room_bytes=room,
+        kv_budget_bytes=int(kv_gb * 1e9) if kv_gb is not None else room,
+        prompt_cache_bytes=(
+            int(cache_gib * 2**30)
+            if cache_gib is not None
+            else min(AUTO_PROMPT_CACHE_MAX, room // AUTO_PROMPT_CACHE_SHARE)
+        ),
         warm_up=options.engine.warm_up == "on" or (options.engine.warm_up == "auto" and gpu),
         # auto = on everywhere since 2026-12-05: on CPU too, once chat rows joined their groups
         # (benchmarks/results/2026-12-05/NOTES.md, item 28), grouping measured +5-11% at c=8/32.

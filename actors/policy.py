@@ -120,6 +120,7 @@ class AdmissionCeiling:
     adapter_bytes: int = 0  # the mounted LoRA adapters' weights
     context_length: int = 0  # the model's window, per row (0: not known, memory alone bounds)
     kv_rate: KvRate | None = None  # None: the budget holds one row of `max_safe_context`, linearly
+    kv_budget_bytes: int | None = None  # --kv-budget when given: `usable_bytes` is at most it
 
     def memory_context(self, rows: int = 1) -> int:
         """The longest each of `rows` rows of one request may grow to, side by side in the budget.
@@ -182,13 +183,17 @@ def admission_ceiling(
     kv_quantized_from: int = 0,
     adapter_bytes: int = 0,
     state_bytes_per_row: int = 0,
+    kv_budget_bytes: int | None = None,
 ) -> AdmissionCeiling:
     """The limits of one request's rows: the model's context window per row, and the KV the
     budget holds after weights, the mounted adapters' weights and the prefill transient
     (`transient_bytes`: model/engine/prefill_memory.py), billed at the scheme's true bytes (`kv_bill`);
-    `max_safe_context` is the smaller, for one row."""
+    `max_safe_context` is the smaller, for one row. An explicit live-KV budget (`--kv-budget`)
+    bounds a request's rows too: they could never run together under it."""
     rate = KvRate(kv_bytes_per_token, kv_quant_ratio, kv_quantized_from, state_bytes_per_row)
     usable = budget_bytes - weights_bytes - adapter_bytes - transient_bytes
+    if kv_budget_bytes:
+        usable = min(usable, kv_budget_bytes)
     ceiling = AdmissionCeiling(
         memory_budget_bytes=budget_bytes,
         usable_bytes=usable,
@@ -198,6 +203,7 @@ def admission_ceiling(
         adapter_bytes=adapter_bytes,
         context_length=context_length,
         kv_rate=rate,
+        kv_budget_bytes=kv_budget_bytes,
     )
     return attrs.evolve(ceiling, max_safe_context=max(0, min(ceiling.memory_context(1), context_length)))
 
@@ -232,15 +238,19 @@ def fit_rows(
     return min(max_tokens, room - prompt_tokens)
 
 
-def device_memory(device: str, device_info: Mapping[str, object], *, ram_bytes: int) -> int:
+def device_memory(
+    device: str, device_info: Mapping[str, object], *, ram_bytes: int, free_bytes: int | None = None, own_bytes: int = 0
+) -> int:
     """What the model's device can hold, from `mx.device_info()`: CUDA reports `total_memory`
     (GPU memory), Metal `max_recommended_working_set_size` (what the GPU may keep resident;
-    its `memory_size` is all of RAM); on CPU, or when neither key is there, system RAM."""
+    its `memory_size` is all of RAM); on CPU, or when neither key is there, system RAM. With
+    `free_bytes` (CUDA's free memory, read once the model is loaded), at most that plus what this
+    process holds (`own_bytes`): memory another process holds is not ours to budget."""
     if device != "cpu":
         for key in ("total_memory", "max_recommended_working_set_size", "memory_size"):
             value = device_info.get(key)
             if isinstance(value, int) and value > 0:
-                return value
+                return value if free_bytes is None else min(value, free_bytes + own_bytes)
     return ram_bytes
 
 

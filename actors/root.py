@@ -46,6 +46,7 @@ from actors.adapter_registry import AdapterRegistry, mount_flag_adapters
 from actors.admission import Admission
 from actors.arrivals import Arrivals
 from actors.handles import CacheStats, ServerHandles, sampling_defaults_for
+from actors.kv_memory import kv_budget
 from actors.messages import Control, FlushResult, Submit
 from actors.options import resolve
 from actors.policy import admission_ceiling, batch_mode, waiting_rows
@@ -110,6 +111,7 @@ async def start_actors(
     budget = resolved.memory_budget_bytes
     ceiling = admission_ceiling(
         budget_bytes=budget,
+        kv_budget_bytes=resolved.kv_budget_bytes if options.admission.kv_budget_gb is not None else None,
         weights_bytes=info.weights_bytes,
         kv_bytes_per_token=info.kv_bytes_per_token,
         context_length=info.context_length,
@@ -160,6 +162,10 @@ async def start_actors(
         arrival_window=options.scheduling.arrival_window_ms / 1000,
         group_prefill_tokens=resolved.engine.prefill_chunk if grouped else 0,
         decoding_prefill_chunk=resolved.decoding_prefill_chunk,
+        kv_budget=kv_budget(resolved.kv_budget_bytes, info),
+        # A preempted row resumes from the prompt cache: without one, none is preempted.
+        preempts=info.preemptible and resolved.prompt_cache_bytes > 0,
+        step_tokens=1 + (options.speculation.num_draft_tokens if info.speculation else 0),
     )
     arrivals.on_settled = scheduler.nudge
     admission.on_queued = scheduler.nudge

@@ -20,7 +20,8 @@ step, and the aborted row's token from that call is discarded, never delivered. 
 prefill is also passed to the worker at once (`Worker.abort`), so the chunk stops at its next
 check between layers instead of running to its end; the row then leaves as after any call.
 Each row's `RequestObserver` is told of every event delivered on its channel, of each prefill
-forward of the row, and of the channel's close.
+forward of the row, of its preemption and of the channel's close. With a live-KV budget
+(`actors/kv_memory.py`), a preempted row's stream pauses and it resumes from the queue head.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from actors.kv_memory import PREEMPT_RETAIN_S, KvBudget
+from actors.kv_memory import PREEMPT_RETAIN_S, KvBudget, preemptible, resumed_spec
 from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow
 from actors.row_table import LeaveReason, Row, RowTable, rows_enqueued
+from actors.scheduler_counters import SchedulerCounters
 from actors.scheduling import (
     GROUP_MIN_CACHED_TOKENS,
     Action,
@@ -56,36 +58,13 @@ from actors.scheduling import (
     joined_in_burst,
 )
 from actors.worker_api import AdapterNotMounted, Worker
-from model.engine.rows import RowSpec, TokenOut
+from model.engine.rows import TokenOut
 
 log = logging.getLogger(__name__)
 
 # Undelivered events on one row's channel that mean its reader is gone. A live reader drains its
 # channel every event-loop turn; even a slow one stays far below this (~tens of seconds of decode).
 DEFAULT_STALL_BACKLOG = 2048
-
-
-@attrs.define
-class SchedulerCounters:
-    submitted_rows: int = 0
-    finished_rows: int = 0  # EOS or length
-    stopped_rows: int = 0  # stop string
-    aborted_rows: int = 0
-    failed_rows: int = 0
-    steps: int = 0
-    prefill_chunks: int = 0
-    group_prefills: int = 0  # prefill_group forwards (each also counts as a prefill chunk)
-    grouped_rows: int = 0  # rows opened for a group prefill
-    solo_rows: int = 0  # rows opened to prefill alone
-    forked_rows: int = 0  # sibling choices opened from their leader's prefill (no prefill of their own)
-    held_heads: int = 0  # queue heads held for requests still on their way in
-    held_s: float = 0.0  # their total wait
-    tokens: int = 0
-    drafted_tokens: int = 0  # speculative decoding: draft tokens verified (TokenOut.drafted)
-    accepted_tokens: int = 0  # and accepted by the model
-    preemptions: int = 0  # running rows sent back to the queue: the live-KV budget was full
-    resumes: int = 0  # preempted rows opened again
-    peak_kv_bytes: int = 0  # the most the active rows held together (as the live-KV budget bills them)
 
 
 class Scheduler:
@@ -159,12 +138,6 @@ class Scheduler:
         self.table.memory = budget
         self._kick.set()
 
-    def preemptible(self, spec: RowSpec) -> bool:
-        """Rows whose state can be rebuilt exactly from the prompt cache: not grammar-constrained
-        (the matcher's state lives on the worker) and without images (their features are
-        re-encoded on a miss), on a model whose KV kinds come back exactly (`preempts`)."""
-        return self.preempts and spec.sampling.constraint is None and not spec.images
-
     def nudge(self) -> None:
         """Re-decide now (an arrival the driver may be holding the head for has settled)."""
         self._kick.set()
@@ -202,7 +175,7 @@ class Scheduler:
                 observer=message.observer,
                 enqueued_at=trio.current_time(),
             )
-            row.preemptible = self.preemptible(message.spec)
+            row.preemptible = self.preempts and preemptible(message.spec)
             if message.siblings is not None:
                 self.table.enqueue_sibling(row, message.siblings)
             else:
@@ -425,13 +398,7 @@ class Scheduler:
         """The row goes back to the queue head as a row whose prompt ends with what it generated
         (`RowSpec.resumed`); its KV is put in the prompt cache, protected, so it reopens as a hit
         and goes on with exactly the tokens it would have produced. Its stream just pauses."""
-        spec, generated = row.spec, tuple(row.generated)
-        resumed = attrs.evolve(
-            spec,
-            prompt=spec.prompt + generated,
-            max_tokens=spec.max_tokens - len(generated),
-            resumed=spec.resumed + len(generated),
-        )
+        resumed = resumed_spec(row.spec, row.generated)
         self.table.preempt(row, resumed)
         self.counters.preemptions += 1
         row.observer.preempted()

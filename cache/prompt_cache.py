@@ -83,6 +83,8 @@ class PromptCache:
         self, max_bytes: int, *, retention_share: float = RETENTION_SHARE, now: Callable[[], float] = time.monotonic
     ) -> None:
         self.max_bytes = max(0, int(max_bytes))
+        # What running rows leave it (`yield_to`): it holds at most the smaller of the two.
+        self.room: int | None = None
         self.retention_share = min(1.0, max(0.0, retention_share))
         self._now = now
         self._entries: OrderedDict[EntryKey, _Entry] = OrderedDict()  # least recently used first
@@ -94,6 +96,20 @@ class PromptCache:
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
+
+    @property
+    def capacity(self) -> int:
+        """The bytes it may hold now: its size, less what running rows took (`yield_to`)."""
+        return self.max_bytes if self.room is None else max(0, min(self.max_bytes, self.room))
+
+    def yield_to(self, room: int) -> int:
+        """Running rows and this cache share one budget: it keeps at most `room` bytes, evicting
+        least recently used entries first (protected ones last). Returns the bytes evicted."""
+        self.room = room
+        before, now = self._bytes, self._now()
+        while self._bytes > self.capacity and self._entries:
+            self._remove(self._victim(now))
+        return before - self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -111,6 +127,7 @@ class PromptCache:
             "entries": len(self._entries),
             "bytes": self._bytes,
             "max_bytes": self.max_bytes,
+            "capacity_bytes": self.capacity,  # (less, while running rows took room from it)
             "hits": self.hits,
             "misses": self.misses,
         }
@@ -187,7 +204,7 @@ class PromptCache:
             nbytes=sum(c.nbytes for c in caches),
             trimmable=all(c.is_trimmable() for c in caches),
         )
-        if entry.nbytes > self.max_bytes:
+        if entry.nbytes > self.capacity:
             return False
         now = self._now()
         replaced = self._entries.get(entry.key)
@@ -208,7 +225,7 @@ class PromptCache:
         self._entries[entry.key] = entry
         self._bytes += entry.nbytes
         self._cap_protection(now)
-        while self._bytes > self.max_bytes:
+        while self._bytes > self.capacity:
             self._remove(self._victim(now))
         if entry.key not in self._entries:
             return False
@@ -241,7 +258,7 @@ class PromptCache:
     def _cap_protection(self, now: float) -> None:
         """Over the share, the protected entries whose deadlines come first become ordinary."""
         held = sorted((e for e in self._entries.values() if self._held(e, now)), key=lambda e: e.deadline or 0.0)
-        excess = sum(e.nbytes for e in held) - self.retention_share * self.max_bytes
+        excess = sum(e.nbytes for e in held) - self.retention_share * self.capacity
         for entry in held:
             if excess <= 0:
                 break

@@ -98,8 +98,10 @@ class RecordingWorker:
     def abort(self, row_id: int) -> None:
         self.inner.abort(row_id)  # a signal, not a job: nothing to record
 
-    async def close_row(self, row_id: int, *, reusable: bool) -> None:
-        return await self._record("close_row", row_id, lambda: self.inner.close_row(row_id, reusable=reusable))
+    async def close_row(self, row_id: int, *, reusable: bool, retain_s: float | None = None) -> None:
+        return await self._record(
+            "close_row", row_id, lambda: self.inner.close_row(row_id, reusable=reusable, retain_s=retain_s)
+        )
 
     async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any:
         return await self._record("run_exclusive", None, lambda: self.inner.run_exclusive(fn))

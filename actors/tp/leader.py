@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 class WorkerSettings(Protocol):
     """What start-up reads of the GPU worker (actors/gpu_worker.py)."""
 
-    prompt_cache_bytes: int  # (set to 0: the prompt cache is off)
+    prompt_cache_on: bool  # (set to False: the prompt cache is off)
 
     @property
     def options(self) -> ServerOptions: ...
@@ -152,9 +152,9 @@ class TensorParallel:
             check_shardable(loaded.model, self.size)
         except ValueError as e:
             raise ModelLoadError(f"--tensor-parallel {self.size}: {e}") from None
-        if worker.prompt_cache_bytes:
+        if worker.prompt_cache_on:
             log.warning("--tensor-parallel: the prompt cache is off (its ranks' caches could not stay in lockstep)")
-            worker.prompt_cache_bytes = 0
+            worker.prompt_cache_on = False
         options = worker.options
         setup = Setup(str(loaded.path), options.engine, eos, worker._protected, options.kv)
         try:

@@ -33,6 +33,7 @@ SSD tier, simply yields no series):
 | `mlx_trio:admission_rejections_total{reason}` | `admission.rejected_*` |
 | `mlx_trio:scheduler_rows_total{outcome}`, `scheduler_steps_total`, `prefill_chunks_total` | `batch.*` counters |
 | `mlx_trio:kv_cache_usage_perc` (vLLM name) | `batch.kv_bytes / batch.kv_budget_bytes`, when present |
+| `mlx_trio:num_preemptions_total` (vLLM name), `num_resumptions_total`, `kv_cache_peak_bytes` | `batch.*` |
 | `mlx_trio:prompt_cache_{hits,misses}_total`, `prompt_cache_{entries,bytes,max_bytes}` | `prompt_cache` |
 | `mlx_trio:ssd_cache_{restores,spills,dropped_spills,failed_spills}_total` | `ssd_cache` |
 | `mlx_trio:ssd_cache_{restore_failures,quarantined,demotions}_total` | `ssd_cache` |
@@ -375,6 +376,9 @@ def _batch_series(batch: Mapping[str, Any]) -> Iterator[Metric]:
             ("num_requests_waiting", "gauge", "pending_rows", "Rows admitted and waiting for the engine."),
             ("scheduler_steps", "counter", "steps", "Batched decode steps."),
             ("prefill_chunks", "counter", "prefill_chunks", "Prompt chunks prefilled."),
+            ("num_preemptions", "counter", "preemptions", "Running rows preempted: the live-KV budget was full."),
+            ("num_resumptions", "counter", "resumes", "Preempted rows opened again."),
+            ("kv_cache_peak_bytes", "gauge", "peak_kv_bytes", "The most live KV the active rows held together."),
         ],
     )
     outcomes = [(o, _number(batch, f"{o}_rows")) for o in ("submitted", "finished", "stopped", "aborted", "failed")]

@@ -369,8 +369,6 @@ class Engine:
         return read(current, self.eos)
 
     def close_row(self, row_id: int, *, reusable: bool = False, retain_s: float | None = None) -> None:
-        """The row leaves. `reusable`: its KV goes to the prompt cache, protected from eviction
-        for `retain_s` when given (a preempted row's, until it resumes)."""
         self.aborts.discard(row_id)
         row = self._rows.pop(row_id, None)
         if row is None:
@@ -410,6 +408,10 @@ class Engine:
         return len(self._rows)
 
     @property
+    def live_kv_bytes(self) -> int:
+        """The open rows' KV now: the batch's caches and those of rows still prefilling."""
+        return sum(c.nbytes for c in self._caches) + sum(c.nbytes for r in self._rows.values() for c in r.caches)
+
     def batch_size(self) -> int:
         return len(self._batch) - self._departed
 
@@ -422,9 +424,7 @@ class Engine:
             caches = row.caches  # never joined (finished at token 0, or closed mid-prefill)
         elif _solo(batch):
             caches = batch  # the lone row holds the batch state: hand it over, no copy
-        elif _merged(batch) and (len(row.prompt) >= MIN_CACHE_TOKENS or retain_s is not None):
-            # (a short row's KV is cheaper to recompute than to copy out, unless it must come
-            # back exactly: a preempted row resumes from it)
+        elif _merged(batch) and (len(row.prompt) >= MIN_CACHE_TOKENS or retain_s is not None):  # (preempted)
             i = self._batch.index(row)
             caches = [c.extract(i) for c in batch]
             # Materialize the copy now: a lazy slice would pin the whole batch buffer.

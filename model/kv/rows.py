@@ -32,6 +32,14 @@ def convert_at(scheme: KVScheme, prompt_length: int, chunk: int) -> int | None:
     return scheme.conversion_point(prompt_length, chunk) if scheme.quantized else None
 
 
+def resumable(scheme: KVScheme, fresh: Sequence[Any]) -> bool:
+    """Whether a row of a model whose caches are `fresh` (its own kinds) can leave the batch and
+    come back from the prompt cache exactly where it was: every layer plain KV, cut back to any
+    position (a sliding window or a recurrent state cannot be), and nothing turning quantized (a
+    resumed row would turn at another position)."""
+    return not scheme.quantized and all(type(c) is KVCache for c in fresh)
+
+
 def restorable(scheme: KVScheme, caches: Sequence[Any], cached: int, at: int | None) -> bool:
     """Whether restored `caches` (covering `cached` tokens) equal a cold run's at that point."""
     turned = set()

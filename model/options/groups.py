@@ -170,6 +170,20 @@ class AdmissionOptions:
             metavar="GB",
         ),
     )
+    # Live KV: every active row's together (actors/kv_memory.py); None = what the memory budget
+    # leaves after weights, adapters and the prefill transient (the prompt cache yields to rows).
+    kv_budget_gb: float | None = option(
+        None,
+        Flag(
+            "--kv-budget",
+            "KV that all running rows may hold together, in decimal GB: a row that would pass it "
+            "waits, and before a decode step that would pass it the latest arrival is preempted "
+            "(default: what --memory-budget leaves after weights, adapters and the prefill transient)",
+            parse=v.positive_float,
+            metavar="GB",
+            shown="auto",
+        ),
+    )
     max_queue: int = option(256, Flag("--max-queue", "requests allowed to wait; more get 503", parse=v.at_least_one))
     # Decoding images (api/media.py): GiB all requests' decodes may take at once (more wait), and
     # one request's (more is a 400).
@@ -314,11 +328,15 @@ class SchedulingOptions:
 class CacheOptions:
     """Prompt cache: the RAM tier, its retention of client breakpoints, and the SSD tier."""
 
-    prompt_cache_gb: float = option(
-        8.0,
+    # None = a quarter of the KV room the memory budget leaves, at most 8 GiB (actors/options.py).
+    prompt_cache_gb: float | None = option(
+        None,
         Flag(
             "--prompt-cache",
-            "RAM prompt cache size in GiB (default 8; 0 disables it)",
+            "RAM prompt cache size in GiB, inside the memory budget: running rows take room from "
+            "it before they wait (default: a quarter of what the budget leaves after weights, at "
+            "most 8; 0 disables it)",
+            shown="auto",
             parse=v.non_negative_float,
             metavar="GiB",
         ),

@@ -13,6 +13,7 @@ from actors.options import resolve
 from actors.policy import (
     AUTO_BATCH_ROWS,
     AUTO_ROW_CONTEXT,
+    admission_ceiling,
     device_memory,
     resolve_batch,
 )
@@ -127,3 +128,26 @@ async def test_an_explicit_batch_reaches_the_scheduler_unchanged(nursery):
         nursery, worker, options=serve_options(batch=3), make_tokenizer=lambda info: FakeTokenizer()
     )
     assert handles.scheduler.table.capacity == 3 and handles.resolved.batch == 3
+
+
+def test_the_kv_budget_and_the_prompt_cache_default_to_the_room_the_memory_budget_leaves():
+    info = attrs.evolve(FakeWorker().info, prefill_transient_bytes=TRANSIENT, weights_bytes=GB)
+    small = resolve(serve_options(memory_budget_gb=9.0), info)  # a 16 GB Mac's budget, say
+    room = 9 * GB - GB - TRANSIENT
+    assert (small.kv_room_bytes, small.kv_budget_bytes) == (room, room)
+    assert small.prompt_cache_bytes == room // 4  # inside the budget, not 8 GiB on top of it
+    big = resolve(serve_options(memory_budget_gb=200.0), info)
+    assert big.prompt_cache_bytes == 8 * 2**30  # at most what it was before
+    explicit = resolve(serve_options(memory_budget_gb=9.0, kv_budget_gb=2.5, prompt_cache_gb=1.0), info)
+    assert (explicit.kv_budget_bytes, explicit.prompt_cache_bytes) == (int(2.5 * GB), 2**30)
+    # An explicit live-KV budget bounds what one request may hold too.
+    kw = {"budget_bytes": 9 * GB, "weights_bytes": GB, "kv_bytes_per_token": KV, "context_length": 10**6}
+    assert admission_ceiling(**kw, transient_bytes=TRANSIENT, kv_budget_bytes=GB).usable_bytes == GB
+    assert admission_ceiling(**kw, transient_bytes=TRANSIENT).usable_bytes == room
+
+
+def test_cuda_budgets_the_memory_left_free_not_what_another_process_holds():
+    held_elsewhere = 46 * GB
+    free = CUDA_H100["total_memory"] - held_elsewhere - 5 * GB  # (5 GB: our own model, loaded)
+    assert device_memory("gpu", CUDA_H100, ram_bytes=RAM, free_bytes=free, own_bytes=5 * GB) == free + 5 * GB
+    assert device_memory("gpu", CUDA_H100, ram_bytes=RAM, free_bytes=None) == CUDA_H100["total_memory"]

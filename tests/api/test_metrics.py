@@ -205,7 +205,7 @@ async def test_each_app_has_its_own_registry(autojump_clock):
 
 def test_stats_collector_tolerates_absent_blocks_and_reads_the_ssd_tier():
     stats = {
-        "batch": {"active_rows": 2, "pending_rows": 3, "kv_bytes": 50, "kv_budget_bytes": 200},
+        "batch": {"active_rows": 2, "pending_rows": 3, "kv_bytes": 50, "kv_budget_bytes": 200, "preemptions": 6},
         "ssd_cache": {
             "dir": "/x",
             "restores": 4,
@@ -223,6 +223,7 @@ def test_stats_collector_tolerates_absent_blocks_and_reads_the_ssd_tier():
     get = metrics.registry.get_sample_value
     assert get("mlx_trio:num_requests_running") == 2 and get("mlx_trio:num_requests_waiting") == 3
     assert get("mlx_trio:kv_cache_usage_perc") == 0.25
+    assert get("mlx_trio:num_preemptions_total") == 6
     assert get("mlx_trio:ssd_cache_restores_total") == 4 and get("mlx_trio:ssd_cache_spills_total") == 7
     assert get("mlx_trio:ssd_cache_dropped_spills_total") == 1 and get("mlx_trio:ssd_cache_failed_spills_total") == 2
     assert get("mlx_trio:ssd_cache_restore_failures_total") == 1

@@ -185,7 +185,7 @@ def test_zero_capacity_disables_the_cache():
     pc = PromptCache(0)
     assert not pc.put([1, 2, 3], kv([1, 2, 3]))
     assert pc.take([1, 2, 3, 4]) == (None, 0)
-    assert pc.stats() == {"entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 1}
+    assert pc.stats() == {"entries": 0, "bytes": 0, "max_bytes": 0, "capacity_bytes": 0, "hits": 0, "misses": 1}
 
 
 def test_on_put_hooks_see_each_stored_key_and_cannot_break_a_put():
@@ -208,7 +208,8 @@ def test_stats_count_hits_and_misses():
     pc.put([1, 2, 3], kv([1, 2, 3]))
     pc.take([1, 2, 3, 4])
     pc.take([9, 9, 9])
-    assert pc.stats() == {"entries": 1, "bytes": 3 * BYTES_PER_TOKEN, "max_bytes": 1 << 20, "hits": 1, "misses": 2}
+    stats = {"entries": 1, "bytes": 3 * BYTES_PER_TOKEN, "max_bytes": 1 << 20, "capacity_bytes": 1 << 20}
+    assert pc.stats() == {**stats, "hits": 1, "misses": 2}
 
 
 @pytest.mark.parametrize("cut", [1, 2])
@@ -255,3 +256,18 @@ def test_a_cache_grows_to_a_multiple_of_256_whatever_it_held(held, incoming, cap
     keys, _ = c.update_and_fetch(col, col)
     assert c.keys.shape[2] == capacity
     assert keys[0, 0, :, 0].tolist() == list(range(1, held + 1)) + new
+
+
+def test_running_rows_take_room_from_the_cache_least_recently_used_first_protected_last():
+    entry = 10 * BYTES_PER_TOKEN
+    pc = PromptCache(3 * entry + 100)
+    a, b, c = list(range(1, 11)), list(range(21, 31)), list(range(41, 51))
+    assert pc.put(a, kv(a)) and pc.put(b, kv(b)) and pc.put(c, kv(c), retain_s=60)
+    assert pc.yield_to(2 * entry + 50) == entry  # the least recently used goes first
+    assert [t for _, t in pc.keys()] == [tuple(b), tuple(c)]
+    assert pc.yield_to(entry) == entry  # then the next unprotected one, not the protected one
+    assert [t for _, t in pc.keys()] == [tuple(c)]
+    assert pc.stats()["capacity_bytes"] == entry
+    assert pc.yield_to(0) == entry and len(pc) == 0  # protection gives way last
+    pc.yield_to(10 * entry)  # rows left: the cache is its own size again
+    assert pc.capacity == pc.max_bytes and pc.put(a, kv(a))
