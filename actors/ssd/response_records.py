@@ -6,13 +6,15 @@ run on worker threads by actors/ssd/response_log.py).
     DIR/<xx>/.<id>.json.<n>.tmp   a write in flight (a start-up reaps what a crash left)
     DIR/quarantine/               records that failed verification (the newest 16 kept)
 
-A record is one header line, `mlx-trio-response 1 <sha256 of the body> <body length>`, then the
-body: the JSON object {id, created_at, expires_at (epoch seconds), input, output, instructions,
-response}. Every record is verified when the directory opens (a start-up reads them all) and
-again when it is read: the header, the length, the hash, the JSON and its fields, and the id
-against the file's name. One that fails is never served: it is logged, moved to quarantine and
-answered as absent. Writes go to a temp file, are fsync'd, renamed into place, and each touched
-directory is fsync'd once per batch, so a kill leaves a record whole or absent.
+A record is one header line, `mlx-trio-response 1 <sha256> <body length> <expires_at>`, then
+the body: the JSON object {id, created_at, expires_at (epoch seconds), input, output,
+instructions, response}; the hash covers the expiry and the body. Every record is verified when
+the directory opens (a start-up reads and hashes them all, without parsing their JSON) and in
+full when it is read: the header, the length, the hash, the JSON and its fields, the expiry
+against the header's, and the id against the file's name. One that fails is never served: it
+is logged, moved to quarantine and answered as absent. Writes go to a temp file, are fsync'd,
+renamed into place, and each touched directory is fsync'd once per batch, so a kill leaves a
+record whole or absent.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"
 QUARANTINE_KEEP = 16
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_HEADER = re.compile(rf"{MAGIC} (\d+) ([0-9a-f]{{64}}) (\d+)")
+_HEADER = re.compile(rf"{MAGIC} (\d+) ([0-9a-f]{{64}}) (\d+) ([0-9.e+]+)")
 _TMP_COUNTER = itertools.count()
 
 
@@ -63,13 +65,22 @@ class RecordMeta:
     last_used: float  # epoch seconds: its write, or its last read (LRU under the size cap)
 
 
+def _digest(expires: str, body: bytes) -> str:
+    h = hashlib.sha256(expires.encode())
+    h.update(b"\n")
+    h.update(body)
+    return h.hexdigest()
+
+
 def encode(record: dict[str, Any]) -> bytes:
     body = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
-    return f"{MAGIC} {VERSION} {hashlib.sha256(body).hexdigest()} {len(body)}\n".encode() + body
+    expires = repr(float(record["expires_at"]))
+    return f"{MAGIC} {VERSION} {_digest(expires, body)} {len(body)} {expires}\n".encode() + body
 
 
-def decode(data: bytes, expect_id: str) -> dict[str, Any]:
-    """The verified record in `data` (a file named after `expect_id`). Raises RecordCorrupt."""
+def verified_expiry(data: bytes) -> float:
+    """The expiry of the record in `data`, once its header, length and hash hold (the body is
+    not parsed: the start-up scan). Raises RecordCorrupt."""
     head, newline, body = data.partition(b"\n")
     match = _HEADER.fullmatch(head.decode("ascii", "replace"))
     if not newline or match is None:
@@ -78,8 +89,18 @@ def decode(data: bytes, expect_id: str) -> dict[str, Any]:
         raise RecordCorrupt(f"record version {match.group(1)}")
     if int(match.group(3)) != len(body):
         raise RecordCorrupt(f"body is {len(body)} bytes, the header says {match.group(3)}")
-    if hashlib.sha256(body).hexdigest() != match.group(2):
-        raise RecordCorrupt("body hash mismatch")
+    if _digest(match.group(4), body) != match.group(2):
+        raise RecordCorrupt("hash mismatch")
+    try:
+        return float(match.group(4))
+    except ValueError:
+        raise RecordCorrupt("unreadable expiry") from None
+
+
+def decode(data: bytes, expect_id: str) -> dict[str, Any]:
+    """The verified record in `data` (a file named after `expect_id`). Raises RecordCorrupt."""
+    expires = verified_expiry(data)
+    body = data.partition(b"\n")[2]
     try:
         record = json.loads(body)
     except ValueError as e:
@@ -87,7 +108,7 @@ def decode(data: bytes, expect_id: str) -> dict[str, Any]:
     if (
         not isinstance(record, dict)
         or record.get("id") != expect_id
-        or not isinstance(record.get("expires_at"), (int, float))
+        or record.get("expires_at") != expires
         or not isinstance(record.get("input"), list)
         or not isinstance(record.get("output"), list)
         or not isinstance(record.get("response"), dict)
@@ -140,14 +161,14 @@ class RecordDir:
             if not _ID.fullmatch(rid):
                 raise RecordCorrupt("not a response id")
             data = path.read_bytes()
-            record = decode(data, rid)
+            expires = verified_expiry(data)
         except (OSError, RecordCorrupt) as e:
             self.quarantine(path, str(e))
             return None
-        if record["expires_at"] <= now:
+        if expires <= now:
             path.unlink(missing_ok=True)
             return None
-        return RecordMeta(rid, path, len(data), float(record["expires_at"]), path.stat().st_mtime)
+        return RecordMeta(rid, path, len(data), expires, path.stat().st_mtime)
 
     def close(self) -> None:
         if self._lock_fd is not None:
