@@ -45,12 +45,12 @@ class RowSpec:
     adapters: tuple[str, ...] = ()
     # Images whose features replace the prompt's image-pad runs, in order (a vision model only).
     images: tuple[ImageInput, ...] = ()
-
-
-@attrs.frozen
     # A preempted row resumed: the last `resumed` prompt tokens are ones it generated before
     # (its sampler goes on from them, keyed by the same steps), `max_tokens` what is left.
     resumed: int = 0
+
+
+@attrs.frozen
 class RowOpened:
     row_id: int
     cached_tokens: int  # prompt tokens restored from the prompt cache
