@@ -46,6 +46,7 @@ from actors.messages import (
     StopRow,
     Submit,
 )
+from model.engine.reasoning import ThinkTracker
 from model.engine.rows import RowOpened, TokenOut
 
 # A stream cut by the shutdown deadline ends with this finish_reason, vLLM's for a request the
@@ -155,6 +156,11 @@ class RequestActor(Generic[EventT]):
         self.cached_tokens = 0
         self.cache_created_tokens = 0  # prompt tokens the row puts at its retention hints
         self.completion_tokens = 0
+        # A reasoning row's tokens followed as the engine follows them (model/engine/reasoning.py):
+        # the ones inside its reasoning are `reasoning_tokens` (usage's completion_tokens_details).
+        think = request.sampling.think
+        self._think = None if think is None else ThinkTracker.start(think)
+        self.reasoning_tokens = 0
         # Speculative decoding: the draft tokens the row's verifications checked, and accepted.
         self.drafted_tokens = 0
         self.accepted_tokens = 0
@@ -293,6 +299,8 @@ class RequestActor(Generic[EventT]):
         self.completion_tokens += 1
         if token.logprob is not None or token.top_logprobs:
             self.token_logprobs.append(token)
+        if self._think is not None and token.finish != "stop" and self._think.step(token.token):
+            self.reasoning_tokens += 1
         if token.finish == "stop":  # EOS: its text is never shown
             self._release.row_over = True
             return self._finish("eos")
@@ -358,6 +366,8 @@ class RequestActor(Generic[EventT]):
             # "+spec": some of the row's tokens came from verified drafts.
             "lane": f"{self.lane}+spec" if self.lane and self.drafted_tokens else self.lane,
         }
+        if self._think is not None:  # a reasoning row: how many of its tokens were reasoning
+            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         if self._ports.speculation:
             out["speculation"] = {"drafted": self.drafted_tokens, "accepted": self.accepted_tokens}
         return out

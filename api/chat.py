@@ -41,9 +41,10 @@ from api.pipeline.think import prompt_ends_in_open_think
 from api.pipeline.tools.detect import detect_tool_format
 from api.structured import ConstraintRequest, check_compiles, compiles_for
 from api.template_messages import join_late_system, late_system_texts
+from api.thinking import row_think_control
 from cache.boundary import stable_prefix_length
 from cache.prefix_match import common_prefix_length
-from model.engine.params import SamplingParams
+from model.engine.params import SamplingParams, ThinkControl
 from model.engine.rows import ImageInput
 from model.text.tokenizer import ChatTokenizer
 
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 CHAT_DEFAULT_MAX_TOKENS = 65_536
 TEXT_DEFAULT_MAX_TOKENS = 512  # mlx_lm.server's: an untemplated prompt may never reach EOS
 NO_THINK_TEMPERATURE_CAP = 0.7  # a no-think turn runs cooler unless the request names a temperature
+PROMPT_TAIL_TOKENS = 8  # a token-id prompt's last tokens, decoded to see whether it ends inside reasoning
 # Used when tools are present but neither the template nor the family names a format: the
 # `<tool_call>{json}</tool_call>` convention is what most templates teach.
 FALLBACK_TOOL_FORMAT = "hermes"
@@ -173,21 +175,12 @@ def _shows_all(text: str | None, system_texts: list[str]) -> bool:
     return text is None or all(t.strip() in text for t in system_texts)
 
 
-def with_template_defaults(handles: ServerHandles, prompt: ChatPrompt) -> ChatPrompt:
-    """`prompt` with the server's template defaults under its own variables (`--thinking`,
-    `--chat-template-args`). The prompt cache keys token ids, so the same rendered prompt hits
-    whichever way its variables came."""
-    templates = handles.options.templates
-    reasoning = prompt.reasoning.with_defaults(dict(templates.chat_template_args), templates.thinking)
-    return attrs.evolve(prompt, reasoning=reasoning)
-
-
 def render_chat_prompt(handles: ServerHandles, prompt: ChatPrompt, *, generation_prompt: bool = True) -> RenderedPrompt:
     """What the chat routes render for `prompt`, once it passes the size bound (blocking; the
     utilities' /tokenize and /apply-template). Raises `ApiError` (400)."""
     check_prompt_size(handles, prompt)
     return render_prompt(
-        handles.tokenizer, with_template_defaults(handles, prompt), generation_prompt=generation_prompt
+        handles.tokenizer, prompt.with_defaults(handles.options.templates), generation_prompt=generation_prompt
     )
 
 
@@ -195,7 +188,7 @@ def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
     """The length of the prompt `start_chat` renders for `prompt` (tokenizer only; blocking).
     Raises `ApiError` (400) for a prompt that cannot fit the context window."""
     check_prompt_size(handles, prompt)
-    prompt = with_template_defaults(handles, prompt)
+    prompt = prompt.with_defaults(handles.options.templates)
     tokens = render_prompt(handles.tokenizer, prompt).tokens
     if prompt.images:  # each image counts its grid's tokens, read from its header (nothing decoded)
         return images.expanded_length(
@@ -278,7 +271,7 @@ def _with_images(
 def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
     """Everything `start_chat` does before admission (blocking). Raises `ApiError` (400)."""
     check_prompt_size(handles, request.prompt)
-    request = attrs.evolve(request, prompt=with_template_defaults(handles, request.prompt))
+    request = attrs.evolve(request, prompt=request.prompt.with_defaults(handles.options.templates))
     tokenizer = handles.tokenizer
     fields = request.generation
     reasoning = request.prompt.reasoning
@@ -304,6 +297,9 @@ def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
         constraint=request.constraint,
         tool_format=tool_format,
     )
+    thinking, constrained = reasoning.enable_thinking, generation.sampling.constraint is not None
+    control = row_think_control(handles, fields.thinking_budget, starts_in_reasoning, constrained, thinking=thinking)
+    generation = _with_think(generation, control)
     sink = CompletionSink(
         tokenizer.detokenizer(),
         stop=request.stop,
@@ -337,22 +333,24 @@ def prepare_text(handles: ServerHandles, request: TextRequest) -> PreparedChat:
         default_max_tokens=handles.options.sampling.max_tokens or TEXT_DEFAULT_MAX_TOKENS,
         constraint=request.constraint,
     )
+    tail = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:])
+    constrained = generation.sampling.constraint is not None
+    starts = prompt_ends_in_open_think(tail)
+    generation = _with_think(
+        generation, row_think_control(handles, request.generation.thinking_budget, starts, constrained)
+    )
     sink = CompletionSink(tokenizer.detokenizer(), stop=request.stop)
     return PreparedChat(prompt, generation, sink)
+
+
+def _with_think(generation: Generation, control: ThinkControl | None) -> Generation:
+    return attrs.evolve(generation, sampling=attrs.evolve(generation.sampling, think=control))
 
 
 def text_prompt_tokens(handles: ServerHandles, request: TextRequest) -> list[int]:
     """A raw prompt's token ids, once it fits the context window (blocking). Raises `ApiError`."""
     context = handles.info.context_length
-    if isinstance(request.prompt, str):
-        prompt_bounds.check_chars(
-            len(request.prompt), tokenizer=handles.tokenizer, context_length=context, param="prompt"
-        )
-        prompt = handles.tokenizer.encode(request.prompt)
-    else:
-        prompt = list(request.prompt)
-    prompt_bounds.check_tokens(len(prompt), context_length=context)
-    return prompt
+    return prompt_bounds.text_tokens(request.prompt, tokenizer=handles.tokenizer, context_length=context)
 
 
 async def _check_constraint(handles: ServerHandles, request: ConstraintRequest | None, generation: Generation) -> None:

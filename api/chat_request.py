@@ -16,6 +16,7 @@ import attrs
 from api.images import ImagePart
 from api.structured import ConstraintRequest
 from model.engine.params import SamplingParams
+from model.options import TemplateOptions
 
 
 @attrs.frozen
@@ -108,6 +109,13 @@ class ChatPrompt:
     reasoning: ReasoningOptions = ReasoningOptions()
     images: tuple[ImagePart, ...] = ()  # in prompt order, each at a placeholder in the text (api/images.py)
     param: str = "messages"  # the request field the conversation came in (Responses: "input"), named in a 400
+
+    def with_defaults(self, templates: TemplateOptions) -> ChatPrompt:
+        """This prompt with the server's template defaults under its own variables (`--thinking`,
+        `--chat-template-args`). The prompt cache keys token ids, so the same rendered prompt hits
+        whichever way its variables came."""
+        reasoning = self.reasoning.with_defaults(dict(templates.chat_template_args), templates.thinking)
+        return attrs.evolve(self, reasoning=reasoning)
 
 
 @attrs.frozen

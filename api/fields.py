@@ -65,6 +65,7 @@ def parse_generation(
         stream = stream_flag(fields.get("stream", False), "stream must be a boolean")
     logprobs, top_logprobs = logprobs_fields(fields)
     n = integer(fields.get("n"), "n", minimum=1, maximum=MAX_CHOICES, what=f"an integer from 1 to {MAX_CHOICES}")
+    budget = integer(fields.get("thinking_token_budget"), "thinking_token_budget", minimum=0, what=_BOUNDED_COUNT)
     return GenerationFields(
         sampling=sampling,
         max_tokens=completion_max or max_tokens,  # max_completion_tokens wins over max_tokens
@@ -73,6 +74,7 @@ def parse_generation(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=n or 1,
+        thinking_budget=budget,
     )
 
 

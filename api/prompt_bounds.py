@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from api.errors import ApiError, bad_request
@@ -88,6 +88,18 @@ def check_tokens(tokens: int, *, context_length: int, param: str = "prompt") -> 
             param=param,
             code="context_length_exceeded",
         )
+
+
+def text_tokens(prompt: str | Sequence[int], *, tokenizer: Any, context_length: int) -> list[int]:
+    """A raw prompt's token ids (a text encoded, ids as given), once it fits the context window:
+    the characters bounded before the text is encoded. Raises ApiError (400)."""
+    if isinstance(prompt, str):
+        check_chars(len(prompt), tokenizer=tokenizer, context_length=context_length, param="prompt")
+        tokens = tokenizer.encode(prompt)
+    else:
+        tokens = list(prompt)
+    check_tokens(len(tokens), context_length=context_length)
+    return tokens
 
 
 def too_long(what: str, context_length: int, param: str) -> ApiError:

@@ -1,8 +1,8 @@
-"""The Messages fields that steer generation rather than make up the prompt: `thinking`,
-`output_config` (effort, format; the older `output_format`), the thinking edits of
-`context_management`, and `metadata`. What a request says that this server does not know is
-appended to `ignored` (api/anthropic/translate.py reports it), never refused; a value of the
-wrong kind is a 400.
+"""The Messages fields that steer generation rather than make up the prompt: `thinking` (its
+switch, and its `budget_tokens`, enforced), `output_config` (effort, format; the older
+`output_format`), the thinking edits of `context_management`, and `metadata`. What a request
+says that this server does not know is appended to `ignored` (api/anthropic/translate.py reports
+it), never refused; a value of the wrong kind is a 400.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
 CLEAR_THINKING = "clear_thinking_"  # the context edit's type prefix (clear_thinking_20251015, ...)
 DEFAULT_THINKING_TURNS = 1  # a clear_thinking edit without `keep` keeps the last thinking turn
 MAX_USER_ID_CHARS = 256  # metadata.user_id, Anthropic's bound
+MIN_THINKING_BUDGET = 1024  # thinking.budget_tokens, Anthropic's least
 
 
 def _ignore(ignored: list[str], name: str) -> None:
@@ -134,6 +135,27 @@ def thinking_kwargs(body: Mapping[str, Any], ignored: list[str]) -> dict[str, An
         return kwargs
     kwargs.setdefault("enable_thinking", THINKING_TYPES[kind])  # an explicit template kwarg wins
     return kwargs
+
+
+def thinking_budget(body: Mapping[str, Any], max_tokens: int | None) -> int | None:
+    """`thinking.budget_tokens` of an enabled `thinking`, with Anthropic's rules: at least
+    `MIN_THINKING_BUDGET` and less than `max_tokens` (else a 400); the reasoning tokens a row may
+    generate before the server ends its reasoning. None when thinking is not enabled or names no
+    budget (`thinking_kwargs` checked its shape)."""
+    thinking = body.get("thinking")
+    if not isinstance(thinking, Mapping) or thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if budget is None:
+        return None
+    if budget < MIN_THINKING_BUDGET:
+        raise bad_request(
+            f"thinking.enabled.budget_tokens: Input should be greater than or equal to {MIN_THINKING_BUDGET}",
+            param="thinking",
+        )
+    if max_tokens is not None and max_tokens <= budget:
+        raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`", param="max_tokens")
+    return int(budget)
 
 
 def effort(config: Any, ignored: list[str]) -> str | None:

@@ -16,7 +16,8 @@ The API keeps growing, and clients send what it accepts today: a value of the wr
 know is ignored and named in `ChatRequest.ignored` (counted in /metrics), never refused.
 - `system` messages inside `messages` (mid-conversation system turns) stay where they are; the
   chat core joins them to the system prompt for templates that cannot render them there.
-- `thinking`: "enabled" and "adaptive" turn the template's thinking on, "disabled" off.
+- `thinking`: "enabled" and "adaptive" turn the template's thinking on, "disabled" off; an
+  enabled one's `budget_tokens` (at least 1024, less than `max_tokens`) is the row's reasoning budget.
 - `output_config.effort` (low / medium / high / max) is the template's reasoning depth where the
   template reads one; `output_config.format` (or the older `output_format`) a JSON schema.
 - Earlier turns' thinking blocks reach the template as the assistant's `reasoning_content` (the
@@ -114,6 +115,8 @@ def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRe
     controls.check_metadata(body.get("metadata"))
     fields = pick(body, GENERATION_FIELDS)
     generation = parse_generation(fields, vocab_size=None, stream=stream, max_temperature=MAX_TEMPERATURE)
+    budget = controls.thinking_budget(body, generation.max_tokens)
+    generation = attrs.evolve(generation, thinking_budget=budget)
     forced = structured.forced_tool_call(list(parsed.tools or ()), parsed.tool_choice)
     constraint = structured.request_constraint(controls.output_format(body), forced)
     ignored = [*parsed.ignored, *(key for key in body if key not in READ_FIELDS)]

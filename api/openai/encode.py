@@ -66,6 +66,8 @@ def usage(choices: Choices) -> dict[str, Any]:
     out = choices[0].usage()
     completion = sum(actor.completion_tokens for actor in choices)
     out.update(completion_tokens=completion, total_tokens=out["prompt_tokens"] + completion)
+    if "completion_tokens_details" in out:  # reasoning rows: every choice's reasoning tokens
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(actor.reasoning_tokens for actor in choices)}
     if "speculation" in out:  # the server verifies drafts: every choice's
         out["speculation"] = {
             "drafted": sum(actor.drafted_tokens for actor in choices),

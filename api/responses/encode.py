@@ -175,12 +175,14 @@ def usage(openai_usage: Mapping[str, Any], reasoning: str) -> dict[str, Any]:
     prompt = int(openai_usage.get("prompt_tokens") or 0)
     completion = int(openai_usage.get("completion_tokens") or 0)
     cached = int((openai_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    counted = (openai_usage.get("completion_tokens_details") or {}).get("reasoning_tokens")  # a reasoning row's
+    reasoning_tokens = counted if counted is not None else min(completion, reasoning_token_estimate(reasoning))
     out: dict[str, Any] = {
         "input_tokens": prompt,
         # cache_write_tokens: the current SDK requires the key; prompt-cache puts are not billed.
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": min(completion, reasoning_token_estimate(reasoning))},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt + completion,
     }
     if "speculation" in openai_usage:  # an extension: the server verifies drafts

@@ -21,7 +21,7 @@ from api import structured
 from api.cache_hints import cache_hints, retention_points
 from api.chat_request import ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
-from api.fields import flag, parse_generation, pick, reasoning_options, stream_flag, token_count
+from api.fields import flag, integer, parse_generation, pick, reasoning_options, stream_flag, token_count
 from api.images import PLACEHOLDER, ImagePart, from_url
 from api.responses.items import SYSTEM_ROLES, output_to_input, stored_input
 from api.responses.tools import INPUT, ToolSet, tool_set
@@ -122,6 +122,10 @@ def responses_request(
     if reasoning is not None and not isinstance(reasoning, Mapping):
         raise bad_request("reasoning must be an object", param="reasoning")
     effort = reasoning.get("effort") if reasoning is not None else None
+    # The reasoning budget (the server's thinking_token_budget), named as Responses names it.
+    budget = integer(
+        (reasoning or {}).get("max_tokens"), "reasoning.max_tokens", minimum=0, what="a non-negative integer"
+    )
     response_format = _response_format(body.get("text"))
     stream = stream_flag(body.get("stream", False), "stream must be a boolean")
     _check_metadata(body.get("metadata"))
@@ -133,7 +137,7 @@ def responses_request(
     if unsupported is not None:
         raise unsupported
 
-    generation = parse_generation(fields, vocab_size=vocab_size, stream=stream)
+    generation = attrs.evolve(parse_generation(fields, vocab_size=vocab_size, stream=stream), thinking_budget=budget)
     if isinstance(choice, str) and choice not in TOOL_CHOICES:
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or an object", param="tool_choice")
     _check_tool_choice(choice, tools)

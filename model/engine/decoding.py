@@ -75,10 +75,15 @@ class Inflight:
 
 
 def sample_row(row: Row, logits: mx.array) -> tuple[mx.array, mx.array | None, TopK | None]:
-    """One row's next token from its [1, vocab] logits: (token [1], its logprob, top-k), lazily."""
+    """One row's next token from its [1, vocab] logits: (token [1], its logprob, top-k), lazily.
+    A token the row's reasoning forces (model/engine/reasoning.py) replaces the sample; its
+    logprob is still the model's."""
     logits = row.sampler.process(row.history, logits)
     logprobs = logprobs_of(logits)
     token = row.sampler.sample(logprobs, row.sampled)
+    forced = row.sampler.forced(row.sampled - row.sampler.step_offset)
+    if forced is not None:
+        token = mx.array([forced], dtype=token.dtype)
     row.sampled += 1
     params = row.sampler.params
     lp = top = None
@@ -94,18 +99,22 @@ def sample_row(row: Row, logits: mx.array) -> tuple[mx.array, mx.array | None, T
 def sample_batch(rows: list[Row], logits: mx.array, inputs: mx.array) -> Inflight:
     """Every row's next token from the batch's [B, vocab] logits (`inputs`: the [B] tokens that
     were fed), dispatched to the device without waiting for it."""
-    if all(r.sampler.greedy and not r.sampler.params.logprobs and not r.sampler.params.top_logprobs for r in rows):
+    positions = [r.sampled - r.sampler.step_offset for r in rows]  # each row's position being sampled
+    waits = [r.sampler.needs_previous(p) for r, p in zip(rows, positions)]
+    plain = (r.sampler.greedy and not r.sampler.params.logprobs and not r.sampler.params.top_logprobs for r in rows)
+    if not any(waits) and all(plain):
         tokens = mx.argmax(logprobs_of(logits), axis=-1)
         for r in rows:
             r.sampled += 1
         inflight = Inflight(rows, tokens, [None] * len(rows), [None] * len(rows))
     else:
-        if any(r.sampler.constrained for r in rows):
-            # Grammar rows need their previous token on the host: start this forward, read
-            # the (already dispatched) inputs, and let the matchers catch up and fill their
-            # masks while the device runs it. inputs[i] is row i's token number sampled-1.
+        if any(waits):
+            # Grammar rows (and a row whose reasoning may end here) need their previous token on
+            # the host: start this forward, read the (already dispatched) inputs, and let the
+            # matchers catch up and fill their masks while the device runs it. inputs[i] is row
+            # i's token at position positions[i] - 1.
             mx.async_eval(logits)
-            observe_batch([r.sampler for r in rows], [r.sampled - 1 for r in rows], cast(list[int], inputs.tolist()))
+            observe_batch([r.sampler for r in rows], [p - 1 for p in positions], cast(list[int], inputs.tolist()))
         per_row = []
         for i, r in enumerate(rows):
             if r.sampler.history_size:

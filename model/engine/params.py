@@ -32,6 +32,26 @@ class Constraint:
 
 
 @attrs.frozen
+class ThinkControl:
+    """How a row's reasoning is followed, and ended (model/engine/reasoning.py), as plain data.
+
+    The row reasons from the start when its prompt ends in an open reasoning block
+    (`starts_in_reasoning`), else from the model's own `open_id`, until `close_id`. Once it has
+    generated `budget` reasoning tokens the engine forces `close_id` and then `separator` (what
+    the template writes between the reasoning and the answer). `constrain_after`: the row's
+    constraint applies from the end of its reasoning (the first token may open it or start the
+    constrained answer); a natural close is then followed by the forced separator too.
+    """
+
+    open_id: int
+    close_id: int
+    separator: tuple[int, ...] = ()
+    starts_in_reasoning: bool = False
+    budget: int | None = None  # None: reasoning is never cut short
+    constrain_after: bool = False
+
+
+@attrs.frozen
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
@@ -53,6 +73,8 @@ class SamplingParams:
     top_logprobs: int = 0
     # Structured output: the row samples only tokens the grammar allows (model/text/grammar.py).
     constraint: Constraint | None = None
+    # The row's reasoning: followed for its budget and its constraint (None: not a reasoning row).
+    think: ThinkControl | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -12,6 +12,14 @@ Structured output: a row whose params carry a `Constraint` owns a `RowGrammar` (
 `process` applies its allowed-token mask after the logits processors, so the logprobs and every
 sampler filter see only what the grammar allows. The engine reports each token fed back into the
 model through `observe`, before the row's next `process`.
+
+Reasoning: a row whose params carry a `ThinkControl` owns a `ThinkTracker`
+(model/engine/reasoning.py). Once its reasoning budget is spent, `forced` names the token the
+next position must be (the close marker, then the separator), which the engine emits instead of
+the sample. With `constrain_after` the grammar waits for the end of the reasoning: the first
+token may open the reasoning or begin the answer (the grammar's mask plus the open marker), and
+the grammar consumes the tokens after the reasoning's separator, from its position 0; until then
+the row may not end (its EOS ids are masked): the answer its constraint asks for is still due.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from model.engine.params import SamplingParams
+from model.engine.reasoning import ThinkTracker
 
 if TYPE_CHECKING:
     from model.text.grammar import GrammarCompiler, RowGrammar
@@ -145,18 +154,27 @@ class RowSampler:
         *,
         protected_ids: Iterable[int] = (),
         grammars: GrammarCompiler | None = None,
+        resumed: tuple[int, ...] = (),
     ) -> None:
+        """`resumed`: the tokens a preempted row generated before it resumed (its RNG steps and
+        reasoning go on from them; positions here count from the first token after them)."""
         self.params = params
         self.processors, self.history_size = make_processors(params)
         protected = sorted(set(protected_ids))
         self._protected = mx.array(protected) if protected else None
         self.grammar: RowGrammar | None = None
         self._greedy = params.is_greedy
+        self.step_offset = len(resumed)  # a row's sample step minus this is a position here
+        self.think = None if params.think is None else ThinkTracker.start(params.think, resumed)
+        # Where the grammar's position 0 is among the row's (None: not yet, its reasoning runs).
+        self._grammar_from: int | None = None if params.think and params.think.constrain_after else 0
+        self._eos: mx.array | None = None  # a constrained row's EOS ids, masked while its reasoning runs
         if params.constraint is not None:
             if grammars is not None:
                 # Raises GrammarError: the row fails rather than run unconstrained (the API
                 # rejects a constraint that does not compile, so this is a last resort).
                 self.grammar = grammars.matcher(params.constraint)
+                self._eos = mx.array(grammars.eos_token_ids) if self._grammar_from is None else None
             else:  # no grammar engine: served unconstrained, as the API told the client
                 self._greedy = attrs.evolve(params, constraint=None).is_greedy
 
@@ -168,16 +186,53 @@ class RowSampler:
     def constrained(self) -> bool:
         return self.grammar is not None
 
+    @property
+    def active_grammar(self) -> RowGrammar | None:
+        """The grammar when it masks the next position (not while the reasoning before it runs)."""
+        return self.grammar if self._grammar_from is not None else None
+
     def observe(self, index: int, token: int) -> None:
         """The row's token at `index` (0 = first generated) is known; idempotent per index."""
+        think = self.think
+        if think is not None and index >= think.seen:
+            think.observe(index, token)
+            if self._grammar_from is None and think.done:  # the reasoning and its separator are over
+                self._grammar_from = index + 1
+            elif self._grammar_from is None and index == 0 and think.phase == "before":
+                think.finish()  # the first token did not open the reasoning: it begins the answer
+                self._grammar_from = 0
+        if self.grammar is not None and self._grammar_from is not None and index >= self._grammar_from:
+            self.grammar.observe(index - self._grammar_from, token)
+
+    def needs_previous(self, index: int) -> bool:
+        """Whether sampling position `index` must wait for the token before it on the host: a
+        grammar's mask follows it, and so may a forced token."""
         if self.grammar is not None:
-            self.grammar.observe(index, token)
+            return True
+        return self.think is not None and self.think.may_force(index - self.think.seen)
+
+    def forced(self, index: int) -> int | None:
+        """The token position `index` must be (reasoning ended by the engine), or None; every
+        position before it is observed when it can be forced (`needs_previous`)."""
+        think = self.think
+        if think is None or think.seen != index:
+            return None
+        return think.forced()
 
     def process(self, history: mx.array | None, logits: mx.array) -> mx.array:
         for processor in self.processors:
             logits = processor(history if history is not None else mx.array([], mx.int32), logits)
-        if self.grammar is not None:
-            logits = apply_token_mask(logits, self.grammar.mask(logits.shape[-1]))
+        grammar = self.active_grammar
+        if grammar is not None:
+            logits = apply_token_mask(logits, grammar.mask(logits.shape[-1]))
+        elif self.grammar is not None and self.think is not None and self.think.phase == "before":
+            # A constrained reasoning row's first token: open the reasoning, or begin the answer.
+            allowed = self.grammar.mask(logits.shape[-1]).copy()
+            allowed[self.think.control.open_id] = True
+            logits = apply_token_mask(logits, allowed)
+        elif self.grammar is not None and self._eos is not None:
+            # Its reasoning runs: it may not end before the answer its constraint asks for.
+            logits[:, self._eos] = -float("inf")
         return logits
 
     def sample(self, logprobs: mx.array, step: int) -> mx.array:
@@ -206,7 +261,7 @@ def observe_batch(samplers: list[RowSampler], indices: list[int], tokens: list[i
     next masks are filled together, in parallel, ready for their `process` calls."""
     for sampler, index, token in zip(samplers, indices, tokens):
         sampler.observe(index, token)
-    grammars = [s.grammar for s in samplers if s.grammar is not None]
+    grammars = [g for s in samplers if (g := s.active_grammar) is not None]
     if len(grammars) > 1:
         from model.text.grammar import fill_masks
 

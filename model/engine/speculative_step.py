@@ -2,11 +2,12 @@
 verifies them all, and each row keeps the longest prefix its own sampling produces.
 
 At every drafted position the row's token is sampled exactly as plain decoding samples it (the
-same processed logits, the same (seed, token index) key), and a draft token is kept while it
-equals that sample. Both drafters propose their single likeliest continuation (a one-hot draft
-distribution), for which this is the standard speculative-sampling rule: d is kept with
-probability p(d), and a rejected d is replaced by a sample of p without d. So greedy and seeded
-sampled output is plain decoding's token for token, whatever steps speculate.
+same processed logits, the same (seed, token index) key, a token its reasoning forces put in
+its place: model/engine/reasoning.py), and a draft token is kept while it equals that sample.
+Both drafters propose their single likeliest continuation (a one-hot draft distribution), for
+which this is the standard speculative-sampling rule: d is kept with probability p(d), and a
+rejected d is replaced by a sample of p without d. So greedy and seeded sampled output is plain
+decoding's token for token, whatever steps speculate.
 
 Rows with fewer drafts are padded to the batch's K. A lone row's caches are trimmed back to what
 was kept; a merged batch's rejected slots become holes (`BatchKVCache.reject`). A draft model
@@ -182,6 +183,10 @@ def speculative_step(
             for b, (r, d) in enumerate(zip(rows, drafts))
         ]
         samples = [cast(list[int], t.tolist()) for t in per_row]
+    for b, row in enumerate(rows):  # a row whose reasoning ends here emits the forced tokens instead
+        think = row.sampler.think
+        if think is not None and not think.done:
+            samples[b] = think.forced_along(samples[b])
     kept = [next((i for i in range(len(d)) if d[i] != s[i]), len(d)) for d, s in zip(drafts, samples)]
     for c in caches:
         c.reject([n + 1 for n in kept], k + 1)

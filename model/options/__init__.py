@@ -17,6 +17,7 @@ from model.options.groups import (
     SchedulingOptions,
     ServerOptions,
     SpeculationOptions,
+    TemplateOptions,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "SchedulingOptions",
     "ServerOptions",
     "SpeculationOptions",
+    "TemplateOptions",
     "padding",
     "resolve_engine",
 ]

@@ -273,6 +273,17 @@ class TemplateOptions:
             choices=("on", "off", "auto"),
         ),
     )
+    thinking_budget: int | None = option(
+        None,
+        Flag(
+            "--thinking-budget",
+            "reasoning tokens a row may generate before the server ends its reasoning (the model's "
+            "end-of-reasoning marker) and it goes on to the answer, for requests that set no budget "
+            "(default: none)",
+            parse=v.non_negative_int,
+            metavar="N",
+        ),
+    )
 
 
 @attrs.frozen

@@ -210,7 +210,7 @@ def test_tool_choice_any_or_tool_forces_a_call(text_server, choice):
 def test_thinking(think_server):
     client = sdk(think_server)
     message = client.messages.create(
-        model="m", max_tokens=64, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024}
+        model="m", max_tokens=2048, messages=USER, thinking={"type": "enabled", "budget_tokens": 1024}
     )
     assert [block.type for block in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == "Let me think." and message.content[0].signature == ""

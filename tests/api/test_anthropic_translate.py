@@ -207,10 +207,27 @@ def test_loose_fields_are_400(translate, extra, message):
     assert info.value.status == 400 and message in info.value.message, info.value.message
 
 
+@pytest.mark.parametrize(
+    ("budget", "max_tokens", "message"),
+    [(1000, 4096, "greater than or equal to 1024"), (1024, 1024, "`max_tokens` must be greater than")],
+)
+def test_an_enabled_thinking_budget_follows_anthropics_rules(budget, max_tokens, message):
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": max_tokens,
+        "thinking": {"type": "enabled", "budget_tokens": budget},
+    }
+    with pytest.raises(ApiError) as info:
+        messages_request(body)
+    assert info.value.status == 400 and message in info.value.message, info.value.message
+    count_request(body)  # count_tokens takes no max_tokens: the budget does not apply there
+
+
 def test_valid_thinking_and_tool_choice_shapes_pass():
     for thinking, enabled in (({"type": "enabled", "budget_tokens": 1024}, True), ({"type": "disabled"}, False)):
-        body = {"messages": [{"role": "user", "content": "x"}], "thinking": thinking, "max_tokens": 8}
+        body = {"messages": [{"role": "user", "content": "x"}], "thinking": thinking, "max_tokens": 2048}
         assert messages_request(body).prompt.reasoning == ReasoningOptions(enable_thinking=enabled)
+        assert messages_request(body).generation.thinking_budget == (1024 if enabled else None)
         # an explicit chat_template_kwargs switch wins over `thinking`
         body["chat_template_kwargs"] = {"enable_thinking": not enabled}
         assert messages_request(body).prompt.reasoning == ReasoningOptions(enable_thinking=not enabled)
