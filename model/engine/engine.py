@@ -295,8 +295,8 @@ class Engine:
         lora_rows = self.adapters.open(spec.adapters)  # (ValueError: one is not mounted)
         namespace = self.adapters.namespace(spec.adapters, spec.namespace)
         row = Row(spec.row_id, list(spec.prompt), sampler, max(1, spec.max_tokens), namespace=namespace)
-        row.adapters, row.lora, row.image = spec.adapters, lora_rows, image
         row.sampled = spec.resumed  # (a resumed row's RNG steps go on where it stopped)
+        row.adapters, row.lora, row.image = spec.adapters, lora_rows, image
         row.convert_at = convert_at(self.kv_scheme, len(row.prompt), self.options.prefill_chunk)
         return row
 
@@ -408,11 +408,11 @@ class Engine:
     def active_rows(self) -> int:
         return len(self._rows)
 
-    @property
     def live_kv_bytes(self) -> int:
         """The open rows' KV now: the batch's caches and those of rows still prefilling."""
         return sum(c.nbytes for c in self._caches) + sum(c.nbytes for r in self._rows.values() for c in r.caches)
 
+    @property
     def batch_size(self) -> int:
         return len(self._batch) - self._departed
 
