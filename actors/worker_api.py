@@ -69,6 +69,9 @@ class ModelInfo:
     # A row's KV comes back exactly from the prompt cache (plain KV caches, not quantized, one
     # rank): the scheduler may preempt its rows (actors/kv_memory.py).
     preemptible: bool = False
+    # Speculative decoding: "" = off, else "draft:<name> k=K" or "ngram k=K n=MIN..MAX".
+    speculation: str = ""
+    # An embedding model's pooling (sentence-transformers files): it serves /v1/embeddings only.
     embedding: Pooling | None = None
     # A vision-language model: it takes images (api/images.py), preprocessed with this config,
     # each one's features at a run of `image_token_id` tokens in the prompt.
