@@ -63,9 +63,6 @@ class ModelInfo:
     # One prefill forward's peak beyond weights and KV, for the chunk in use and the model's
     # shape (model/engine/prefill_memory.py): admission keeps it out of the KV budget.
     prefill_transient_bytes: int = 0
-    # Speculative decoding: "" = off, else "draft:<name> k=K" or "ngram k=K n=MIN..MAX".
-    speculation: str = ""
-    # An embedding model's pooling (sentence-transformers files): it serves /v1/embeddings only.
     # A row's KV comes back exactly from the prompt cache (plain KV caches, not quantized, one
     # rank): the scheduler may preempt its rows (actors/kv_memory.py).
     preemptible: bool = False
