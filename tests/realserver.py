@@ -26,7 +26,7 @@ from actors.gpu_worker import GpuWorker
 from actors.handles import ServerHandles
 from actors.options import options as serve_options
 from actors.root import start_actors
-from actors.worker_api import ModelInfo
+from actors.worker_api import AdapterReport, ModelInfo
 from api.app import create_app
 from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.text.tokenizer import Tokenizer
@@ -103,6 +103,15 @@ class RecordingWorker:
             "close_row", row_id, lambda: self.inner.close_row(row_id, reusable=reusable, retain_s=retain_s)
         )
 
+    async def mount_adapter(self, adapter_id: str, path: str) -> AdapterReport:
+        return await self._record("mount_adapter", None, lambda: self.inner.mount_adapter(adapter_id, path))
+
+    async def unmount_adapter(self, adapter_id: str) -> bool:
+        return await self._record("unmount_adapter", None, lambda: self.inner.unmount_adapter(adapter_id))
+
+    async def embed(self, inputs: list[list[int]], *, dimensions: int | None = None) -> list[list[float]]:
+        return await self._record("embed", None, lambda: self.inner.embed(inputs, dimensions=dimensions))
+
     async def run_exclusive(self, fn: Callable[[Any], Any]) -> Any:
         return await self._record("run_exclusive", None, lambda: self.inner.run_exclusive(fn))
 
@@ -122,7 +131,7 @@ class RecordingWorker:
         """Every token the worker produced for each row, in order (join's token 0, then steps)."""
         out: dict[int, list[int]] = {}
         for call in self.calls:
-            if call.name == "join" and call.result is not None:
+            if call.name == "join" and call.result is not None and call.row_id is not None:
                 out.setdefault(call.row_id, []).append(call.result.token)
             elif call.name == "join_group" and call.result is not None:
                 for token in call.result:
