@@ -22,10 +22,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from model.audio.features import AudioFeatureConfig
 from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.kv.scheme import KVScheme
 from model.load.embedding_config import Pooling
-from model.vision.preprocess import ImageProcessorConfig
+from model.media import MediaLayout
+from model.vision.preprocess import ImageProcessor, ImageProcessorConfig
+from model.vision.video import VideoProcessorConfig
 
 if TYPE_CHECKING:
     from model.load.loader import LoadedModel
@@ -74,7 +77,12 @@ class ModelInfo:
     # each one's features at a run of `image_token_id` tokens in the prompt.
     vision: bool = False
     image_token_id: int = -1
-    image_processor: ImageProcessorConfig | None = None
+    image_processor: ImageProcessor | None = None
+    # Videos and audio clips beside images (api/images.py): how its prompts hold each kind it
+    # takes (None: images at runs of `image_token_id`), and their processors.
+    media_layout: MediaLayout | None = None
+    video_processor: VideoProcessorConfig | None = None
+    audio_processor: AudioFeatureConfig | None = None
 
 
 def loaded_fields(loaded: LoadedModel) -> dict[str, Any]:
@@ -83,10 +91,16 @@ def loaded_fields(loaded: LoadedModel) -> dict[str, Any]:
     model = loaded.model
     state = getattr(model, "state_bytes_per_row", None)
     common = {"embedding": loaded.pooling, "state_bytes_per_row": state(loaded.kv_dtype.size) if state else 0}
-    if "image" not in getattr(model, "media_kinds", ()):
+    kinds = getattr(model, "media_kinds", ())
+    if "image" not in kinds:
         return common
-    config = ImageProcessorConfig.read(loaded.path)
-    vision = {"vision": True, "image_token_id": int(model.image_token_id), "image_processor": config}
+    processor = getattr(model, "image_processor_class", ImageProcessorConfig).read(loaded.path)
+    vision = {"vision": True, "image_token_id": int(model.image_token_id), "image_processor": processor}
+    vision["media_layout"] = model.media_layout()
+    if "video" in kinds:
+        vision["video_processor"] = VideoProcessorConfig.read(loaded.path)
+    if "audio" in kinds:
+        vision["audio_processor"] = AudioFeatureConfig.read(loaded.path)
     return {**common, **vision}
 
 

@@ -188,11 +188,12 @@ def prompt_token_count(handles: ServerHandles, prompt: ChatPrompt) -> int:
     """The length of the prompt `start_chat` renders for `prompt` (tokenizer only; blocking).
     Raises `ApiError` (400) for a prompt that cannot fit the context window."""
     check_prompt_size(handles, prompt)
+    prompt = images.localized(prompt, handles.info, handles.tokenizer)  # (the model's media placeholders)
     prompt = prompt.with_defaults(handles.options.templates)
     tokens = render_prompt(handles.tokenizer, prompt).tokens
     if prompt.images:  # each image counts its grid's tokens, read from its header (nothing decoded)
         return images.expanded_length(
-            tokens, images.plan_images(prompt.images, handles.info), handles.info, prompt.param
+            tokens, images.plan_images(prompt.images, handles.info, handles.tokenizer), handles.info, prompt.param
         )
     return len(tokens)
 
@@ -228,14 +229,14 @@ async def start_chat(
     parts = request.prompt.images
     # Images are judged from their headers before anything else (a 400 first on a text model),
     # and the prompt with their tokens must fit before one is decoded (api/media.py decodes them).
-    plans = await offload.to_thread(images.plan_images, parts, handles.info) if parts else ()
+    plans = await offload.to_thread(images.plan_images, parts, handles.info, handles.tokenizer) if parts else ()
     prepared = await offload.run(prepare_chat, handles, request)
     if parts:
         await offload.run(_check_image_fit, handles, prepared.tokens, plans, parts[0].param)
     await _check_constraint(handles, request.constraint, prepared.generation)
     async with media.decoded(handles, parts, plans) as inputs:  # billed until the row opens
         if inputs:  # (a walk over the whole prompt: off the event loop for a large one)
-            prepared = await offload.run(_with_images, handles, prepared, inputs, parts[0].param)
+            prepared = await offload.run(_with_images, handles, prepared, inputs, plans, parts[0].param)
         return await _admitted(
             handles,
             prepared.tokens,
@@ -258,10 +259,14 @@ def _check_image_fit(
 
 
 def _with_images(
-    handles: ServerHandles, prepared: PreparedChat, inputs: tuple[ImageInput, ...], param: str
+    handles: ServerHandles,
+    prepared: PreparedChat,
+    inputs: tuple[ImageInput, ...],
+    plans: tuple[images.ImagePlan, ...],
+    param: str,
 ) -> PreparedChat:
     """The prompt with each image's pad token grown to its grid; cache positions moved along."""
-    tokens, moved = images.expand(prepared.tokens, inputs, handles.info, param)
+    tokens, moved = images.expand(prepared.tokens, inputs, plans, handles.info, param)
     prompt_bounds.check_tokens(len(tokens), context_length=handles.info.context_length, param=param)
     snapshot_at = None if prepared.snapshot_at is None else moved(prepared.snapshot_at)
     retain = tuple((moved(at), ttl_s) for at, ttl_s in prepared.retain)
@@ -271,6 +276,7 @@ def _with_images(
 def prepare_chat(handles: ServerHandles, request: ChatRequest) -> PreparedChat:
     """Everything `start_chat` does before admission (blocking). Raises `ApiError` (400)."""
     check_prompt_size(handles, request.prompt)
+    request = attrs.evolve(request, prompt=images.localized(request.prompt, handles.info, handles.tokenizer))
     request = attrs.evolve(request, prompt=request.prompt.with_defaults(handles.options.templates))
     tokenizer = handles.tokenizer
     fields = request.generation

@@ -139,13 +139,13 @@ async def decoded(
     limit = request_limit(handles.options.admission)
     if nbytes > limit:
         raise bad_request(
-            f"decoding these {len(parts)} images takes up to {_mib(nbytes)} MiB of memory, over this "
-            f"server's limit of {_mib(limit)} MiB per request; send fewer or smaller images",
+            f"decoding these {len(parts)} images, videos or clips takes up to {_mib(nbytes)} MiB of memory, "
+            f"over this server's limit of {_mib(limit)} MiB per request; send fewer or smaller ones",
             param=parts[0].param,
             code="images_too_large",
         )
     async with memory(handles).hold(nbytes):
-        decode = functools.partial(images.prepare_images, parts, handles.info)
+        decode = functools.partial(images.prepare_images, parts, plans, handles.info)
         yield await trio.to_thread.run_sync(decode, limiter=limiter())
 
 

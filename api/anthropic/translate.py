@@ -50,7 +50,12 @@ log = logging.getLogger(__name__)
 
 # Tuples, not sets: a block's "type" may be any JSON value, and `[] in frozenset(...)` raises
 # TypeError (unhashable) where `in` on a tuple compares with ==.
-AUDIO_BLOCKS = ("audio", "input_audio", "audio_url")
+AUDIO_BLOCKS = ("audio", "input_audio", "audio_url", "video", "video_url")
+# The Messages API has no audio or video blocks: a clear 400 naming where such input goes.
+AUDIO_MESSAGE = (
+    "audio and video content blocks are not supported: the Messages API has none; send audio as "
+    "input_audio parts and video as video_url parts to /v1/chat/completions (a model that takes them)"
+)
 GENERATION_FIELDS = (
     "max_tokens",
     "temperature",
@@ -321,7 +326,7 @@ def _translate_message(message: Any, index: int, parsed: _Parsed, *, keep_thinki
             )
             result_wheres.append(block_where)
         elif kind in AUDIO_BLOCKS:
-            raise bad_request(f"{block_where}: audio content blocks are not supported", param="messages")
+            raise bad_request(f"{block_where}: {AUDIO_MESSAGE}", param="messages", code="unsupported_content_type")
         else:  # a block type this server does not know (server tool results, citations, ...)
             parsed.ignore("messages.content.type")
 
@@ -409,7 +414,7 @@ def _tool_result_text(content: Any, where: str, parsed: _Parsed) -> str:
                 # A tool search's result: the deferred tool it names joins the prompt's tools.
                 parsed.tool_references.add(block["tool_name"])
             elif kind in AUDIO_BLOCKS:
-                raise bad_request(f"{where}: audio content blocks are not supported", param="messages")
+                raise bad_request(f"{where}: {AUDIO_MESSAGE}", param="messages", code="unsupported_content_type")
             elif kind in ("image", "document", "text", "tool_reference") or not isinstance(kind, str):
                 shown = kind if isinstance(block, Mapping) else type(block).__name__
                 raise bad_request(f"{where}.content: unsupported tool_result block {shown!r}", param="messages")

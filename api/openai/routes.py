@@ -142,7 +142,8 @@ def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
         "logprobs": True,
         "embeddings": embeddings,
         "vision": handles.info.vision,
-        "audio": False,
+        "video": handles.info.video_processor is not None,
+        "audio": handles.info.audio_processor is not None,
         "adapters": True,
         "training": False,
     }
@@ -155,7 +156,8 @@ def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
         "max_safe_context": handles.ceiling.max_safe_context,
         "reasoning": reasoning,
         "vision": handles.info.vision,
-        "audio": False,
+        "video": handles.info.video_processor is not None,
+        "audio": handles.info.audio_processor is not None,
         "batch_mode": handles.mode,
         "kv_scheme": handles.info.kv_scheme,  # how the KV cache is stored: bf16, kv8, kv4, ...
         "tools": True,

@@ -17,7 +17,7 @@ from api.cache_hints import cache_hints, retention_points
 from api.chat_request import ChatPrompt, ChatRequest, TextRequest
 from api.errors import bad_request
 from api.fields import MAX_INT, MAX_TOP_LOGPROBS, flag, integer, parse_generation, pick, reasoning_options, stop_strings
-from api.images import PLACEHOLDER, ImagePart, from_url
+from api.images import PLACEHOLDER, PLACEHOLDERS, ImagePart, from_part, from_url
 from api.template_messages import MEDIA_PARTS, media_error, template_arguments, tool_call_id_error
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -234,6 +234,11 @@ def _flat_content(content: Any, where: str, images: list[ImagePart] | None = Non
             url = part.get("image_url")
             images.append(from_url(url.get("url") if isinstance(url, dict) else url, kind, where, "messages"))
             texts.append(PLACEHOLDER)
+            continue
+        media = from_part(part, kind, where, "messages") if images is not None else None
+        if images is not None and media is not None:  # a video or audio part (api/images.py)
+            images.append(media)
+            texts.append(PLACEHOLDERS[media.media])
             continue
         if kind in MEDIA_PARTS:
             raise media_error(kind)

@@ -22,7 +22,7 @@ from api.cache_hints import cache_hints, retention_points
 from api.chat_request import ChatPrompt, ChatRequest
 from api.errors import ApiError, bad_request
 from api.fields import flag, integer, parse_generation, pick, reasoning_options, stream_flag, token_count
-from api.images import PLACEHOLDER, ImagePart, from_url
+from api.images import PLACEHOLDER, PLACEHOLDERS, ImagePart, audio_from_input, from_url
 from api.responses.items import SYSTEM_ROLES, output_to_input, stored_input
 from api.responses.tools import INPUT, ToolSet, tool_set
 from api.template_messages import media_error, template_arguments
@@ -312,6 +312,9 @@ def _content(content: Any, where: str, images: list[ImagePart] | None = None) ->
             texts.append(PLACEHOLDER)
         elif kind == "input_image":
             media = media or "image_url"
+        elif kind == "input_audio" and images is not None:  # (api/images.py: the model must take audio)
+            images.append(audio_from_input(part.get("input_audio"), kind, f"{where}.content", "input"))
+            texts.append(PLACEHOLDERS["audio"])
         elif kind in AUDIO_PART_TYPES:
             media = media or "input_audio"
         else:

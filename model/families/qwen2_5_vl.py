@@ -18,6 +18,7 @@ from model.engine.rows import ImageInput
 from model.families.common import tie_embeddings
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv.cache import LayerCache
+from model.media import KindLayout, MediaLayout
 from model.nn.decoder import MLP, Attention, DecoderArgs
 from model.nn.language_model import AfterLayer, LanguageModel
 from model.vision import mrope
@@ -103,6 +104,10 @@ class Qwen25VLModel(LanguageModel):
 
     def media_token_ids(self) -> dict[str, int]:
         return {"image": self.image_token_id}
+
+    def media_layout(self) -> MediaLayout:
+        vs, ve = self.vision_start_token_id, self.vision_end_token_id
+        return MediaLayout((("image", KindLayout((vs, self.image_token_id, ve), self.image_token_id, (vs,), (ve,))),))
 
     def encode_images(self, pixel_values: mx.array, grid_thw: Sequence[tuple[int, int, int]]) -> mx.array:
         """Preprocessed patches of one or more images -> one feature row per image-pad token."""

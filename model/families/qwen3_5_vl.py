@@ -22,6 +22,7 @@ from model.families import qwen3_5
 from model.families.qwen3_5 import Attention, HybridArgs, Qwen35Model
 from model.kernels.unfused_attention import UNFUSED_CAUSAL
 from model.kv.cache import LayerCache
+from model.media import KindLayout, MediaLayout
 from model.nn.language_model import AfterLayer
 from model.vision import mrope
 from model.vision.qwen3_vl import VisionArgs, VisionTower
@@ -108,6 +109,22 @@ class Qwen35VLModel(Qwen35Model):
 
     def media_token_ids(self) -> dict[str, int]:
         return {"image": self.image_token_id, "video": self.video_token_id}
+
+    def media_layout(self) -> MediaLayout:
+        """Qwen3-VL's processor: an image's pads between vision start and end; a video's runs each
+        so, after its frame pair's time ("<1.5 seconds>")."""
+        vs, ve, image, video = (
+            self.vision_start_token_id,
+            self.vision_end_token_id,
+            self.image_token_id,
+            self.video_token_id,
+        )
+        return MediaLayout(
+            (
+                ("image", KindLayout((vs, image, ve), image, (vs,), (ve,))),
+                ("video", KindLayout((vs, video, ve), video, (vs,), (ve,), "<{seconds:.1f} seconds>")),
+            )
+        )
 
     def encode_images(self, pixel_values: mx.array, grid_thw: Sequence[tuple[int, int, int]]) -> mx.array:
         """Preprocessed patches of images and videos -> one feature row per pad token, in order."""

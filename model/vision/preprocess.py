@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -30,6 +30,20 @@ MAX_ASPECT_RATIO = 200
 SOURCE_BYTES_PER_PIXEL = {"WEBP": 18}
 SOURCE_BYTES_PER_PIXEL_DEFAULT = 9
 RESIZED_BYTES_PER_PIXEL = 28
+
+
+class ImageProcessor(Protocol):
+    """What the API asks of a family's image preprocessing (this module's Qwen one, or Gemma 4's
+    in model/vision/gemma4.py): from an image's header, its grid, pad runs and decode cost; then
+    its patches."""
+
+    def grid(self, height: int, width: int) -> tuple[int, int, int]: ...
+
+    def runs(self, grid: tuple[int, int, int]) -> tuple[int, ...]: ...
+
+    def cost(self, header: ImageHeader) -> DecodeCost: ...
+
+    def load(self, data: bytes, max_source_pixels: int) -> PreparedImage: ...
 
 
 @attrs.frozen
@@ -60,6 +74,19 @@ class ImageProcessorConfig:
             image_std=tuple(float(x) for x in raw.get("image_std", d.image_std)),
             rescale_factor=float(raw.get("rescale_factor", d.rescale_factor)),
         )
+
+    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        return grid_for(height, width, self)
+
+    def runs(self, grid: tuple[int, int, int]) -> tuple[int, ...]:
+        t, h, w = grid
+        return (t * h * w // self.merge_size**2,)
+
+    def cost(self, header: ImageHeader) -> DecodeCost:
+        return decode_cost(header, self)
+
+    def load(self, data: bytes, max_source_pixels: int) -> PreparedImage:
+        return load_image(data, self, max_source_pixels)
 
 
 @attrs.frozen

@@ -64,6 +64,8 @@ from tests.helpers.fuzz import (
     responses_object,
     text_object,
 )
+from tests.helpers.media_api import MediaTokenizer
+from tests.helpers.media_api import info as media_info
 
 CONTEXT = 256  # a small context caps every generation (max_tokens is clamped to it)
 VIRTUAL_LIMIT_S = 3600.0
@@ -98,13 +100,14 @@ flush_object = st.one_of(st.just({}), st.dictionaries(st.text(max_size=8), json_
 
 
 @asynccontextmanager
-async def server():
-    worker = FakeWorker(prefill_cost=0.01, join_cost=0.01, step_cost=0.01)
+async def server(media: str | None = None):
+    """A text model, or a fake media one (tests/helpers/media_api.py: "qwen" or "gemma")."""
+    cost = 0.0 if media else 0.01  # (a media model's run is on the real clock: no time to spend)
+    worker = FakeWorker(prefill_cost=cost, join_cost=cost, step_cost=cost, info=media_info(media) if media else None)
     worker.info = attrs.evolve(worker.info, context_length=CONTEXT)
+    tokenizer = MediaTokenizer if media else FakeTokenizer
     async with trio.open_nursery() as nursery:
-        handles = await start_actors(
-            nursery, worker, options=serve_options(), make_tokenizer=lambda info: FakeTokenizer()
-        )
+        handles = await start_actors(nursery, worker, options=serve_options(), make_tokenizer=lambda info: tokenizer())
         yield create_app(handles).test_client(), handles, worker
         nursery.cancel_scope.cancel()
 
@@ -119,12 +122,12 @@ async def post(client, path: str, data: bytes, content_type: str = "application/
         return await conn.as_response()
 
 
-def send_all(path: str, bodies: list[tuple[str, bytes]]) -> list[int]:
-    """Every body to one fresh server, in order; the statuses."""
+def send_all(path: str, bodies: list[tuple[str, bytes]], media: str | None = None) -> list[int]:
+    """Every body to one fresh server (a media model's: `media`), in order; the statuses."""
     statuses: list[int] = []
 
     async def main() -> None:
-        async with server() as (client, handles, worker):
+        async with server(media) as (client, handles, worker):
             previous = "resp_none_yet"
             for content_type, data in bodies:
                 data = data.replace(PREV.encode(), previous.encode())
@@ -148,7 +151,7 @@ def send_all(path: str, bodies: list[tuple[str, bytes]]) -> list[int]:
     # A body over offload.INLINE_BYTES is parsed and prepared on a worker thread, and an autojump
     # clock jumps while a thread runs (every task is blocked), straight to the fail_after
     # deadline: such batches run on the real clock; everything else in virtual time.
-    real_time = any(len(data) > offload.INLINE_BYTES for _, data in bodies)
+    real_time = media is not None or any(len(data) > offload.INLINE_BYTES for _, data in bodies)
     limit = REAL_LIMIT_S if real_time else VIRTUAL_LIMIT_S
     trio.run(main, clock=None if real_time else MockClock(autojump_threshold=0))
     return statuses
@@ -186,6 +189,23 @@ def test_fuzz_anthropic_count_tokens(bodies):
 @pytest.mark.slow
 def test_fuzz_responses(bodies):
     send_all(RESPONSES, bodies)
+
+
+@FUZZ
+@given(batches(chat_object))
+@pytest.mark.slow
+@pytest.mark.parametrize("media", ["qwen", "gemma"])
+def test_fuzz_chat_completions_on_media_models(media, bodies):
+    """Image, video and audio parts (valid, corrupt, of kinds the model does not take) on models
+    that take media: decoded on real threads, so on the real clock."""
+    send_all(CHAT, bodies, media)
+
+
+@FUZZ
+@given(batches(responses_object))
+@pytest.mark.slow
+def test_fuzz_responses_on_a_media_model(bodies):
+    send_all(RESPONSES, bodies, "gemma")
 
 
 @FUZZ

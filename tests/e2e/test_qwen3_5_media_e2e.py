@@ -1,7 +1,8 @@
-"""A real server on the tiny Qwen3.5 checkpoint with its vision tower: an OpenAI image part runs
-through the template, the pad expansion, the worker and the engine, and answers exactly what the
-engine gives for the same tokens and image (the engine's tests check cache hits: a hybrid model's
-state cache restores only a prefix it ends at exactly); /v1/models says vision."""
+"""A real server on the tiny Qwen3.5 checkpoint with its vision tower: an OpenAI image part, and a
+video_url part (an MP4), run through the template, the placeholder expansion, the worker and the
+engine, and answer exactly what the engine gives for the same tokens and media (the engine's
+tests check cache hits: a hybrid model's state cache restores only a prefix it ends at exactly);
+/v1/models says vision and video."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from tests.fixtures.vlm import write_qwen3_5_vl_dir
-from tests.helpers.media import engine_answer, png
+from tests.helpers.media import encode_video, engine_answer, engine_video_answer, noise_frames, png
 from tests.live_http import serve_in_thread
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -54,3 +55,13 @@ def test_an_image_answers_what_the_engine_does(base, model_dir):
     assert other == engine_answer(model_dir, IMAGE_PLACEHOLDER + "what is it?", [png(2)]) != answer
     models = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]
     assert models["vision"] is True
+
+
+def test_a_video_answers_what_the_engine_does(base, model_dir):
+    pytest.importorskip("av", reason="PyAV decodes video")
+    data = encode_video(noise_frames(25), fps=10)
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+    answer = chat(base, part, "what happens?")["choices"][0]["message"]["content"]
+    assert answer and answer == engine_video_answer(model_dir, data, "what happens?")
+    models = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]
+    assert models["video"] is True and models["audio"] is False

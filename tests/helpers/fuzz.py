@@ -139,9 +139,67 @@ def objects(required: dict, optional: dict) -> st.SearchStrategy:
     return st.one_of(plausible, plausible, one_wrong, one_missing, chaotic)
 
 
+def _media_samples() -> dict[str, str]:
+    """Small valid media, base64: a PNG (an image or a video frame), a WAV, an MP4 (with PyAV)."""
+    import base64
+    import io
+    import wave
+
+    import numpy as np
+    from PIL import Image
+
+    out: dict[str, str] = {"mp4": "AAAAGGZ0eXBtcDQy"}
+    buf = io.BytesIO()
+    Image.fromarray(np.full((64, 64, 3), 90, dtype=np.uint8)).save(buf, format="PNG")
+    out["png"] = base64.b64encode(buf.getvalue()).decode()
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as clip:
+        clip.setnchannels(1)
+        clip.setsampwidth(2)
+        clip.setframerate(16_000)
+        clip.writeframes((np.sin(np.arange(8000) * 0.1) * 3000).astype(np.int16).tobytes())
+    out["wav"] = base64.b64encode(buf.getvalue()).decode()
+    try:
+        from tests.helpers.media import encode_video
+
+        frames = [np.full((64, 64, 3), v, dtype=np.uint8) for v in (10, 120, 240)]
+        out["mp4"] = base64.b64encode(encode_video(frames, fps=2)).decode()
+    except ImportError:  # (no PyAV: a corrupt MP4 stands in)
+        pass
+    return out
+
+
+MEDIA = _media_samples()
+video_url = st.sampled_from(
+    [
+        f"data:video/mp4;base64,{MEDIA['mp4']}",
+        f"data:video/webm;base64,{MEDIA['mp4']}",
+        "data:video/mp4;base64,AAAA",
+        f"data:video/jpeg;base64,{MEDIA['png']},{MEDIA['png']}",
+        "data:video/jpeg;base64,,",
+        "data:video/x-flv;base64,AAAA",
+        "https://example.com/v.mp4",
+        f"data:image/png;base64,{MEDIA['png']}",
+    ]
+)
+video_frames = st.lists(
+    field(st.sampled_from([f"data:image/png;base64,{MEDIA['png']}", "data:image/png;base64,@@", "x"])), max_size=3
+)
+audio_value = st.fixed_dictionaries(
+    {
+        "data": field(st.sampled_from([MEDIA["wav"], MEDIA["wav"][:64], "AAAA", "@@@", MEDIA["png"]])),
+        "format": field(st.sampled_from(["wav", "mp3", "flac", "WAV"])),
+    }
+)
 content_part = st.fixed_dictionaries(
-    {"type": field(st.sampled_from(["text", "image_url", "input_audio", "bogus"]))},
-    optional={"text": field(text), "image_url": json_value},
+    {"type": field(st.sampled_from(["text", "image_url", "input_audio", "video_url", "video", "bogus"]))},
+    optional={
+        "text": field(text),
+        "image_url": json_value,
+        "video_url": field(st.one_of(video_url, st.fixed_dictionaries({"url": field(video_url)}))),
+        "video": field(st.one_of(video_url, video_frames)),
+        "input_audio": field(audio_value),
+    },
 )
 
 
@@ -367,7 +425,7 @@ r_part = st.fixed_dictionaries(
         "refusal": field(text),
         "image_url": field(text),
         "file_id": json_value,
-        "input_audio": json_value,
+        "input_audio": field(audio_value),
         "annotations": json_value,
     },
 )
