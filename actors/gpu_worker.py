@@ -2,9 +2,8 @@
 
 Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `fork_rows`, `join`,
 `join_group`, `step`, `close_row`), from the embeddings route (`embed`: jobs of its own between
-those calls), from /v1/completions' prompt logprobs (`score`, the same) and from the SSD tier
-(`run_exclusive`, `snapshot`, `demote_idle`), each an awaited method that puts a `_Job` on the
-worker's thread-safe job queue.
+those calls), /v1/completions' prompt logprobs (`score`, the same), the SSD tier (`run_exclusive`,
+`snapshot`, `demote_idle`): each an awaited method that puts a `_Job` on the worker's job queue.
 Outbound: each job's result (or exception) on that job's reply channel (buffer 1); with the SSD
 tier, every prompt-cache put is posted to the put listener (durability's `MarkDirty`).
 
@@ -390,8 +389,7 @@ class GpuWorker:
         return vectors
 
     async def score(self, tokens: list[int], *, top: int = 0, adapters: tuple[str, ...] = ()) -> list[PromptScore]:
-        """Prompt logprobs (model/engine/scoring.py) as one job between the scheduler's calls, on
-        fresh caches (ValueError: an adapter is not mounted, or --tensor-parallel)."""
+        """Prompt logprobs (model/engine/scoring.py): one job on fresh caches (ValueError: cannot)."""
         if self.tp.size > 1:  # (its forwards are mirrored only for rows)
             raise ValueError("prompt logprobs are not served under --tensor-parallel")
         chunk, prompt = self.options.engine.prefill_chunk, list(tokens)

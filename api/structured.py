@@ -97,17 +97,24 @@ class ConstraintFields:
 
 @attrs.frozen
 class ForcedToolCall:
-    """Exactly one call of one of `tools` ((name, parameters schema or None) pairs)."""
+    """Calls of `tools` ((name, parameters schema or None) pairs; `strict_tools` names those
+    marked strict) as a grammar (model/text/tool_grammar.py): `mode` "one" (exactly one call),
+    "many" (one or more: tool_choice "required" with parallel calls), or "lazy" (tool_choice
+    "auto" with a strict tool: free text, and a call the model opens must parse, a strict
+    tool's arguments following its schema)."""
 
     tools: tuple[tuple[str, Any], ...]
     strict: bool = False
+    mode: str = "one"
+    strict_tools: frozenset[str] = frozenset()
 
     def constraint(self, tool_format: str) -> Constraint | None:
-        """The call in `tool_format`'s markup; None when that markup has no grammar."""
-        if tool_format not in grammar.TOOL_FORMATS:
-            log.info("forced tool call in the %s format is not constrained", tool_format)
+        """The calls in `tool_format`'s markup; None when that markup cannot express them."""
+        if tool_format not in grammar.TOOL_FORMATS or (self.mode == "lazy" and tool_format == "llama3_json"):
+            log.info("%s tool calls in the %s format are not constrained", self.mode, tool_format)
             return None
-        spec = {"format": tool_format, "tools": [{"name": n, "parameters": p} for n, p in self.tools]}
+        tools = [{"name": n, "parameters": p, "strict": n in self.strict_tools} for n, p in self.tools]
+        spec = {"format": tool_format, "mode": self.mode, "tools": tools}
         return Constraint("tool_call", json.dumps(spec), strict=self.strict)
 
 
@@ -130,12 +137,15 @@ class ConstraintRequest:
         return _validated(constraint, "tool_choice")
 
 
-def forced_tool_call(tools: Any, choice: Any) -> ForcedToolCall | None:
+def forced_tool_call(tools: Any, choice: Any, *, parallel: bool = True) -> ForcedToolCall | None:
     """tool_choice {"type": "function", "function": {"name"}} (or Responses' {"type":
-    "function", "name"}) or "required" over OpenAI-shaped (or flat) tools. Raises ApiError (400)."""
-    if not isinstance(tools, list) or not tools or choice in (None, "none", "auto"):
+    "function", "name"}) or "required" (several calls when `parallel`) over OpenAI-shaped (or
+    flat) tools; under "auto" (or none given), the lazy grammar of the tools when one of them is
+    `strict`. Raises ApiError (400)."""
+    if not isinstance(tools, list) or not tools or choice == "none":
         return None
     functions: dict[str, Any] = {}
+    strict_tools: set[str] = set()
     for tool in tools:
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
             continue
@@ -144,8 +154,15 @@ def forced_tool_call(tools: Any, choice: Any) -> ForcedToolCall | None:
         name = fn.get("name")
         if isinstance(name, str):
             functions[name] = fn.get("parameters")
-    if choice == "required":
-        chosen = list(functions)
+            if fn.get("strict") is True:
+                strict_tools.add(name)
+    mode = "one"
+    if choice in (None, "auto"):
+        if not strict_tools:
+            return None
+        chosen, mode = list(functions), "lazy"
+    elif choice == "required":
+        chosen, mode = list(functions), "many" if parallel else "one"
     elif isinstance(choice, Mapping) and choice.get("type") == "function":
         function = choice.get("function")
         name = (function if isinstance(function, Mapping) else choice).get("name")
@@ -162,18 +179,17 @@ def forced_tool_call(tools: Any, choice: Any) -> ForcedToolCall | None:
         parameters = functions[name]
         if parameters is not None and not isinstance(parameters, Mapping):
             raise bad_request(f"tools: the parameters of {name!r} must be a JSON schema object", param="tools")
-    strict = any(
-        isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and t["function"].get("strict") is True
-        for t in tools
-    )
-    return ForcedToolCall(tools=tuple((name, functions[name]) for name in chosen), strict=strict)
+    chosen_tools = tuple((name, functions[name]) for name in chosen)
+    return ForcedToolCall(chosen_tools, strict=bool(strict_tools), mode=mode, strict_tools=frozenset(strict_tools))
 
 
 def request_constraint(fields: ConstraintFields, forced: ForcedToolCall | None = None) -> ConstraintRequest | None:
     """The request's constraint, validated (400 if invalid); None for free generation, and
     also (with a Warning header) when no grammar engine is installed."""
+    if forced is not None and forced.mode == "lazy" and fields.select()[0] is not None:
+        forced = None  # another output constraint asked for: strict tools under "auto" yield to it
     if forced is not None:
-        param: str | None = "tool_choice"
+        param: str | None = "tool_choice" if forced.mode != "lazy" else "tools"
         constraint = _validated(forced.constraint(DEFAULT_TOOL_FORMAT), param)
     else:
         constraint, param = fields.select()
@@ -224,7 +240,8 @@ def _compiler(tokenizer: Any) -> grammar.GrammarCompiler | None:
 
 def body_constraint(body: Mapping[str, Any]) -> ConstraintRequest | None:
     """`request_constraint` for an OpenAI chat or completions body."""
-    forced = forced_tool_call(body.get("tools"), body.get("tool_choice"))
+    parallel = body.get("parallel_tool_calls") is not False
+    forced = forced_tool_call(body.get("tools"), body.get("tool_choice"), parallel=parallel)
     return request_constraint(ConstraintFields.from_body(body), forced)
 
 

@@ -122,7 +122,9 @@ def messages_request(body: Mapping[str, Any], *, vision: bool = False) -> ChatRe
     generation = parse_generation(fields, vocab_size=None, stream=stream, max_temperature=MAX_TEMPERATURE)
     budget = controls.thinking_budget(body, generation.max_tokens)
     generation = attrs.evolve(generation, thinking_budget=budget)
-    forced = structured.forced_tool_call(list(parsed.tools or ()), parsed.tool_choice)
+    forced = structured.forced_tool_call(
+        list(parsed.tools or ()), parsed.tool_choice, parallel=parsed.parallel_tool_calls
+    )
     constraint = structured.request_constraint(controls.output_format(body), forced)
     ignored = [*parsed.ignored, *(key for key in body if key not in READ_FIELDS)]
     return ChatRequest(
@@ -462,6 +464,8 @@ def _tools(tools: Any, parsed: _Parsed) -> tuple[list[dict[str, Any]], float | N
         function: dict[str, Any] = {"name": name, "parameters": dict(tool["input_schema"])}
         if description is not None:
             function["description"] = description
+        if tool.get("strict") is True:  # its input follows the schema (api/structured.py)
+            function["strict"] = True
         out.append({"type": "function", "function": function})
     return out, ttl_s
 

@@ -150,7 +150,8 @@ def responses_request(
         )
         choice = "auto"
     try:
-        constraint = structured.request_constraint(constraint_fields, structured.forced_tool_call(tools, choice))
+        forced_call = structured.forced_tool_call(tools, choice, parallel=parallel)
+        constraint = structured.request_constraint(constraint_fields, forced_call)
     except ApiError as error:
         error.param = PARAMS.get(error.param or "", error.param)
         raise

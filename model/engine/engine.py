@@ -289,8 +289,7 @@ class Engine:
         return [RowOpened(i, cached_tokens=source.restored, to_prefill=0) for i in ids]
 
     def _new_row(self, spec: RowSpec) -> Row:
-        resumed = tuple(spec.prompt[len(spec.prompt) - spec.resumed :]) if spec.resumed else ()
-        sampler = RowSampler(spec.sampling, protected_ids=self.protected, grammars=self.grammars, resumed=resumed)
+        sampler = RowSampler.for_row(spec, protected_ids=self.protected, grammars=self.grammars)
         image = image_rows.open_state(self.model, spec)  # (ValueError: no vision tower, or bad runs)
         lora_rows = self.adapters.open(spec.adapters)  # (ValueError: one is not mounted)
         namespace = self.adapters.namespace(spec.adapters, spec.namespace)

@@ -20,8 +20,9 @@ class Constraint:
     kind: "json_object" (spec ignored: any JSON object), "json_schema" (spec: the schema as JSON
     text), "regex" (spec: the pattern, matched in full), "choice" (spec: a JSON array of strings),
     "grammar" (spec: EBNF/GBNF, or Lark), "lark" (spec: llguidance Lark, may embed %json),
-    "tool_call" (spec: JSON {"format": hermes | llama3_json | mistral, "tools": [{"name",
-    "parameters"}]}: exactly one call to one of the tools, in the model's tool-call format).
+    "tool_call" (spec: JSON {"format": hermes | llama3_json | mistral | qwen3_coder, "mode": one |
+    many | lazy, "tools": [{"name", "parameters", "strict"}]}: calls of the tools in the model's
+    tool-call format, model/text/tool_grammar.py).
     strict: for json_schema, reject schema keywords the engine cannot enforce instead of
     ignoring them.
     """

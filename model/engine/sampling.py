@@ -34,6 +34,7 @@ import numpy as np
 
 from model.engine.params import SamplingParams
 from model.engine.reasoning import ThinkTracker
+from model.engine.rows import RowSpec
 
 if TYPE_CHECKING:
     from model.text.grammar import GrammarCompiler, RowGrammar
@@ -177,6 +178,14 @@ class RowSampler:
                 self._eos = mx.array(grammars.eos_token_ids) if self._grammar_from is None else None
             else:  # no grammar engine: served unconstrained, as the API told the client
                 self._greedy = attrs.evolve(params, constraint=None).is_greedy
+
+    @classmethod
+    def for_row(
+        cls, spec: RowSpec, *, protected_ids: Iterable[int] = (), grammars: GrammarCompiler | None = None
+    ) -> RowSampler:
+        """The sampler of the row `spec` opens (a resumed row's: with the tokens it generated before)."""
+        resumed = tuple(spec.prompt[len(spec.prompt) - spec.resumed :]) if spec.resumed else ()
+        return cls(spec.sampling, protected_ids=protected_ids, grammars=grammars, resumed=resumed)
 
     @property
     def greedy(self) -> bool:

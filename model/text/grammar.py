@@ -33,6 +33,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from model.engine.params import Constraint
+from model.text import tool_grammar
+from model.text.tool_grammar import TOOL_FORMATS
+
+__all__ = ["TOOL_FORMATS", "GrammarCompiler", "GrammarError", "RowGrammar", "grammar_text", "validate"]
 
 if TYPE_CHECKING:
     from model.text.tokenizer import Tokenizer
@@ -45,7 +49,7 @@ PROBE_STEPS = 4  # tokens `GrammarCompiler.check` walks into a grammar
 # JSON is generated compact, with OpenAI's separators: no free whitespace means a model cannot
 # pad forever between tokens, and output matches json.dumps. A schema's own "x-guidance" options
 # override these (llguidance applies defaults → x-guidance → overrides).
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_DEFAULTS = tool_grammar.JSON_DEFAULTS
 
 
 def _import_engine() -> ModuleType | None:
@@ -71,15 +75,6 @@ def _engine() -> ModuleType:
     if _ll is None:
         raise GrammarError("no grammar engine installed (pip install llguidance)")
     return _ll
-
-
-# Tool-call wrappers per format (api/pipeline/tools parses the same shapes back):
-# (opening marker, closing marker, arguments key, calls as a one-item JSON array).
-TOOL_FORMATS = {
-    "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", False),
-    "llama3_json": ("", "", "parameters", False),
-    "mistral": ("[TOOL_CALLS]", "", "arguments", True),
-}
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -115,9 +110,12 @@ def _grammar_text(constraint: Constraint, specials: frozenset[tuple[str, int]]) 
         if kind == "lark":
             return M.grammar_from_lark(spec)
         if kind == "tool_call":
-            return M.grammar_from_lark(_tool_call_lark(json.loads(spec), specials, strict=constraint.strict))
+            lark = tool_grammar.tool_call_lark(json.loads(spec), specials, strict=constraint.strict)
+            return M.grammar_from_lark(lark)
     except GrammarError:
         raise
+    except tool_grammar.ToolGrammarError as exc:
+        raise GrammarError(str(exc)) from None
     except json.JSONDecodeError as exc:
         raise GrammarError(f"invalid JSON: {exc}") from None
     except Exception as exc:  # llguidance raises ValueError / bare Exception with its message
@@ -126,96 +124,8 @@ def _grammar_text(constraint: Constraint, specials: frozenset[tuple[str, int]]) 
 
 
 def tool_markers(spec: str) -> tuple[str, ...]:
-    fmt = json.loads(spec).get("format", "hermes")
-    opening, closing, _, _ = TOOL_FORMATS.get(fmt, TOOL_FORMATS["hermes"])
-    return tuple(m.strip() for m in (opening, closing) if m.strip())
-
-
-def _tool_call_lark(spec: dict[str, Any], specials: frozenset[tuple[str, int]], *, strict: bool) -> str:
-    fmt = spec.get("format", "hermes")
-    if fmt not in TOOL_FORMATS:
-        raise GrammarError(f"tool calls in the {fmt!r} format cannot be constrained")
-    opening, closing, args_key, as_list = TOOL_FORMATS[fmt]
-    tools = spec.get("tools") or []
-    if not tools:
-        raise GrammarError("no tool to call")
-    calls = []
-    hoisted: dict[str, Any] = {}  # the tools' parameters schemas that hold local $refs
-    for index, tool in enumerate(tools):
-        parameters = _hoisted(tool.get("parameters") or {"type": "object"}, f"tool{index}", hoisted)
-        calls.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": tool["name"]}, args_key: parameters},
-                "required": ["name", args_key],
-                "additionalProperties": False,
-            }
-        )
-    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    if as_list:
-        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
-    schema = {**schema, "x-guidance": {**JSON_DEFAULTS, "lenient": not strict}}
-    if hoisted:
-        schema["$defs"] = hoisted
-
-    special_ids = dict(specials)
-
-    def literal(text: str) -> str:
-        # "\n</tool_call>" → "\n" <[id]> when the marker is a special token, else plain text.
-        core = text.strip()
-        if core and core in special_ids:
-            head, tail = text.split(core, 1)
-            parts = [json.dumps(head)] if head else []
-            parts.append(f"<[{special_ids[core]}]>")
-            parts += [json.dumps(tail)] if tail else []
-            return " ".join(parts)
-        return json.dumps(text) if text else ""
-
-    body = " ".join(p for p in (literal(opening), "call", literal(closing)) if p)
-    return f"start: {body}\ncall: %json {json.dumps(schema)}\n"
-
-
-# Keywords whose value is a map of names to subschemas (a name may be any string, "const"
-# included), and keywords whose value is data, not a schema (a "$ref" key there is no reference).
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_DATA_KEYWORDS = ("const", "enum", "default", "examples")
-
-
-def _hoisted(parameters: Any, name: str, hoisted: dict[str, Any]) -> Any:
-    """A tool's parameters schema as embedded in the call wrapper.
-
-    Its local refs ("#", "#/$defs/X", "#/definitions/X", any "#/pointer") name its own root, but
-    embedded they would resolve against the wrapper's: a schema with such refs moves, whole
-    (its own $defs included), to the wrapper's `$defs[name]`, every local ref prefixed with that
-    path, and the wrapper refers to it there. Without local refs it stays inline, as given.
-    """
-    if not isinstance(parameters, dict):
-        return parameters
-    prefix = f"#/$defs/{name}"
-    rebased = _rebased(parameters, prefix)
-    if rebased == parameters:
-        return parameters
-    rebased.pop("$id", None)  # a base URI of its own would re-anchor the rebased refs
-    hoisted[name] = rebased
-    return {"$ref": prefix}
-
-
-def _rebased(node: Any, prefix: str) -> Any:
-    if isinstance(node, list):
-        return [_rebased(item, prefix) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = prefix + value[1:]
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: _rebased(v, prefix) for k, v in value.items()}
-        elif key in _DATA_KEYWORDS:
-            out[key] = value
-        else:
-            out[key] = _rebased(value, prefix)
-    return out
+    """A tool_call constraint's markers (model/text/tool_grammar.py `tool_markers`)."""
+    return tool_grammar.tool_markers(json.loads(spec))
 
 
 @functools.lru_cache(maxsize=512)

@@ -125,7 +125,8 @@ def test_tools_flat_to_nested_tool_choice_reasoning_and_text_format():
         # The named function is a forced call (it wins); text.format is kept for a model whose
         # tool markup has no grammar.
         assert chat.constraint is not None
-        assert chat.constraint.forced == ForcedToolCall(tools=(("f", {"type": "object"}),), strict=True)
+        forced = ForcedToolCall(tools=(("f", {"type": "object"}),), strict=True, strict_tools=frozenset({"f"}))
+        assert chat.constraint.forced == forced
         assert chat.constraint.fields.response_format == {
             "type": "json_schema",
             "json_schema": {"name": "out", "schema": {"type": "object"}, "strict": True},

@@ -89,10 +89,13 @@ def test_forced_tool_call():
     got = c({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}, "guided_regex": "x"})
     assert got.kind == "tool_call"
     spec = json.loads(got.spec)
-    assert spec == {"format": "hermes", "tools": [{"name": "f", "parameters": SCHEMA}]}
+    assert spec == {"format": "hermes", "mode": "one", "tools": [{"name": "f", "parameters": SCHEMA, "strict": False}]}
     got = c({"tools": tools, "tool_choice": "required"}, tool_format="llama3_json")
     assert [t["name"] for t in json.loads(got.spec)["tools"]] == ["f", "g"]
     assert json.loads(got.spec)["format"] == "llama3_json"
+    assert json.loads(got.spec)["mode"] == "many"  # required, parallel calls allowed: one or more
+    single = c({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert json.loads(single.spec)["mode"] == "one"
     # Responses' flat tool shape
     got = c(
         {
@@ -101,14 +104,31 @@ def test_forced_tool_call():
         }
     )
     assert json.loads(got.spec)["tools"][0]["name"] == "h"
-    assert c({"tools": tools, "tool_choice": "required"}, tool_format="qwen3_coder") is None  # not constrainable
+    assert json.loads(c({"tools": tools, "tool_choice": "required"}, tool_format="qwen3_coder").spec)["format"] == (
+        "qwen3_coder"
+    )
     # A markup without a grammar falls back on the other constraint fields.
     body = {"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}}
-    assert c(body, tool_format="qwen3_coder") == Constraint("json_object")
+    assert c(body, tool_format="pythonic") == Constraint("json_object")
     assert c(body).kind == "tool_call"  # ... which a forced call otherwise wins over
     with pytest.raises(ApiError) as e:
         c({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert e.value.status == 400
+
+
+def test_strict_tools_under_auto_get_a_lazy_grammar():
+    strict = {"type": "function", "function": {"name": "f", "parameters": SCHEMA, "strict": True}}
+    loose = {"type": "function", "function": {"name": "g", "parameters": SCHEMA}}
+    for choice in ({}, {"tool_choice": "auto"}):
+        got = c({"tools": [strict, loose], **choice})
+        spec = json.loads(got.spec)
+        assert got.kind == "tool_call" and spec["mode"] == "lazy"
+        assert [(t["name"], t["strict"]) for t in spec["tools"]] == [("f", True), ("g", False)]
+    assert c({"tools": [loose], "tool_choice": "auto"}) is None  # no strict tool: free, as before
+    assert c({"tools": [strict], "tool_choice": "none"}) is None
+    # another output constraint wins; a markup without a marker cannot be constrained lazily
+    assert c({"tools": [strict], "response_format": {"type": "json_object"}}) == Constraint("json_object")
+    assert c({"tools": [strict]}, tool_format="llama3_json") is None
 
 
 def test_tool_call_grammar_per_format():
