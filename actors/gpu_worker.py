@@ -124,8 +124,7 @@ class GpuWorker:
         caches = options.caches
         # Off only when --prompt-cache 0 or under tensor parallelism; sized once the model is loaded.
         self.prompt_cache_on = caches.prompt_cache_gb != 0
-        self.prompt_cache_bytes = 0
-        self._kv_room = 0  # what running rows and the prompt cache share (set once resolved)
+        self.prompt_cache_bytes = self._kv_room = 0  # (_kv_room: what rows and the cache share)
         # Read from the trio side for /stats: plain ints only, so no lock is needed.
         self.prompt_cache: PromptCache | None = None
         self._tiered: TieredPromptCache | None = None

@@ -407,8 +407,7 @@ class Engine:
     def active_rows(self) -> int:
         return len(self._rows)
 
-    def live_kv_bytes(self) -> int:
-        """The open rows' KV now: the batch's caches and those of rows still prefilling."""
+    def live_kv_bytes(self) -> int:  # the open rows' KV now: the batch's, and rows' still prefilling
         return sum(c.nbytes for c in self._caches) + sum(c.nbytes for r in self._rows.values() for c in r.caches)
 
     @property
