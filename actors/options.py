@@ -75,6 +75,9 @@ def validate(options: ServerOptions) -> str | None:
         return "--draft-model is only used with --draft-kind draft"
     if spec.ngram_min > spec.ngram_max:
         return "--ngram-min must not exceed --ngram-max"
+    adapters = options.adapters
+    if adapters.default_adapter not in (None, "none", *(i for i, _ in adapters.adapters)):
+        return f"--default-adapter {adapters.default_adapter} is not the ID of an --adapter"
     if options.caches.ssd_cache_dir and options.caches.prompt_cache_gb == 0:
         return "--ssd-cache requires the RAM prompt cache (--prompt-cache 0 disables it)"
     return None

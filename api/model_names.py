@@ -54,10 +54,12 @@ def accepted_names(handles: ServerHandles) -> frozenset[str]:
     return frozenset(name.rstrip("/") or name for name in names)
 
 
-def check_requested_model(handles: ServerHandles, body: Mapping[str, Any]) -> tuple[str, ...]:
+def check_requested_model(
+    handles: ServerHandles, body: Mapping[str, Any], *, default_adapter: bool = True
+) -> tuple[str, ...]:
     """Raise unless `body["model"]` is absent, empty, one of the accepted names, or one with an
     adapter part; return the LoRA adapters the request stacks (the model name's or its
-    `adapter` field's: api/adapters/select.py)."""
+    `adapter` field's, else the server's default when `default_adapter`: api/adapters/select.py)."""
     requested = body.get("model")
     from_model: tuple[str, ...] | None = None
     if requested is not None and requested != "":
@@ -69,7 +71,8 @@ def check_requested_model(handles: ServerHandles, body: Mapping[str, Any]) -> tu
             if not sep or (base.rstrip("/") or base) not in accepted or not adapters:
                 raise model_not_found(handles, requested)
             from_model = parse_adapters(handles.adapters, adapters, param="model")
-    return select_adapters(handles.adapters, body, from_model)
+    default = handles.options.adapters.default if default_adapter else None
+    return select_adapters(handles.adapters, body, from_model, default)
 
 
 def adapter_model_names(handles: ServerHandles) -> list[tuple[str, str]]:

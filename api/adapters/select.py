@@ -1,7 +1,9 @@
 """Which LoRA adapters a generation request stacks: its `adapter` field, or its `model` name.
 
 * `"adapter": "a"` — one mounted adapter; `"a+b"` — both, their deltas summed (in this order);
-  `"none"` (or absent, null, "") — the base model.
+  `"none"` (or "") — the base model; absent or null — the server's default adapter while it is
+  mounted (`--default-adapter`, or the one `--adapter` given: model/options/groups.py
+  `AdapterOptions.default`), else the base model.
 * `"model": "<served-name>:<id>"` (or `:a+b`) says the same (what /v1/models lists for each
   mounted adapter); api/model_names.py splits it off the served name.
 * Both given and naming different adapters is a 400; an id that is not mounted is a 400
@@ -54,10 +56,15 @@ def not_mounted(registry: AdapterRegistry, adapter_id: str, param: str) -> ApiEr
     )
 
 
-def select_adapters(registry: AdapterRegistry, body: Any, from_model: tuple[str, ...] | None) -> tuple[str, ...]:
+def select_adapters(
+    registry: AdapterRegistry, body: Any, from_model: tuple[str, ...] | None, default: str | None = None
+) -> tuple[str, ...]:
     """The request's adapters: `body["adapter"]`, or those its model name gave (`from_model`,
-    None when the name had no adapter part). Raises `ApiError` (400)."""
+    None when the name had no adapter part), or neither: `default` while it is mounted. Raises
+    `ApiError` (400)."""
     field = body.get("adapter") if isinstance(body, dict) else None
+    if field is None and from_model is None:
+        return (default,) if default is not None and registry.get(default) is not None else ()
     chosen = parse_adapters(registry, field, param="adapter")
     if from_model is None or (field is None or field == ""):
         return chosen if from_model is None else from_model

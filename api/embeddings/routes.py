@@ -55,7 +55,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
     @bp.post("/v1/embeddings")
     async def embeddings() -> Response:
         body = await json_body()
-        if check_requested_model(handles, body):
+        if check_requested_model(handles, body, default_adapter=False):  # (adapters do not apply here)
             raise bad_request("LoRA adapters do not apply to embeddings", param="model")
         pooling = handles.info.embedding
         if pooling is None:

@@ -570,12 +570,24 @@ class AdapterOptions:
             "--adapter",
             "mount the LoRA / DoRA adapter directory PATH (mlx-lm's adapter_config.json + "
             "adapters.safetensors) under ID once the model is loaded; repeatable. Requests pick it with "
-            '"adapter": "ID" or "model": "<served-name>:ID" (default: none)',
+            '"adapter": "ID" or "model": "<served-name>:ID"; one given alone is the default of requests '
+            "that pick none (--default-adapter) (default: none)",
             parse=v.adapter_spec,
             action=v.AppendAdapter,
             metavar="ID=PATH",
         ),
         converter=tuple,
+    )
+    # The adapter requests that name none run on (api/adapters/select.py): `default`.
+    default_adapter: str | None = option(
+        None,
+        Flag(
+            "--default-adapter",
+            "the --adapter that requests without an adapter field run on (default: the one --adapter when "
+            'exactly one is given, else the base model); none = the base model ("adapter": "none" always is)',
+            parse=v.default_adapter,
+            metavar="ID|none",
+        ),
     )
     adapters_dir: str | None = option(
         None,
@@ -587,6 +599,14 @@ class AdapterOptions:
             metavar="DIR",
         ),
     )
+
+    @property
+    def default(self) -> str | None:
+        """The adapter a request that names none runs on: `--default-adapter` (None for `none`),
+        else the one `--adapter` when exactly one is given; None: the base model."""
+        if self.default_adapter is not None:
+            return None if self.default_adapter == v.NO_ADAPTER else self.default_adapter
+        return self.adapters[0][0] if len(self.adapters) == 1 else None
 
 
 @attrs.frozen

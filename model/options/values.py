@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from model.lora.ids import adapter_id_problem
+from model.lora.ids import NO_ADAPTER, adapter_id_problem
 
 
 def non_negative_int(text: str) -> int:
@@ -107,6 +107,13 @@ def sorted_items(value: Mapping[str, object] | Iterable[tuple[str, object]]) -> 
     """A mapping (or its pairs) as (name, value) pairs sorted by name: a frozen option's value."""
     pairs = value.items() if isinstance(value, Mapping) else value
     return tuple(sorted(pairs, key=lambda pair: pair[0]))
+
+
+def default_adapter(text: str) -> str:
+    """`--default-adapter`: an adapter id, or `none` (the base model)."""
+    if text != NO_ADAPTER and (problem := adapter_id_problem(text)):
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def adapter_spec(text: str) -> tuple[str, str]:

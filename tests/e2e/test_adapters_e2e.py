@@ -37,11 +37,12 @@ def test_adapters_on_a_real_server(tiny_model_factory, tmp_path):
                 assert response.status_code == 200, response.text
                 return response.json()["choices"][0]["logprobs"]["tokens"]
 
-            plain = complete()
+            plain = complete(adapter="none")
             adapted = complete(adapter="a")
             assert adapted != plain
             assert complete(model=f"{served}:a") == adapted
-            assert complete() == plain  # the base model is untouched (and its cache entries too)
+            assert complete() == adapted  # the one --adapter is the default of requests naming none
+            assert complete(adapter="none") == plain  # the base model is untouched (and its cache entries too)
 
             mounted = client.post("/v1/adapters", json={"id": "b", "path": str(second)})
             assert mounted.status_code == 200, mounted.text
