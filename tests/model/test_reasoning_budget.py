@@ -109,3 +109,13 @@ def test_speculation_emits_the_forced_tokens_where_plain_decoding_does(model, qw
     batched = generate_tokens(engine, [attrs.evolve(s, row_id=s.row_id + 10) for s in specs])
     expected = [solo(model, s.prompt, s.sampling) for s in specs]
     assert [batched[s.row_id + 10] for s in specs] == expected
+
+
+@pytest.mark.parametrize("k", [2, 5, 9])
+def test_a_resumed_row_goes_on_with_its_reasoning_where_it_stopped(model, k):
+    # A preempted row reopens with what it generated appended to its prompt (RowSpec.resumed):
+    # its reasoning count and any forced tokens still due go on from there.
+    sampling = SamplingParams(temperature=0.9, seed=5, think=thinking(4))
+    whole = solo(model, PROMPTS[0], sampling)
+    resumed = RowSpec(0, tuple(PROMPTS[0] + whole[:k]), sampling, N - k, resumed=k)
+    assert generate_tokens(Engine(model, eos_token_ids=[]), [resumed])[0] == whole[k:]
