@@ -415,7 +415,8 @@ def _prepare(part: ImagePart, plan: ImagePlan, info: ModelInfo) -> ImageInput:
         if tokens < 1:
             raise AudioError("audio is too short: under 40 ms")
         features = log_mel(samples, config)
-        return ImageInput(features, (1, features.shape[0], 1), digest, "audio", (tokens,))
+        grid = (1, features.shape[0], config.valid_frames(len(samples)))
+        return ImageInput(features, grid, digest, "audio", (tokens,))
     config_v = info.video_processor
     assert config_v is not None
     if part.frames:

@@ -63,9 +63,13 @@ class AudioFeatureConfig:
     def hop_length(self) -> int:
         return int(round(self.sampling_rate * self.hop_length_ms / 1000.0))
 
+    def valid_frames(self, samples: int) -> int:
+        """The mel frames of a clip of `samples` samples that end within it (the rest are padding)."""
+        return max((samples + self.frame_length // 2 - (self.frame_length + 1)) // self.hop_length + 1, 0)
+
     def tokens(self, samples: int) -> int:
         """The tokens of a clip of `samples` samples: its mel frames through two stride-2 convolutions."""
-        frames = (samples + self.frame_length // 2 - (self.frame_length + 1)) // self.hop_length + 1
+        frames = self.valid_frames(samples)
         if frames <= 0:
             return 0
         for _ in range(2):

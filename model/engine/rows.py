@@ -19,7 +19,7 @@ class ImageInput:
     key's part) and the pad-token runs it fills in the prompt, in order."""
 
     pixels: np.ndarray = attrs.field(eq=False)  # patches (image, video) or log-mel frames (audio), float32
-    grid_thw: tuple[int, int, int]  # image, video: the patch grid (t, h, w); audio: (1, mel frames, 1)
+    grid_thw: tuple[int, int, int]  # image, video: the patch grid (t, h, w); audio: (1, mel frames, valid ones)
     digest: str
     kind: str = "image"  # "image" | "video" | "audio"
     runs: tuple[int, ...] = ()  # tokens of each of its pad runs (() = one run of t * h * w / merge^2)

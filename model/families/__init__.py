@@ -9,6 +9,7 @@ from typing import Any
 
 from model.families import (
     gemma3_text,
+    gemma4,
     gemma4_text,
     llama,
     qwen2,
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_moe,
     gemma3_text,
     gemma4_text,
+    gemma4,  # (after gemma4_text: it serves gemma4, building a text-only checkpoint there)
     qwen3_5,
     qwen3_5_vl,  # (after qwen3_5: it serves qwen3_5, building a text-only checkpoint there)
     qwen3_5_moe,
