@@ -180,6 +180,9 @@ def from_part(part: Mapping[str, Any], kind: Any, where: str, param: str) -> Ima
         return video_from_url(value.get("url") if isinstance(value, dict) else value, kind, where, param)
     if kind == "input_audio":
         return audio_from_input(part.get("input_audio"), kind, where, param)
+    if kind in ("audio_url", "audio"):  # (no OpenAI type: a 400 naming the one there is)
+        message = f'{where}: audio comes as an input_audio part, {{"data": base64, "format": "wav" or "mp3"}}'
+        return _bad(kind, param, message, "audio")
     return None
 
 

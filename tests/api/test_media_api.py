@@ -132,6 +132,7 @@ BAD_AUDIO = [
     (audio_part(b"\xff\xfb\x90\x00" + b"\x00" * 64, "mp3"), "cannot decode audio"),
     (audio_part(wav(MAX_AUDIO_SECONDS + 1)), f"at most {MAX_AUDIO_SECONDS:.0f} s"),
     ({"type": "input_audio", "input_audio": "not an object"}, "input_audio must be"),
+    ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, "comes as an input_audio part"),
 ]
 
 
@@ -140,6 +141,14 @@ async def test_bad_audio_is_a_400(autojump_clock, part, message):
     async with server("gemma") as (client, worker):
         body = await error_of(client, "/v1/chat/completions", chat_body(part))
         assert message in body["error"]["message"], body
+        assert not worker.specs
+
+
+async def test_bad_audio_in_the_responses_envelope(autojump_clock):
+    async with server("gemma") as (client, worker):
+        body = {"input": [{"role": "user", "content": [audio_part(b"junk", "mp3")]}], "max_output_tokens": 2}
+        error = (await error_of(client, "/v1/responses", body))["error"]
+        assert "cannot decode audio" in error["message"] and error["param"] == "input", error
         assert not worker.specs
 
 

@@ -157,3 +157,20 @@ def test_fuzz_real_anthropic_count_tokens(model_dir, bodies):
 @given(bodies=batches(responses_object))
 def test_fuzz_real_responses(model_dir, bodies):
     send_all(model_dir, RESPONSES, bodies)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "gemma4"])
+def media_dir(request, tmp_path_factory):
+    """A tiny checkpoint with its towers: Qwen3.5 (images, video), Gemma 4 (images, audio)."""
+    from tests.fixtures.vlm import write_gemma4_dir, write_qwen3_5_vl_dir
+
+    write = write_qwen3_5_vl_dir if request.param == "qwen3_5" else write_gemma4_dir
+    return write(tmp_path_factory.mktemp(f"fuzz_{request.param}") / request.param)
+
+
+@settings(FUZZ, max_examples=EXAMPLES // 4)
+@given(bodies=batches(chat_object))
+def test_fuzz_real_media_chat_completions(media_dir, bodies):
+    """Image, video and audio parts (valid, corrupt, of kinds the model does not take) reach the
+    real towers, or are 400s: never a 5xx."""
+    send_all(media_dir, CHAT, bodies)
