@@ -135,6 +135,7 @@ def ceiling_with_adapters(ceiling: AdmissionCeiling, info: ModelInfo, adapter_by
         adapter_bytes=adapter_bytes,
         state_bytes_per_row=info.state_bytes_per_row,
         kv_budget_bytes=ceiling.kv_budget_bytes,
+        other_weights_bytes=ceiling.other_weights_bytes,
     )
 
 

@@ -78,6 +78,8 @@ class Admission:
         # subtracts these, and `on_queued` nudges the scheduler when one is counted.
         self.queued = 0
         self.on_queued: Callable[[], None] = lambda: None
+        # Told each time the last in-flight request ends (a model pool's idle clock: actors/pool.py).
+        self.on_idle: Callable[[], None] = lambda: None
 
     @property
     def waiting_rows(self) -> int:
@@ -220,6 +222,7 @@ class Admission:
         if self.in_flight == 0:
             self._ended.set()
             self._ended = trio.Event()
+            self.on_idle()
 
     async def wait_idle(self) -> None:
         """Until no admitted request is in flight (at once when none is)."""

@@ -1,41 +1,39 @@
-"""GPU-worker actor: the only owner of MLX objects.
+"""GPU-worker actor: one model's engine on the MLX thread.
 
 Inbound: job calls from the scheduler (`open_row`, `prefill`, `prefill_group`, `fork_rows`, `join`,
 `join_group`, `step`, `close_row`), from the embeddings route (`embed`: jobs of its own between
 those calls), /v1/completions' prompt logprobs (`score`, the same), the SSD tier (`run_exclusive`,
-`snapshot`, `demote_idle`): each an awaited method that puts a `_Job` on the worker's job queue.
-Outbound: each job's result (or exception) on that job's reply channel (buffer 1); with the SSD
-tier, every prompt-cache put is posted to the put listener (durability's `MarkDirty`).
+`snapshot`, `demote_idle`, `demote_all`): each an awaited method that puts a job on the MLX
+thread's queue (actors/mlx_thread.py). Outbound: each job's result (or exception) on that job's
+reply channel; with the SSD tier, every prompt-cache put is posted to the put listener
+(durability's `MarkDirty`).
 
-Neither direction makes the MLX thread wait for the trio thread: jobs arrive on a thread-safe
-queue (the worker blocks on it with the GIL released) and replies are posted with
-`run_sync_soon`. Under load the trio thread is busy with every stream's per-token work; a
-blocking hand-off (`trio.from_thread.run`) would idle the device until the event loop came round.
-
-The actor's whole life is one dedicated OS thread (its own, not trio's thread cache) that loads
-the model itself (MLX arrays, weights included, are bound to the thread that created them) and
-then runs jobs one at a time. A job is never interrupted: a caller that is cancelled while waiting
-merely stops listening, and the job's result is dropped. So rows always leave at step boundaries.
-The one early end is a prefill's own: `abort(row_id)` (not a job) flags the row, and a prefill
-forward of it stops at its next check between layers (model/engine/prefill_abort.py).
+The worker loads its model on the MLX thread (MLX arrays, weights included, are bound to the
+thread that created them) and then runs jobs there one at a time. Alone (the default), it starts
+that thread itself and the thread ends with it. In a model pool (actors/pool.py) it is handed the
+server's one `MlxThread`, shared with every other resident model's worker: its load is one job
+there, and when its task is cancelled its engine is dropped by one more (`unload`), so the model's
+memory goes back while the thread serves the others. A job is never interrupted, so rows always
+leave at step boundaries. The one early end is a prefill's own: `abort(row_id)` (not a job) flags
+the row, and a prefill forward of it stops at its next check between layers
+(model/engine/prefill_abort.py).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
-import outcome
 import trio
 
 from actors.adapter_registry import mounted_for
 from actors.kv_memory import buffer_cache_bytes
+from actors.mlx_thread import MlxThread, WorkerDied, WorkerTimes
 from actors.options import resolve
 from actors.tp.leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
@@ -57,47 +55,11 @@ if TYPE_CHECKING:  # these import MLX: only ever on the worker's thread
     from model.engine.scoring import PromptScore
     from model.load.loader import LoadedModel
 
+__all__ = ["GpuWorker", "WorkerDied", "WorkerTimes"]
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@attrs.define(eq=False)
-class _Job:
-    fn: Callable[[Engine], Any]
-    reply: trio.MemorySendChannel
-    kind: str = "other"  # what /stats counts its time under
-    abandoned: bool = False  # its caller was cancelled before the worker took it: skip it
-
-
-@attrs.define
-class WorkerTimes:
-    """Where the MLX thread's time goes (seconds; written on that thread, read by /stats).
-    `idle_s` is time spent waiting for the next job; `idle_decoding_s` the part of it while rows
-    were decoding: the scheduler's turn-around, time the event loop did not hand work to."""
-
-    jobs: dict[str, int] = attrs.Factory(dict)
-    busy_s: dict[str, float] = attrs.Factory(dict)
-    idle_s: float = 0.0
-    idle_decoding_s: float = 0.0  # the part of idle_s while rows were decoding
-    warm_up_s: float = 0.0
-
-    def add(self, kind: str, seconds: float) -> None:
-        self.jobs[kind] = self.jobs.get(kind, 0) + 1
-        self.busy_s[kind] = self.busy_s.get(kind, 0.0) + seconds
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "idle_s": round(self.idle_s, 4),
-            "idle_decoding_s": round(self.idle_decoding_s, 4),
-            "warm_up_s": round(self.warm_up_s, 4),
-            "jobs": dict(self.jobs),
-            "busy_s": {k: round(v, 4) for k, v in self.busy_s.items()},
-        }
-
-
-class WorkerDied(RuntimeError):
-    """The GPU-worker thread is gone; no MLX work can run any more."""
 
 
 class GpuWorker:
@@ -109,22 +71,25 @@ class GpuWorker:
         name: str | None = None,
         eos_token_ids: Iterable[int] | None = None,
         protected_ids: Iterable[int] = (),
+        thread: MlxThread | None = None,
     ) -> None:
         """The worker for `model_dir`, built as `options` say (the groups it reads: engine, kv,
-        speculation, caches; `--batch` and `--warm-up` through `actors.options.resolve`). Raises
-        ModelLoadError when --draft-model does not resolve."""
+        speculation, caches; `--batch` and `--warm-up` through `actors.options.resolve`), on
+        `thread` (shared, started by its owner) or on a thread of its own. Raises ModelLoadError
+        when --draft-model does not resolve."""
         self.model_dir = Path(model_dir)
         self.options = options
         self.speculation = spec_choice(options.speculation)  # built into the engine once the target loads
         self.tp = TensorParallel(options.engine.tensor_parallel)  # --tensor-parallel: actors/tp/leader.py
-        self.times = WorkerTimes()
+        self._own_thread = thread is None
+        self.thread = MlxThread() if thread is None else thread
         self.name = name
         self._eos = None if eos_token_ids is None else frozenset(eos_token_ids)
         self._protected = frozenset(protected_ids)
         caches = options.caches
         # Off only when --prompt-cache 0 or under tensor parallelism; sized once the model is loaded.
         self.prompt_cache_on = caches.prompt_cache_gb != 0
-        self.prompt_cache_bytes = self._kv_room = 0  # (_kv_room: what rows and the cache share)
+        self.prompt_cache_bytes = self._kv_room = self._room = 0  # (_kv_room: what rows and the cache share)
         # Read from the trio side for /stats: plain ints only, so no lock is needed.
         self.prompt_cache: PromptCache | None = None
         self._tiered: TieredPromptCache | None = None
@@ -133,11 +98,9 @@ class GpuWorker:
         self.ssd_store: SsdStore | None = None
         self._put_listener: Callable[[str, tuple[int, ...]], None] | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None ends the loop
         self.alive = False
         self.info: ModelInfo | None = None
-        self.thread_ident: int | None = None
-        self._current_reply: trio.MemorySendChannel | None = None
+        self._engine: Engine | None = None
         # Rows being aborted: written here from the trio thread, read by a running prefill.
         self._aborts = AbortFlags()
         self.pooling: Pooling | None = None  # an embedding model's, once loaded
@@ -148,59 +111,54 @@ class GpuWorker:
         """Prompt tokens per prefill forward (the root sizes group prefills by it)."""
         return self.options.engine.prefill_chunk
 
+    @property
+    def times(self) -> WorkerTimes:
+        return self.thread.times
+
+    @property
+    def thread_ident(self) -> int | None:
+        return self.thread.thread_ident
+
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
-        self._trio_token = token = trio.lowlevel.current_trio_token()
-        finished = trio.Event()
-        ended: list[outcome.Outcome] = []
-
-        def body() -> None:
-            ended.append(outcome.capture(self._thread_main, task_status))
-            self.tp.close()  # the followers stop with this rank's MLX thread
-            # MLX keeps per-thread streams; a thread that used MLX must drop them before it ends,
-            # or interpreter exit aborts ("terminate called without an active exception",
-            # ml-explore/mlx#3126).
-            try:
-                import mlx.core as mx
-
-                mx.clear_streams()
-            except Exception:
-                log.debug("mx.clear_streams failed", exc_info=True)
-            try:
-                token.run_sync_soon(finished.set)
-            except trio.RunFinishedError:
-                pass
-
-        # Our own thread, not trio's thread cache: a cached thread idles on after the job and can
-        # exit during interpreter shutdown, when MLX's thread-local compile cache (it holds Python
-        # objects) can no longer take the GIL — the process then aborts. This one ends with us.
-        thread = threading.Thread(target=body, name="mlx-gpu-worker")
-        thread.start()
+        """Load the model on the MLX thread (starting it when it is the worker's own), serve
+        until cancelled, then drop the engine (a shared thread goes on serving the others)."""
+        self._trio_token = trio.lowlevel.current_trio_token()
         try:
-            try:
-                await finished.wait()
-            finally:
-                # Shutdown: end the job loop; a job already running finishes first (rows leave at
-                # step boundaries), so wait for the thread, shielded.
-                self._jobs.put(None)
-                with trio.CancelScope(shield=True):
-                    await finished.wait()
-                thread.join()
-            ended[0].unwrap()
+            if self._own_thread:
+                self.thread.on_exit.append(self.tp.close)  # the followers stop with this rank's MLX thread
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.thread.run)
+                    await self._serve(task_status)
+            else:
+                await self._serve(task_status)
         finally:
             self.alive = False
             self.close_ssd()  # releases the SSD directory lock (a writer may still finish)
-            if self._current_reply is not None:
-                self._current_reply.close()  # a caller mid-job sees WorkerDied, not a hang
-            while True:  # and so does one whose job was still queued
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job.reply.close()
 
-    def _thread_main(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
-        # Everything MLX is imported and created here, on this thread only.
+    async def _serve(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
+        self.thread.decoding.append(self._decoding)
+        try:
+            info = await self.thread.call(self._load, "load")
+            self.alive = True
+            task_status.started(info)
+            await trio.sleep_forever()
+        finally:
+            self.alive = False
+            self.thread.decoding.remove(self._decoding)
+            if not self._own_thread and self.thread.alive:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.thread.call(self._unload, "unload")
+                    except WorkerDied:
+                        pass
+
+    def _decoding(self) -> bool:
+        """On the MLX thread: whether this model's engine has rows decoding."""
+        engine = self._engine
+        return engine is not None and bool(engine.batch_size)
+
+    def _load(self) -> ModelInfo:
+        # Everything MLX is imported and created here, on the MLX thread only.
         import mlx.core as mx
 
         from cache.prompt_cache import PromptCache
@@ -208,7 +166,6 @@ class GpuWorker:
         from model.kv.rows import resumable
         from model.load.loader import load_model
 
-        self.thread_ident = threading.get_ident()
         loaded = load_model(self.model_dir, name=self.name)
         kv_scheme = kv_scheme_for(loaded, self.options.kv)  # (a bad kv_config.json: before anything starts)
         eos = eos_of(loaded, self._eos)
@@ -261,7 +218,7 @@ class GpuWorker:
             ),
         )
         resolved = resolve(self.options, self.info)  # --batch auto is sized once the model is loaded
-        self._kv_room = resolved.kv_room_bytes
+        self._room = self._kv_room = resolved.kv_room_bytes
         mx.set_cache_limit(buffer_cache_bytes(self.info.prefill_transient_bytes))
         if self.prompt_cache is not None:
             self.prompt_cache_bytes = self.prompt_cache.max_bytes = resolved.prompt_cache_bytes
@@ -278,50 +235,39 @@ class GpuWorker:
                 len(engine.prefill_shapes(batch)),
                 self.times.warm_up_s,
             )
-        self.alive = True
-        token = self._trio_token
-        assert token is not None  # set by run() before the thread starts
-        trio.from_thread.run_sync(task_status.started, self.info, trio_token=token)
-        times, clock = self.times, time.perf_counter
-        while True:
-            waited = clock()
-            job = self._jobs.get()
-            started = clock()
-            times.idle_s += started - waited
-            if engine.batch_size:
-                times.idle_decoding_s += started - waited
-            if job is None:
-                break
-            if job.abandoned:
-                continue
-            self._current_reply = job.reply
-            result = outcome.capture(job.fn, engine)
-            self._current_reply = None
-            after_row_job(engine, job.kind, self.prompt_cache, self._kv_room)
-            times.add(job.kind, clock() - started)
-            try:
-                token.run_sync_soon(_reply, job.reply, result)
-            except trio.RunFinishedError:
-                return
+        self._engine = engine
+        return self.info
+
+    def _unload(self) -> None:
+        """On the MLX thread: drop the engine, its caches and weights; give the memory back."""
+        import mlx.core as mx
+
+        self._engine = None
+        self.prompt_cache = self._tiered = None
+        gc.collect()  # (the model's modules hold reference cycles)
+        mx.clear_cache()
+
+    def set_other_weights(self, nbytes: int) -> None:
+        """Other resident models hold `nbytes` of weights in the same memory budget (actors/pool.py):
+        the room this model's rows and prompt cache share shrinks by as much."""
+        self._kv_room = max(0, self._room - nbytes)
 
     async def _call(self, fn: Callable[[Engine], T], kind: str = "other") -> T:
         if not self.alive:
             raise WorkerDied("the GPU worker is not running")
-        reply_send, reply_recv = trio.open_memory_channel[outcome.Outcome](1)
-        job = _Job(fn, reply_send, kind)
-        with reply_recv:
-            self._jobs.put(job)
-            try:
-                result = await reply_recv.receive()
-            except trio.EndOfChannel:
-                raise WorkerDied("the GPU worker stopped mid-job") from None
-            except BaseException:
-                # Cancelled while queued: the job never runs. Once taken it runs to completion
-                # (rows leave at step boundaries) and its result is dropped.
-                job.abandoned = True
-                raise
-        value: T = result.unwrap()
-        return value
+
+        def job() -> T:
+            engine = self._engine
+            if engine is None:
+                raise WorkerDied("the model was unloaded")
+            return fn(engine)
+
+        def after() -> None:
+            engine = self._engine
+            if engine is not None:
+                after_row_job(engine, kind, self.prompt_cache, self._kv_room)
+
+        return await self.thread.call(job, kind, after)
 
     # -- the Worker interface (actors/worker_api.py) -------------------------------------------
 
@@ -477,6 +423,11 @@ class GpuWorker:
         cache = self._tier()
         return await self._call(lambda engine: cache.demote_idle(idle_s))
 
+    async def demote_all(self) -> list[SpillItem]:
+        """Every RAM prompt-cache entry leaves RAM; the ones the SSD lacks come back to be written."""
+        cache = self._tier()
+        return await self._call(lambda engine: cache.demote_all())
+
     def _tier(self) -> TieredPromptCache:
         if self._tiered is None:
             raise RuntimeError("the worker has no SSD tier")
@@ -489,11 +440,3 @@ class GpuWorker:
     def close_ssd(self) -> None:
         if self.ssd_store is not None:
             self.ssd_store.close()
-
-
-def _reply(channel: trio.MemorySendChannel, result: outcome.Outcome) -> None:
-    """On the trio thread (run_sync_soon: must not raise)."""
-    try:
-        channel.send_nowait(result)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-        pass  # the caller went away (cancelled); the job still ran to completion

@@ -16,6 +16,7 @@ from actors.kv_memory import kv_budget
 from actors.messages import FlushResult
 from actors.options import Resolved
 from actors.policy import AdmissionCeiling, BatchMode
+from actors.pool_types import PoolEntry
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.worker_api import ModelInfo, Worker
@@ -23,6 +24,7 @@ from model.engine.params import SamplingParams
 from model.options import SamplingOptions, ServerOptions
 
 if TYPE_CHECKING:
+    from actors.ssd.drain import DrainReport
     from actors.ssd.durability import SsdTier
     from actors.ssd.response_log import ResponseLog
     from model.engine.machine import MachineFacts
@@ -72,6 +74,49 @@ class ReportsMachine(Protocol):
     async def machine(self) -> MachineFacts: ...
 
 
+@runtime_checkable
+class SetsOtherWeights(Protocol):
+    """A worker whose rows and prompt cache share the budget with other models' weights
+    (actors/gpu_worker.py `set_other_weights`)."""
+
+    def set_other_weights(self, nbytes: int) -> None: ...
+
+
+class ModelPoolView(Protocol):
+    """The model pool (actors/pool.py `ModelPool`) as the app sees it. Its methods raise
+    `actors.pool_types.PoolError`s, each with its HTTP status."""
+
+    def entries(self) -> list[PoolEntry]:
+        """Every servable model, the default first."""
+        ...
+
+    def resident(self, model_id: str) -> ServerHandles | None:
+        """The handles of a loaded model, else None."""
+        ...
+
+    def find(self, name: str) -> str | None:
+        """The id of the servable model `name` names (an alias included), else None."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether the MLX thread every model runs on is running."""
+        ...
+
+    async def acquire(self, name: str) -> ServerHandles:
+        """The loaded model `name` names, loaded now when it is not (the LRU idle one leaves)."""
+        ...
+
+    async def unload(self, name: str, *, wait: bool = True) -> DrainReport:
+        """Unload it once its running rows end (or ModelBusy when not `wait`)."""
+        ...
+
+    async def drain(self, name: str) -> DrainReport:
+        """Hold new requests, let the running rows end, demote its prompt cache to the SSD tier."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
 @attrs.define(eq=False)
 class ServerHandles:
     """Everything the HTTP app may touch; built by `start_actors`."""
@@ -95,6 +140,9 @@ class ServerHandles:
     adapters: AdapterRegistry = attrs.Factory(AdapterRegistry)  # mounted LoRA adapters
     # /stats blocks the app adds for what it owns itself (the Responses store: api/responses/routes.py).
     stats_blocks: dict[str, Callable[[], dict[str, Any]]] = attrs.Factory(dict)
+    # Several models in one server (--model-pool, --models-dir): the pool picks each request's
+    # model; None serves this one model alone.
+    pool: ModelPoolView | None = None
 
     def __attrs_post_init__(self) -> None:
         self.adapters.on_change = self._bill_adapters
@@ -106,14 +154,33 @@ class ServerHandles:
         if self.scheduler.kv_budget is not None:
             self.scheduler.kv_budget = kv_budget(max(0, self.ceiling.usable_bytes), self.info)
 
+    def bill_other_models(self, nbytes: int) -> None:
+        """A model pool's other resident models hold `nbytes` of weights in the same memory
+        budget: they come out of admission's budget, the live-KV budget and the worker's room."""
+        ceiling = attrs.evolve(self.ceiling, other_weights_bytes=nbytes)
+        self.ceiling = self.admission.ceiling = ceiling_with_adapters(ceiling, self.info, ceiling.adapter_bytes)
+        if self.scheduler.kv_budget is not None:
+            self.scheduler.kv_budget = kv_budget(max(0, self.ceiling.usable_bytes), self.info)
+        if isinstance(self.worker, SetsOtherWeights):
+            self.worker.set_other_weights(nbytes)
+
     async def flush_cache(self) -> FlushResult:
         """POST /admin/cache/flush: durable, with zeros, without the SSD tier."""
         return FlushResult(durable=True) if self.ssd is None else await self.ssd.flush()
 
     def worker_alive(self) -> bool:
+        if self.pool is not None:  # (this model may have left the pool; the MLX thread serves the rest)
+            return self.pool.alive()
         return not isinstance(self.worker, ReportsAlive) or self.worker.alive
 
     def stats(self) -> dict[str, Any]:
+        """/stats: this model's blocks, and with a model pool every resident model's (`models`)."""
+        stats = self.model_stats()
+        if self.pool is not None:
+            stats["models"] = self.pool.stats()
+        return stats
+
+    def model_stats(self) -> dict[str, Any]:
         sched = self.scheduler
         return {
             "server": {"model": self.info.name, "started_at": int(self.started_at), "device": self.info.device},
@@ -126,6 +193,7 @@ class ServerHandles:
                 "weights_bytes": self.ceiling.weights_bytes,
                 "prefill_transient_bytes": self.ceiling.transient_bytes,
                 "adapter_bytes": self.ceiling.adapter_bytes,
+                **({"other_models_bytes": self.ceiling.other_weights_bytes} if self.pool is not None else {}),
                 "max_queue": self.admission.max_queue,
                 "accepting": not self.admission.closed,
                 "in_flight": self.admission.in_flight,

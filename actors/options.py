@@ -80,6 +80,23 @@ def validate(options: ServerOptions) -> str | None:
         return f"--default-adapter {adapters.default_adapter} is not the ID of an --adapter"
     if options.caches.ssd_cache_dir and options.caches.prompt_cache_gb == 0:
         return "--ssd-cache requires the RAM prompt cache (--prompt-cache 0 disables it)"
+    return pool_problem(options)
+
+
+def pooled(options: ServerOptions) -> bool:
+    """Whether the server runs a model pool (actors/pool.py): `--model-pool` above 1 or
+    `--models-dir`. Otherwise it serves the one `--model`, exactly as before the pool existed."""
+    return options.model.model_pool > 1 or options.model.models_dir is not None
+
+
+def pool_problem(options: ServerOptions) -> str | None:
+    """The pool's rules across flags: what one MLX thread cannot hold for several models."""
+    if not pooled(options):
+        return "--model-ttl needs a model pool (--model-pool N or --models-dir)" if options.model.model_ttl else None
+    if options.engine.tensor_parallel > 1:
+        return "--tensor-parallel cannot be combined with a model pool (--model-pool, --models-dir)"
+    if options.speculation.draft_model:
+        return "--draft-model cannot be combined with a model pool (--model-pool, --models-dir)"
     return None
 
 

@@ -113,7 +113,7 @@ class AdmissionCeiling:
     alone, the memory budget bounds the sum of its rows' KV (`memory_context`)."""
 
     memory_budget_bytes: int
-    usable_bytes: int  # budget − weights − mounted adapters − prefill transient (may be negative)
+    usable_bytes: int  # budget − weights (every resident model's) − mounted adapters − prefill transient (may be < 0)
     weights_bytes: int
     transient_bytes: int  # one prefill forward's peak (the chunk in use, the model's shape)
     max_safe_context: int  # the longest one row alone may grow to: min(memory, window)
@@ -121,6 +121,7 @@ class AdmissionCeiling:
     context_length: int = 0  # the model's window, per row (0: not known, memory alone bounds)
     kv_rate: KvRate | None = None  # None: the budget holds one row of `max_safe_context`, linearly
     kv_budget_bytes: int | None = None  # --kv-budget when given: `usable_bytes` is at most it
+    other_weights_bytes: int = 0  # a model pool's other resident models (actors/pool.py)
 
     def memory_context(self, rows: int = 1) -> int:
         """The longest each of `rows` rows of one request may grow to, side by side in the budget.
@@ -184,14 +185,16 @@ def admission_ceiling(
     adapter_bytes: int = 0,
     state_bytes_per_row: int = 0,
     kv_budget_bytes: int | None = None,
+    other_weights_bytes: int = 0,
 ) -> AdmissionCeiling:
     """The limits of one request's rows: the model's context window per row, and the KV the
     budget holds after weights, the mounted adapters' weights and the prefill transient
     (`transient_bytes`: model/engine/prefill_memory.py), billed at the scheme's true bytes (`kv_bill`);
     `max_safe_context` is the smaller, for one row. An explicit live-KV budget (`--kv-budget`)
-    bounds a request's rows too: they could never run together under it."""
+    bounds a request's rows too: they could never run together under it. In a model pool the
+    other resident models' weights (`other_weights_bytes`) share the budget too."""
     rate = KvRate(kv_bytes_per_token, kv_quant_ratio, kv_quantized_from, state_bytes_per_row)
-    usable = budget_bytes - weights_bytes - adapter_bytes - transient_bytes
+    usable = budget_bytes - weights_bytes - adapter_bytes - other_weights_bytes - transient_bytes
     if kv_budget_bytes:
         usable = min(usable, kv_budget_bytes)
     ceiling = AdmissionCeiling(
@@ -204,6 +207,7 @@ def admission_ceiling(
         context_length=context_length,
         kv_rate=rate,
         kv_budget_bytes=kv_budget_bytes,
+        other_weights_bytes=other_weights_bytes,
     )
     return attrs.evolve(ceiling, max_safe_context=max(0, min(ceiling.memory_context(1), context_length)))
 

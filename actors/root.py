@@ -48,8 +48,11 @@ from actors.arrivals import Arrivals
 from actors.handles import CacheStats, ServerHandles, sampling_defaults_for
 from actors.kv_memory import kv_budget
 from actors.messages import Control, FlushResult, Submit
+from actors.model_catalog import Servable
 from actors.options import resolve
 from actors.policy import admission_ceiling, batch_mode, waiting_rows
+from actors.pool import ModelPool
+from actors.pool_setup import PoolSetup
 from actors.request import RequestPorts
 from actors.scheduler import Scheduler
 from actors.shutdown import Shutdown, ShutdownPlan
@@ -89,8 +92,10 @@ async def start_actors(
     options: ServerOptions,
     make_tokenizer: Callable[[ModelInfo], ChatTokenizer],
     sampling_defaults: SamplingParams = SamplingParams(),
+    responses: bool = True,
 ) -> ServerHandles:
-    """Start the worker (model load), the scheduler and admission; return the app's handles."""
+    """Start the worker (model load), the scheduler and admission; return the app's handles.
+    `responses`: start the durable Responses store too (once per server: a pool's members not)."""
     log.info("loading model %s ...", options.model.model or "(demo)")
     started = time.monotonic()
     info: ModelInfo = await nursery.start(worker.run)
@@ -201,11 +206,52 @@ async def start_actors(
         prompt_cache=worker.prompt_cache if isinstance(worker, HoldsPromptCache) else None,
         worker=worker,
         ssd=ssd,
-        responses=await start_response_log(nursery, options),  # stored Responses on disk, or None
+        responses=await start_response_log(nursery, options) if responses else None,  # stored Responses on disk
         adapters=AdapterRegistry(worker),
     )
     await mount_flag_adapters(handles.adapters, options.adapters.adapters)  # --adapter: a bad one fails start-up
     return handles
+
+
+async def start_pool(nursery: trio.Nursery, setup: PoolSetup) -> tuple[ServerHandles, ModelPool]:
+    """Start the shared MLX thread and the model pool, load the default model (its handles are
+    the app's, the Responses store on them); every member is started by `start_actors`."""
+    options = setup.options
+    await nursery.start(setup.thread.run)
+
+    async def start_member(member_nursery: trio.Nursery, model: Servable) -> ServerHandles:
+        worker, make_tokenizer = setup.worker(model)
+        member_options = setup.options_for(model)
+        log.info("loading model %s ...", model.id)
+        return await start_actors(
+            member_nursery, worker, options=member_options, make_tokenizer=make_tokenizer, responses=False
+        )
+
+    pool = ModelPool(
+        setup.catalog,
+        start_member,
+        size=options.model.model_pool,
+        ttl_s=options.model.model_ttl,
+        load_timeout_s=options.model.model_load_timeout,
+        thread=setup.thread,
+    )
+    await nursery.start(pool.run)
+    handles = await pool.start()
+    handles.responses = await start_response_log(nursery, options)
+    return handles, pool
+
+
+class Gate(Protocol):
+    """Who closes at shutdown and whose requests the drain waits for: admission, or a pool's."""
+
+    cutoff: float
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def close(self, *, cutoff_after: float) -> None: ...
+
+    async def wait_idle(self) -> None: ...
 
 
 def _kv_billing(info: ModelInfo) -> str:
@@ -216,7 +262,7 @@ def _kv_billing(info: ModelInfo) -> str:
 
 
 async def run_server(
-    worker: RunnableWorker,
+    worker: RunnableWorker | None,
     *,
     options: ServerOptions,
     make_tokenizer: Callable[[ModelInfo], ChatTokenizer],
@@ -226,11 +272,13 @@ async def run_server(
     make_app: Callable[[ServerHandles], ASGIFramework] | None = None,
     flush_hooks: Sequence[FlushHook] = (),
     trace: Callable[[str], None] = lambda milestone: None,
+    pool: PoolSetup | None = None,
 ) -> FlushResult | None:
     """Bind, load, serve until shutdown; returns normally on a clean or a timed-out shutdown
     alike. Returns the shutdown durability flush's FlushResult (durable=False if it never ran),
     or None without an SSD tier. `plan` defaults to the one `options` imply. A bind failure (or
-    a worker that fails to load) propagates."""
+    a worker that fails to load) propagates. With `pool` (a model pool) the pool builds every
+    model's worker and `worker` is unused."""
     from api.http.lifecycle import LifecycleApp
 
     if make_app is None:
@@ -244,6 +292,8 @@ async def run_server(
 
     lifecycle = LifecycleApp()  # answers 503 "loading" until the model is loaded
     handles: ServerHandles | None = None
+    front: Gate | None = None  # admission, or the pool's gate over every model's
+    models: ModelPool | None = None
     flushed: FlushResult | None = None
     flush_scope = trio.CancelScope(shield=True)  # only a second signal cuts the flush short
     load_scope = trio.CancelScope()
@@ -263,13 +313,13 @@ async def run_server(
             # hypercorn's graceful timeout counts from its trigger, which may fire as late as the
             # drain deadline: HTTP's own deadline is counted from the signal here instead.
             http_scope.deadline = trio.current_time() + plan.http_deadline
-            if handles is None:  # a signal during model load: nothing to drain
+            if handles is None or front is None:  # a signal during model load: nothing to drain
                 load_scope.cancel()
                 return
-            handles.admission.close(cutoff_after=drain)
+            front.close(cutoff_after=drain)
             log.info(
                 "shutting down: admission closed; %d in-flight request(s) get up to %.0f s",
-                handles.admission.in_flight,
+                front.in_flight,
                 drain,
             )
             trace("admission closed")
@@ -281,9 +331,9 @@ async def run_server(
             /health says "shutting down"), at the latest at the drain deadline."""
             bound.set()
             await shutdown.requested.wait()
-            if handles is not None:
-                with trio.move_on_at(handles.admission.cutoff):
-                    await handles.admission.wait_idle()
+            if front is not None:
+                with trio.move_on_at(front.cutoff):
+                    await front.wait_idle()
             trace("listeners closing")
 
         async def http() -> None:
@@ -306,19 +356,29 @@ async def run_server(
             log.warning("listening on %s without --api-key: anyone who can reach this port can use /v1", bind.host)
         with load_scope:
             try:
-                handles = await start_actors(nursery, worker, options=options, make_tokenizer=make_tokenizer)
+                if pool is not None:
+                    handles, models = await start_pool(nursery, pool)
+                    front = models
+                else:
+                    assert worker is not None, "a server without a pool serves its one worker"
+                    handles = await start_actors(nursery, worker, options=options, make_tokenizer=make_tokenizer)
+                    front = handles.admission
             except Exception as exc:
                 raise load_failed(options.model.model, exc) from exc
-        if handles is not None:
+        if handles is not None and front is not None:
             lifecycle.serve(make_app(handles))
             trace("serving")
             log.info("ready: serving model %s", handles.info.name)
-            nursery.start_soon(_end_http_once_drained, handles, shutdown, http_scope, plan.drained_http_grace)
+            nursery.start_soon(_end_http_once_drained, front, shutdown, http_scope, plan.drained_http_grace)
         await http_done.wait()
         trace("http done")
-        if handles is not None:
-            log.info("HTTP server stopped; %d request(s) still in flight", handles.admission.in_flight)
-            if handles.ssd is not None:
+        if handles is not None and front is not None:
+            log.info("HTTP server stopped; %d request(s) still in flight", front.in_flight)
+            if models is not None:
+                with flush_scope:
+                    flushed = await models.shutdown_flush(timeout=plan.durability_flush)
+                    trace("durability flushed")
+            elif handles.ssd is not None:
                 with flush_scope:
                     flushed = await shutdown_flush(handles.ssd, timeout=plan.durability_flush)
                     trace("durability flushed")
@@ -330,19 +390,18 @@ async def run_server(
     trace("actors stopped")
     await run_flush_hooks(flush_hooks, budget=plan.flush_hooks)
     trace("flushed")
-    if handles is not None and handles.ssd is not None and flushed is None:
+    ssd_tier = handles is not None and (handles.ssd is not None or (models is not None and models.had_ssd))
+    if ssd_tier and flushed is None:
         flushed = FlushResult(durable=False)  # cut by a second signal or never reached
     return flushed
 
 
-async def _end_http_once_drained(
-    handles: ServerHandles, shutdown: Shutdown, http_scope: trio.CancelScope, grace: float
-) -> None:
+async def _end_http_once_drained(front: Gate, shutdown: Shutdown, http_scope: trio.CancelScope, grace: float) -> None:
     """hypercorn keeps an idle keep-alive connection (an SDK's pool) open through its whole
     graceful timeout, so Ctrl-C would wait `--shutdown-timeout` for nothing. Once every admitted
     request has ended and its last frame had a moment to go out, end HTTP ourselves."""
     await shutdown.requested.wait()
-    await handles.admission.wait_idle()
+    await front.wait_idle()
     await trio.sleep(grace)
     http_scope.cancel()
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIFramework
 
+    from actors.pool_setup import PoolSetup
     from actors.root import RunnableWorker
     from actors.shutdown import ShutdownPlan
     from actors.worker_api import ModelInfo
@@ -106,7 +107,11 @@ async def _main(options: ServerOptions) -> int:
 
             nursery.start_soon(on_signals)
             try:
-                _, worker, make_tokenizer = _load_plan(options)
+                pool = _pool_plan(options)
+                worker: RunnableWorker | None = None
+                make_tokenizer: Callable[[ModelInfo], Tokenizer] = _no_tokenizer
+                if pool is None:
+                    _, worker, make_tokenizer = _load_plan(options)
             except Exception as exc:  # a bad --model is a message, not a traceback
                 log.error("cannot serve: %s", exc)
                 nursery.cancel_scope.cancel()  # else the nursery waits for the signal task forever
@@ -120,6 +125,7 @@ async def _main(options: ServerOptions) -> int:
                     serve_http=partial(_serve_http, options, plan),
                     shutdown=shutdown,
                     plan=plan,
+                    pool=pool,
                 )
             except Exception as exc:
                 failure = startup_failure(exc)
@@ -136,6 +142,22 @@ async def _main(options: ServerOptions) -> int:
         return SECOND_SIGNAL_EXIT
     # With the SSD tier, exit 0 only when the shutdown flush made everything durable.
     return 0 if (flushed is None or flushed.durable) and not rank_failed(worker) else 1
+
+
+def _pool_plan(options: ServerOptions) -> PoolSetup | None:
+    """With a model pool (--model-pool, --models-dir), its setup, which builds every model's
+    worker and tokenizer; else None (`_load_plan` builds the one model's)."""
+    from actors.options import pooled
+
+    if not pooled(options):
+        return None
+    from actors.pool_setup import pool_setup
+
+    return pool_setup(options)
+
+
+def _no_tokenizer(info: ModelInfo) -> Tokenizer:
+    raise AssertionError("a pool builds each model's tokenizer itself")
 
 
 def _load_plan(options: ServerOptions) -> tuple[Path, RunnableWorker, Callable[[ModelInfo], Tokenizer]]:

@@ -14,7 +14,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import admin_routes, ui_routes
+from api import admin_routes, pool_routes, ui_routes
 from api.adapters import routes as adapter_routes
 from api.anthropic import routes as anthropic_routes
 from api.embeddings.routes import blueprint as embeddings_blueprint
@@ -49,6 +49,8 @@ def create_app(handles: ServerHandles) -> QuartTrio:
     app.register_blueprint(anthropic_routes.blueprint(handles))
     app.register_blueprint(responses_routes.blueprint(handles))
     app.register_blueprint(admin_routes.blueprint(handles))  # POST /admin/cache/flush
+    if handles.pool is not None:  # POST /admin/models/load, /admin/models/unload, /admin/drain
+        app.register_blueprint(pool_routes.blueprint(handles, handles.pool))
     app.register_blueprint(ui_routes.blueprint(handles.options.http.ui))  # GET / and /ui/*: the chat page
     app.register_blueprint(adapter_routes.blueprint(handles))  # /v1/adapters*
     app.register_blueprint(embeddings_blueprint(handles))  # POST /v1/embeddings

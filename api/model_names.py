@@ -13,6 +13,9 @@
 * Any other name is a 404 `model_not_found` in the route's own envelope (the app's error
   handler picks it from the path) that names the models this server serves, so a client can fix
   its `model` without a second call; a `model` that is not a string is a 400.
+* With a model pool (actors/pool.py), `model_handles` first picks the model a request names
+  among every servable one (a request without `model` gets the default, the `--model`), loading
+  it when it is not resident; the checks above then run against that model's own handles.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from actors.handles import ServerHandles
+from actors.handles import ModelPoolView, ServerHandles
+from actors.pool_types import PoolError
+from actors.request import observing
 from api.adapters.select import parse_adapters, select_adapters
 from api.errors import ApiError, bad_request
+from api.http.wire import json_body
+from api.observability.request_log import RequestRecord
 from model.load.resolve import resolve_model_dir
 
 DEFAULT_MODEL_ALIAS = "default_model"  # mlx_lm.server's name for "the model the server was started with"
@@ -81,11 +88,54 @@ def adapter_model_names(handles: ServerHandles) -> list[tuple[str, str]]:
     return [(f"{name}:{report.id}", name) for report in handles.adapters.infos()]
 
 
+async def model_handles(server: ServerHandles) -> ServerHandles:
+    """The handles of the model the request's `model` names: `server` itself without a pool;
+    with one, the named model's, loaded first when it is not resident (a 404 for a name no
+    servable model has, a 503 + Retry-After when it cannot load in time). The route enters the
+    model's arrivals right after, with no checkpoint between: the pool never unloads it then."""
+    pool = server.pool
+    if pool is None:
+        return server
+    requested = (await json_body()).get("model")
+    if requested is None or requested == "":
+        requested = served_names(server)[0]
+    if not isinstance(requested, str):
+        raise bad_request("model must be a string", param="model")
+    model_id = pool.find(requested)
+    if model_id is None:
+        base, sep, adapters = requested.rpartition(":")  # `<name>:<adapter>`: the adapter's base model
+        model_id = pool.find(base) if sep and adapters else None
+    if model_id is None:
+        raise model_not_found(server, requested)
+    try:
+        handles = await pool.acquire(model_id)
+    except PoolError as exc:
+        raise pool_error(exc) from None
+    record = observing.get()
+    if isinstance(record, RequestRecord):  # the request log names the model
+        record.model = model_id
+    return handles
+
+
+def pool_error(exc: PoolError) -> ApiError:
+    """A pool's refusal as the route's HTTP error."""
+    headers = {} if exc.retry_after is None else {"Retry-After": str(max(1, round(exc.retry_after)))}
+    return ApiError(
+        exc.status, exc.message, param="model" if exc.status == 404 else None, code=exc.code, headers=headers
+    )
+
+
+def _pool_names(pool: ModelPoolView) -> list[str]:
+    return [entry.id for entry in pool.entries()]
+
+
 def model_not_found(handles: ServerHandles, name: str) -> ApiError:
     """The 404 for `name`, listing what the server serves (the served names, then the mounted
-    adapters' `<name>:<id>`)."""
+    adapters' `<name>:<id>`; with a model pool, every servable model)."""
     shown = name if len(name) <= _ECHO_MAX else name[:_ECHO_MAX] + "..."
     served = [*served_names(handles), *(adapter for adapter, _ in adapter_model_names(handles))]
+    if handles.pool is not None:
+        served = list(dict.fromkeys([*_pool_names(handles.pool), *served]))
     listed = ", ".join(f"`{served_name}`" for served_name in served[:_LISTED_MAX])
     if len(served) > _LISTED_MAX:
         listed += f" and {len(served) - _LISTED_MAX} more (GET /v1/models lists them)"

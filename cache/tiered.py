@@ -268,3 +268,22 @@ class TieredPromptCache(PromptCache):
             self._last_used.pop(key, None)
             self.demotions += 1
         return out
+
+    def demote_all(self) -> list[SpillItem]:
+        """Empty the RAM tier, protected entries included (its model is leaving the pool:
+        actors/pool.py); return the entries the SSD lacks, hinted ones first. An entry that cannot
+        be stored is dropped: nothing keeps the RAM it would hold."""
+        if self.ssd is None:
+            return []
+        out: list[SpillItem] = []
+        for key, entry in sorted(self._entries.items(), key=lambda item: item[1].retain_s is None):
+            if not self.ssd.has_exact(key.tokens, key.namespace):
+                item = spill_item(key.namespace, key.tokens, entry.caches)
+                if item is not None:
+                    if entry.deadline is not None and entry.deadline > self.clock():
+                        item.retain_until = time.time() + (entry.deadline - self.clock())
+                    out.append(item)
+            self._remove(key)
+            self.demotions += 1
+        self._last_used.clear()
+        return out

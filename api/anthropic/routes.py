@@ -28,7 +28,7 @@ from api.completion import (
 )
 from api.http import offload
 from api.http.wire import json_body, json_response, new_id, sse_response
-from api.model_names import check_requested_model, model_name
+from api.model_names import check_requested_model, model_handles, model_name
 from api.pipeline.events import Event
 
 PING_INTERVAL_S = 5.0
@@ -36,11 +36,12 @@ PING_INTERVAL_S = 5.0
 event (a long prefill), so clients and proxies with idle timeouts keep the stream open."""
 
 
-def blueprint(handles: ServerHandles) -> Blueprint:
+def blueprint(server: ServerHandles) -> Blueprint:
     bp = Blueprint("anthropic", __name__)
 
     @bp.post("/v1/messages")
     async def messages() -> Response:
+        handles = await model_handles(server)
         with handles.arrivals.arriving():
             adapters = check_requested_model(handles, await json_body())
             request = await offload.run(messages_request, await json_body(), vision=handles.info.vision)
@@ -63,6 +64,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
+        handles = await model_handles(server)
         check_requested_model(handles, await json_body())
         prompt = await offload.run(count_request, await json_body(), vision=handles.info.vision)
         # Tokenizer only, off the event loop: never the GPU worker, never admission.

@@ -30,7 +30,7 @@ from api.chat import vocab_size
 from api.errors import ApiError, bad_request, error_response_for, from_rejection
 from api.http import offload
 from api.http.wire import json_body, json_response
-from api.model_names import check_requested_model, model_name
+from api.model_names import check_requested_model, model_handles, model_name
 from api.prompt_bounds import check_chars, too_long
 from model.load.embedding_config import Pooling
 
@@ -49,12 +49,13 @@ class EmbeddingsRequest:
     dimensions: int | None
 
 
-def blueprint(handles: ServerHandles) -> Blueprint:
+def blueprint(server: ServerHandles) -> Blueprint:
     bp = Blueprint("embeddings", __name__)
 
     @bp.post("/v1/embeddings")
     async def embeddings() -> Response:
         body = await json_body()
+        handles = await model_handles(server)
         if check_requested_model(handles, body, default_adapter=False):  # (adapters do not apply here)
             raise bad_request("LoRA adapters do not apply to embeddings", param="model")
         pooling = handles.info.embedding
@@ -86,7 +87,10 @@ def install_embedding_guard(app: Any, handles: ServerHandles) -> None:
 
     @app.before_request
     async def embedding_only() -> Response | None:
-        if handles.info.embedding is None or request.method != "POST" or request.path not in GENERATION_PATHS:
+        if request.method != "POST" or request.path not in GENERATION_PATHS:
+            return None
+        model = handles if handles.pool is None else await _named_model(handles)
+        if model is None or model.info.embedding is None:
             return None
         error = bad_request(
             "this model is an embedding model: it serves /v1/embeddings only",
@@ -94,6 +98,16 @@ def install_embedding_guard(app: Any, handles: ServerHandles) -> None:
             code="model_not_generative",
         )
         return error_response_for(request.path, error)
+
+
+async def _named_model(server: ServerHandles) -> ServerHandles | None:
+    """With a model pool: the resident model the request names (a model not loaded yet is
+    judged by its own routes once it has loaded)."""
+    assert server.pool is not None
+    body = await request.get_json(force=True, silent=True)
+    name = body.get("model") if isinstance(body, dict) else None
+    model_id = server.pool.find(name) if isinstance(name, str) and name else server.info.name
+    return None if model_id is None else server.pool.resident(model_id)
 
 
 def parse_request(body: dict[str, Any], pooling: Pooling, *, vocab: int | None) -> EmbeddingsRequest:

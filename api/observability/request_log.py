@@ -113,6 +113,7 @@ class RequestRecord:
     abort_cause: str | None = None  # client | cutoff (the shutdown deadline ended the stream)
     error: str | None = None
     ignored: tuple[str, ...] = ()  # request fields the server did not know and ignored (api/chat_request.py)
+    model: str | None = None  # the model a model pool picked for it (api/model_names.py)
     # the trace's extra times (trio seconds); `prefills` is kept only when the request is traced
     trace: RequestTrace | None = None
     template_at: float | None = None  # the chat template / tokenizing began: parsing is over
@@ -248,6 +249,8 @@ class RequestRecord:
             "client": self.client,
             "duration_ms": _ms(self.duration),
         }
+        if self.model is not None:
+            out["model"] = self.model
         if self.submitted_at is not None:
             out.update(
                 # "+spec": its rows' tokens came from draft verifications (speculative decoding)

@@ -16,17 +16,25 @@ from api.chat import start_chat, start_text, text_prompt_tokens, vocab_size
 from api.chat_request import TextRequest
 from api.http import offload
 from api.http.wire import json_body, json_response, sse_response
-from api.model_names import adapter_model_names, check_requested_model, model_name, model_not_found, served_names
+from api.model_names import (
+    adapter_model_names,
+    check_requested_model,
+    model_handles,
+    model_name,
+    model_not_found,
+    served_names,
+)
 from api.openai import encode as openai_encode
 from api.openai.prompt_logprobs import score_prompt
 from api.openai.translate import chat_request, completion_output, text_request
+from api.pool_cards import pool_card, pool_cards
 from model.text import grammar
 
 HEALTH_BODY = b'{"status": "ok"}'  # byte parity with mlx_lm.server, space included
 OWNER = "mlx-trio"
 
 
-def blueprint(handles: ServerHandles) -> Blueprint:
+def blueprint(server: ServerHandles) -> Blueprint:
     bp = Blueprint("openai", __name__)
 
     def answer(payload: Any) -> Response:
@@ -38,25 +46,30 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.get("/stats")
     async def stats() -> Response:
-        return answer(_stats(handles))
+        return answer(_stats(server))
 
     @bp.get("/v1/models")
     async def models() -> Response:
-        cards = [_model_card(handles, name) for name in served_names(handles)]
-        cards += [adapter_card(handles, name, parent) for name, parent in adapter_model_names(handles)]
+        if server.pool is not None:  # every servable model, with its status
+            return answer({"object": "list", "data": pool_cards(server, server.pool, _model_card, adapter_card)})
+        cards = [_model_card(server, name) for name in served_names(server)]
+        cards += [adapter_card(server, name, parent) for name, parent in adapter_model_names(server)]
         return answer({"object": "list", "data": cards})
 
     @bp.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        adapters = dict(adapter_model_names(handles))
+        if server.pool is not None:
+            return answer(pool_card(server, server.pool, model_id, _model_card, adapter_card))
+        adapters = dict(adapter_model_names(server))
         if model_id in adapters:
-            return answer(adapter_card(handles, model_id, adapters[model_id]))
-        if model_id not in served_names(handles):
-            raise model_not_found(handles, model_id)
-        return answer(_model_card(handles, model_id))
+            return answer(adapter_card(server, model_id, adapters[model_id]))
+        if model_id not in served_names(server):
+            raise model_not_found(server, model_id)
+        return answer(_model_card(server, model_id))
 
     @bp.post("/v1/chat/completions")
     async def chat_completions() -> Response:
+        handles = await model_handles(server)
         with handles.arrivals.arriving():
             adapters = check_requested_model(handles, await json_body())
             vocab = vocab_size(handles.tokenizer)
@@ -71,6 +84,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.post("/v1/completions")
     async def completions() -> Response:
+        handles = await model_handles(server)
         with handles.arrivals.arriving():
             adapters = check_requested_model(handles, await json_body())
             request = await offload.run(text_request, await json_body(), vocab_size=vocab_size(handles.tokenizer))

@@ -34,7 +34,7 @@ from api.completion import (
 from api.errors import ApiError, bad_request
 from api.http import offload
 from api.http.wire import KEEPALIVE_FRAME, KEEPALIVE_INTERVAL_S, json_body, json_response, sse_response
-from api.model_names import check_requested_model, model_name
+from api.model_names import check_requested_model, model_handles, model_name
 from api.pipeline.events import Event
 from api.responses.encode import ResponseMeta, ResponsesStream
 from api.responses.items import output_to_input, stored_input
@@ -45,15 +45,16 @@ from api.responses.translate import input_items, responses_request
 DEFAULT_PAGE, MAX_PAGE = 20, 100  # input_items page sizes, OpenAI's
 
 
-def blueprint(handles: ServerHandles) -> Blueprint:
+def blueprint(server: ServerHandles) -> Blueprint:
     bp = Blueprint("responses", __name__)
-    durable = handles.responses  # the durable store (actors/ssd/response_log.py), or None
-    ttl = store_ttl(handles.options.responses, durable=durable is not None)
+    durable = server.responses  # the durable store (actors/ssd/response_log.py), or None
+    ttl = store_ttl(server.options.responses, durable=durable is not None)
     store = Responses(ResponseStore(ttl_s=ttl), durable)
-    handles.stats_blocks["responses_store"] = store.stats  # /stats and /metrics show what it holds
+    server.stats_blocks["responses_store"] = store.stats  # /stats and /metrics show what it holds
 
     @bp.post("/v1/responses")
     async def create() -> Response:
+        handles = await model_handles(server)
         with handles.arrivals.arriving():
             body = await json_body()
             adapters = check_requested_model(handles, body)

@@ -15,30 +15,33 @@ from quart import Blueprint, Response, current_app
 from actors.handles import ServerHandles
 from api.http import offload
 from api.http.wire import json_body, json_response
-from api.model_names import check_requested_model, served_names
+from api.model_names import check_requested_model, model_handles, served_names
 from api.utilities import fit, tokens
 
 SERVER_NAME = "mlx-trio-server"
 
 
-def blueprint(handles: ServerHandles) -> Blueprint:
+def blueprint(server: ServerHandles) -> Blueprint:
     bp = Blueprint("utilities", __name__)
 
     @bp.post("/tokenize")
     async def tokenize() -> Response:
         body = await json_body()
+        handles = await model_handles(server)
         check_requested_model(handles, body)
         return json_response(await offload.run(tokens.tokenize, handles, body))
 
     @bp.post("/detokenize")
     async def detokenize() -> Response:
         body = await json_body()
+        handles = await model_handles(server)
         check_requested_model(handles, body)
         return json_response(await offload.run(tokens.detokenize, handles, body))
 
     @bp.post("/apply-template")
     async def apply_template() -> Response:
         body = await json_body()
+        handles = await model_handles(server)
         check_requested_model(handles, body)
         return json_response(await offload.run(tokens.apply_template, handles, body))
 
@@ -49,14 +52,14 @@ def blueprint(handles: ServerHandles) -> Blueprint:
                 "object": "server",
                 "name": SERVER_NAME,
                 "version": version(),
-                "model": served_names(handles)[0],
+                "model": served_names(server)[0],
                 "endpoints": endpoints(),
             }
         )
 
     @bp.get("/fit")
     async def fit_route() -> Response:
-        return json_response(await fit.fit(handles))
+        return json_response(await fit.fit(server))
 
     return bp
 

@@ -45,6 +45,15 @@ def resolve_model_dir(spec: str) -> Path:
     )
 
 
+def hub_snapshot(repo_id: str) -> Path | None:
+    """The local Hugging Face cache's snapshot of `org/name`, or None; never the filesystem
+    around it (a name a request gives must not reach an arbitrary directory)."""
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts) or any(p in (".", "..") or "--" in p for p in parts):
+        return None
+    return _main_snapshot(hub_cache_dir() / f"{_REPO_PREFIX}{parts[0]}--{parts[1]}")
+
+
 def model_name(model_dir: Path) -> str:
     """`org/name` for `.../models--org--name/snapshots/<hash>`, else the directory's name."""
     snapshots = model_dir.parent

@@ -45,6 +45,45 @@ class ModelOptions:
         ),
         converter=tuple,
     )
+    # Several models in one server (actors/pool.py): on with --model-pool above 1 or --models-dir;
+    # --model-pool 1 without --models-dir serves the --model alone, as before the pool existed.
+    model_pool: int = option(
+        1,
+        Flag(
+            "--model-pool",
+            "models resident at once: a request's `model` picks one, loaded on demand, the least "
+            "recently used idle one unloaded to make room (default 1: the --model alone)",
+            parse=v.at_least_one,
+            metavar="N",
+        ),
+    )
+    models_dir: str | None = option(
+        None,
+        Flag(
+            "--models-dir",
+            "a directory of model directories, each servable by its directory name (turns the pool on)",
+            parse=v.path_arg,
+            metavar="DIR",
+        ),
+    )
+    model_ttl: float = option(
+        0.0,
+        Flag(
+            "--model-ttl",
+            "unload a pooled model once it has been idle this many seconds (default 0: never)",
+            parse=v.non_negative_float,
+            metavar="S",
+        ),
+    )
+    model_load_timeout: float = option(
+        300.0,
+        Flag(
+            "--model-load-timeout",
+            "seconds a request waits for its model to load, room in the pool included, before a 503 (default 300)",
+            parse=v.positive_float,
+            metavar="S",
+        ),
+    )
 
 
 # -- HTTP and access --------------------------------------------------------------------------
