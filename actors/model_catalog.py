@@ -63,8 +63,8 @@ class ModelCatalog:
     def listed(self) -> list[str]:
         """Every servable id, the default first, then --models-dir's, then the HF cache's."""
         ids = [self.default.id]
-        if self.models_dir is not None:
-            ids += [m.id for m in model_dirs(self.models_dir)]
+        if self.models_dir is not None:  # (the default's own directory is listed once, as the default)
+            ids += [m.id for m in model_dirs(self.models_dir) if m.path != self.default.path]
         ids += hub_models()
         return list(dict.fromkeys(ids))
 
@@ -77,7 +77,8 @@ class ModelCatalog:
             candidate = self.models_dir / name
             try:
                 if (candidate / "config.json").is_file():
-                    return Servable(name, candidate.resolve())
+                    path = candidate.resolve()  # (the default's directory is the default, whatever its name)
+                    return self.default if path == self.default.path else Servable(name, path)
             except (OSError, ValueError):  # (a name no filesystem takes)
                 return None
         snapshot = hub_snapshot(name)
@@ -88,7 +89,8 @@ def default_model(model: str | None, served_name: str | None, models_dir: Path |
     """The pool's default: the `--model` (under its served name), else the first of --models-dir."""
     if model is not None:
         path = resolve_model_dir(model)
-        return Servable(served_name or model_name(path), path)
+        listed = [m.id for m in (model_dirs(models_dir) if models_dir is not None else []) if m.path == path]
+        return Servable(served_name or (listed[0] if listed else model_name(path)), path)
     if models_dir is not None:
         found = model_dirs(models_dir)
         if found:

@@ -17,10 +17,12 @@ import attrs
 import trio
 
 from actors.handles import ServerHandles
+from actors.mlx_thread import MlxThread
 from actors.model_catalog import ModelCatalog, Servable, model_dirs
 from actors.options import options as serve_options
 from actors.pool import ModelPool
-from actors.root import start_actors
+from actors.pool_setup import pool_setup
+from actors.root import start_actors, start_pool
 from actors.worker_api import ModelInfo
 from api.app import create_app
 from tests.fakes import EOS, FakeTokenizer, FakeWorker, default_token
@@ -111,3 +113,56 @@ async def pool_server(
         handles = await pool.start()
         yield PoolServer(create_app(handles).test_client(), handles, pool, workers)
         nursery.cancel_scope.cancel()
+
+
+# -- a real pool: real GPU workers on one MLX thread ------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class RealPool:
+    client: Any  # quart-trio test client
+    handles: ServerHandles  # the app's (the default model's)
+    pool: ModelPool
+    thread: MlxThread
+
+    async def statuses(self) -> dict[str, str]:
+        cards = (await (await self.client.get("/v1/models")).get_json())["data"]
+        return {card["id"]: card["status"] for card in cards if "status" in card}
+
+    async def complete(self, model: str, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
+        """A greedy completion whose reply carries its token ids (`token_ids`)."""
+        body = {
+            "model": model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        response = await self.client.post("/v1/completions", json=body)
+        assert response.status_code == 200, await response.get_data()
+        answer: dict[str, Any] = await response.get_json()
+        named = answer["choices"][0]["logprobs"]["tokens"]
+        answer["token_ids"] = [int(t.removeprefix("token_id:")) for t in named]
+        return answer
+
+
+@asynccontextmanager
+async def real_pool_server(**fields: Any) -> AsyncIterator[RealPool]:
+    """A pooled server as `actors.root.start_pool` builds it (options by their flat field names:
+    `model_pool=2, models_dir=...`), behind the real app."""
+    setup = pool_setup(serve_options(**fields))
+    async with trio.open_nursery() as nursery:
+        handles, pool = await start_pool(nursery, setup)
+        yield RealPool(create_app(handles).test_client(), handles, pool, setup.thread)
+        nursery.cancel_scope.cancel()
+
+
+def mlx_lm_tokens(model_dir: Path, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """mlx-lm's greedy tokens for `prompt` on `model_dir` (the parity oracle)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(model_dir))
+    return [int(token) for token, _ in generate_step(mx.array(list(prompt)), model, max_tokens=max_tokens)]
