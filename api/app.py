@@ -23,6 +23,7 @@ from api.errors import ApiError, error_response_for
 from api.http.security import install_security
 from api.observability.health import install_health
 from api.observability.metrics import install_metrics
+from api.observability.pool_metrics import install_pool_metrics
 from api.observability.request_log import install_request_log
 from api.observability.tracing import install_tracing
 from api.openai import routes as openai_routes
@@ -43,7 +44,7 @@ def create_app(handles: ServerHandles) -> QuartTrio:
     install_security(app, handles.options)
     install_health(app, handles)
     install_request_log(app, handles)
-    install_metrics(app, handles)
+    metrics = install_metrics(app, handles)
     install_tracing(app, handles)  # off (and importing no OpenTelemetry) unless configured
     app.register_blueprint(openai_routes.blueprint(handles))
     app.register_blueprint(anthropic_routes.blueprint(handles))
@@ -51,6 +52,7 @@ def create_app(handles: ServerHandles) -> QuartTrio:
     app.register_blueprint(admin_routes.blueprint(handles))  # POST /admin/cache/flush
     if handles.pool is not None:  # POST /admin/models/load, /admin/models/unload, /admin/drain
         app.register_blueprint(pool_routes.blueprint(handles, handles.pool))
+        install_pool_metrics(metrics.registry, handles.pool)  # per-model series on /metrics
     app.register_blueprint(ui_routes.blueprint(handles.options.http.ui))  # GET / and /ui/*: the chat page
     app.register_blueprint(adapter_routes.blueprint(handles))  # /v1/adapters*
     app.register_blueprint(embeddings_blueprint(handles))  # POST /v1/embeddings

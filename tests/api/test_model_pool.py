@@ -187,3 +187,19 @@ async def test_memory_admission_counts_every_resident_models_weights(autojump_cl
         assert (await admission("b"))["other_models_bytes"] == WEIGHTS
         await server.client.post("/admin/models/unload", json={"model": "b"})
         assert (await admission("a"))["usable_bytes"] == alone["usable_bytes"]
+
+
+async def test_metrics_per_model(autojump_clock, tmp_path):
+    root = write_model_dirs(tmp_path, ["a", "b", "c"])
+    async with pool_server(root, size=2) as server:
+        await text(server, "b", 8)
+        exposition = (await (await server.client.get("/metrics")).get_data()).decode()
+        for line in (
+            'mlx_trio:model_loaded{model="a"} 1.0',
+            'mlx_trio:model_loaded{model="b"} 1.0',
+            'mlx_trio:model_loaded{model="c"} 0.0',
+            'mlx_trio:model_generation_tokens_total{model="b"} 8.0',
+            'mlx_trio:model_generation_tokens_total{model="a"} 0.0',
+            "mlx_trio:model_pool_loads_total 2.0",
+        ):
+            assert line in exposition, line
