@@ -10,6 +10,8 @@ Tree (all in one nursery, started in dependency order; any actor crashing takes 
     ├── durability        inbox: MarkDirty (worker put hook)    → snapshot jobs, Spill
     ├── demotion_timer    its own cadence, polls `scheduler.busy` → demote jobs, Spill
     ├── response_log      put / delete ops from the Responses routes → fsync'd batches (--response-store)
+    ├── (with a model pool, `start_pool`: the MLX thread, and `pool` in place of the worker,
+    │    scheduler, admission and SSD tier above, which it starts per resident model: actors/pool.py)
     └── HTTP (hypercorn `serve`, started first: the port is bound before the model loads, and
                   api/http/lifecycle.py answers 503 "loading" until the app is ready; the root
                   decides when it ends and what still runs after it)
