@@ -1,7 +1,7 @@
 """The control channel between rank 0 (the server) and its tensor-parallel followers.
 
 Each follower is a child process of the server; its stdin carries rank 0's messages and its stdout
-carries the follower's acknowledgements, one length-prefixed pickle per frame. The tensors never
+carries the follower's acknowledgements, one pickle per frame (actors/frames.py). The tensors never
 travel here: every forward's collectives run over `mx.distributed` (the ring backend). The control
 messages use the pipe because it ties the processes' lives together for free: a follower whose
 parent dies reads EOF and exits, and rank 0 sees a dead follower as EOF instead of waiting in a
@@ -14,15 +14,13 @@ Pickle is safe here: both ends are this program, over an anonymous pipe between 
 from __future__ import annotations
 
 import pickle
-import struct
 from typing import IO, Any
 
 import attrs
 
+from actors.frames import read_frame, write_frame
 from model.engine.rows import PrefillProgress, RowOpened, TokenOut
 from model.options import EngineOptions, KVOptions
-
-_LENGTH = struct.Struct(">I")
 
 # The engine methods rank 0 runs and every follower repeats, in the same order.
 BROADCAST = frozenset(
@@ -64,26 +62,12 @@ class Ack:
 
 
 def send(stream: IO[bytes], message: Any) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_LENGTH.pack(len(data)) + data)
-    stream.flush()
+    write_frame(stream, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def receive(stream: IO[bytes]) -> Any:
     """The next message; EOFError when the other end closed."""
-    header = _read_exactly(stream, _LENGTH.size)
-    return pickle.loads(_read_exactly(stream, _LENGTH.unpack(header)[0]))
-
-
-def _read_exactly(stream: IO[bytes], n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = stream.read(left)
-        if not chunk:
-            raise EOFError("the control pipe closed")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+    return pickle.loads(read_frame(stream))
 
 
 def digest(result: Any) -> Any:
