@@ -174,10 +174,14 @@ class ServerHandles:
         return not isinstance(self.worker, ReportsAlive) or self.worker.alive
 
     def stats(self) -> dict[str, Any]:
-        """/stats: this model's blocks, and with a model pool every resident model's (`models`)."""
-        stats = self.model_stats()
-        if self.pool is not None:
-            stats["models"] = self.pool.stats()
+        """/stats: this model's blocks, and with a model pool every resident model's (`models`);
+        the top-level blocks are then the default model's latest load while it is resident."""
+        if self.pool is None:
+            return self.model_stats()
+        now = self.pool.resident(self.info.name) or self
+        stats = now.model_stats()
+        stats.update({name: block() for name, block in self.stats_blocks.items()})  # (the app's own)
+        stats["models"] = self.pool.stats()
         return stats
 
     def model_stats(self) -> dict[str, Any]:

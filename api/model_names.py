@@ -112,9 +112,28 @@ async def model_handles(server: ServerHandles) -> ServerHandles:
     except PoolError as exc:
         raise pool_error(exc) from None
     record = observing.get()
-    if isinstance(record, RequestRecord):  # the request log names the model
-        record.model = model_id
+    if isinstance(record, RequestRecord):  # the request log names the model (and decodes with its tokenizer)
+        record.model, record.tokenizer = model_id, handles.tokenizer
     return handles
+
+
+def current(server: ServerHandles) -> ServerHandles:
+    """The default model's handles as they are now: with a model pool, its latest load's while
+    it is resident (the app was built with its first load's), else `server`."""
+    if server.pool is None:
+        return server
+    return server.pool.resident(server.info.name) or server
+
+
+async def default_handles(server: ServerHandles) -> ServerHandles:
+    """The default model's handles, loaded first when a model pool had unloaded it (mounting a
+    LoRA adapter needs its worker)."""
+    if server.pool is None:
+        return server
+    try:
+        return await server.pool.acquire(served_names(server)[0])
+    except PoolError as exc:
+        raise pool_error(exc) from None
 
 
 def pool_error(exc: PoolError) -> ApiError:

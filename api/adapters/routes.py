@@ -29,19 +29,22 @@ from api.adapters.catalog import read_model_config, scan
 from api.errors import ApiError, bad_request
 from api.http import offload
 from api.http.wire import json_body, json_response
-from api.model_names import model_name
+from api.model_names import current, default_handles, model_name
 from model.lora.ids import adapter_id_problem
 
 
-def blueprint(handles: ServerHandles) -> Blueprint:
+def blueprint(server: ServerHandles) -> Blueprint:
+    """The default model's adapters (with a model pool, its latest load's)."""
     bp = Blueprint("adapters", __name__)
 
     @bp.get("/v1/adapters")
     async def mounted() -> Response:
+        handles = current(server)
         return json_response({"object": "list", "data": [adapter_body(handles, r) for r in handles.adapters.infos()]})
 
     @bp.post("/v1/adapters")
     async def mount() -> Response:
+        handles = await default_handles(server)
         adapter_id, path = mount_request(handles, await json_body())
         try:
             report = await handles.adapters.mount(adapter_id, path)
@@ -55,6 +58,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.delete("/v1/adapters/<adapter_id>")
     async def unmount(adapter_id: str) -> Response:
+        handles = current(server)
         try:
             gone = await handles.adapters.unmount(adapter_id)
         except AdapterMissing:
@@ -63,6 +67,7 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.get("/v1/adapters/available")
     async def available() -> Response:
+        handles = current(server)
         directory = handles.options.adapters.adapters_dir
         if not directory:
             return json_response({"object": "list", "adapters_dir": None, "data": []})

@@ -114,6 +114,7 @@ class RequestRecord:
     error: str | None = None
     ignored: tuple[str, ...] = ()  # request fields the server did not know and ignored (api/chat_request.py)
     model: str | None = None  # the model a model pool picked for it (api/model_names.py)
+    tokenizer: ChatTokenizer | None = None  # that model's (--log-prompts decodes with it)
     # the trace's extra times (trio seconds); `prefills` is kept only when the request is traced
     trace: RequestTrace | None = None
     template_at: float | None = None  # the chat template / tokenizing began: parsing is over
@@ -434,8 +435,9 @@ class RequestLog:
         if not self.log_prompts or record.prompt_ids is None:
             return None
         try:
-            if self.tokenizer is not None:
-                return self.tokenizer.decode(list(record.prompt_ids))
+            tokenizer = record.tokenizer or self.tokenizer
+            if tokenizer is not None:
+                return tokenizer.decode(list(record.prompt_ids))
         except Exception:  # a tokenizer that cannot decode: the ids, still never dropped silently
             pass
         return json.dumps(list(record.prompt_ids))

@@ -15,7 +15,7 @@ from quart import Blueprint, Response, current_app
 from actors.handles import ServerHandles
 from api.http import offload
 from api.http.wire import json_body, json_response
-from api.model_names import check_requested_model, model_handles, served_names
+from api.model_names import check_requested_model, current, model_handles, served_names
 from api.utilities import fit, tokens
 
 SERVER_NAME = "mlx-trio-server"
@@ -59,7 +59,7 @@ def blueprint(server: ServerHandles) -> Blueprint:
 
     @bp.get("/fit")
     async def fit_route() -> Response:
-        return json_response(await fit.fit(server))
+        return json_response(await fit.fit(current(server)))
 
     return bp
 

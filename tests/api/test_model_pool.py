@@ -41,6 +41,9 @@ async def test_a_third_model_evicts_the_least_recently_used_and_comes_back_on_de
         again_a = await text(server, "a")  # loaded again on demand; b is now the least recently used
         assert await server.statuses() == {"a": "loaded", "b": "unloaded", "c": "loaded"}
         assert len(server.workers["a"]) == 2 and again_a == first_a
+        top = await (await server.client.get("/stats")).get_json()
+        assert top["server"]["model"] == "a" and top["admission"]["admitted"] == 1  # its latest load's
+        assert (await server.client.get("/health")).status_code == 200
         assert len({first_a, b, c}) == 3  # each model answered with its own tokens
         assert await text(server, None) == first_a  # no `model`: the default
         stats = (await (await server.client.get("/stats")).get_json())["models"]
