@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 StartMember = Callable[[trio.Nursery, Servable], Awaitable[ServerHandles]]
 State = Literal["loading", "loaded", "draining", "leaving"]
 POLL_S = 0.05  # how often a wait for room or for a member's last row looks again
+# A failed load is answered again, without another attempt (or another model unloaded to make
+# room for one), for as long as its Retry-After says.
+FAILED_LOAD_HOLD_S = ModelLoadFailed.retry_after
 
 
 @attrs.define
@@ -119,6 +122,7 @@ class ModelPool:
         self._changed = trio.Event()
         self.had_ssd = False  # some member opened an SSD tier (a shutdown flush was owed)
         self._app_handles: ServerHandles | None = None  # the default's first load: the app's (/health)
+        self._failed: dict[str, tuple[float, str]] = {}  # model id -> (trio time, why) of its last failed load
 
     # -- the actor
 
@@ -256,6 +260,9 @@ class ModelPool:
             if self.closed:
                 raise PoolClosed("server is shutting down")
             member = self.members.get(model.id)
+            failed = self._failed.get(model.id)
+            if member is None and failed is not None and trio.current_time() < failed[0] + FAILED_LOAD_HOLD_S:
+                raise ModelLoadFailed(f"the model `{model.id}` failed to load: {failed[1]}")
             if member is None:
                 member = await self._admit(model)
             if member.state == "leaving":
@@ -321,6 +328,7 @@ class ModelPool:
                 except Exception as exc:
                     self.counters.load_failures += 1
                     member.error, member.exception = str(exc) or type(exc).__name__, exc
+                    self._failed[member.id] = (trio.current_time(), member.error)
                     log.error("model %s failed to load: %s", member.id, member.error)
                     nursery.cancel_scope.cancel()
                     return

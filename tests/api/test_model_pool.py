@@ -206,3 +206,31 @@ async def test_metrics_per_model(autojump_clock, tmp_path):
             "mlx_trio:model_pool_loads_total 2.0",
         ):
             assert line in exposition, line
+
+
+async def test_a_load_that_fails_is_503_with_retry_after_and_the_next_request_tries_again(autojump_clock, tmp_path):
+    root = write_model_dirs(tmp_path, ["a", "bad", "c"])
+    async with pool_server(root, size=2, failing=("bad",)) as server:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(complete, server, "c")
+            await trio.sleep(1)  # c is loading (2 s)
+            assert await server.statuses() == {"a": "loaded", "bad": "unloaded", "c": "loading"}
+        for attempts, wait in ((1, 0.0), (1, 1.0), (2, 5.0)):  # within its Retry-After: no new attempt
+            await trio.sleep(wait)
+            response = await server.client.post("/v1/completions", json={"model": "bad", "prompt": PROMPT})
+            body = await response.get_json()
+            assert response.status_code == 503 and body["error"]["code"] == "model_load_failed", body
+            assert "no known family" in body["error"]["message"] and response.headers["Retry-After"] == "5"
+            assert len(server.workers["bad"]) == attempts
+        # its first attempt had made room (a, the least recently used, left); the repeats did not
+        assert await server.statuses() == {"a": "unloaded", "bad": "unloaded", "c": "loaded"}
+
+
+async def test_a_model_that_would_not_fit_the_memory_budget_makes_room_first(autojump_clock, tmp_path):
+    root = write_model_dirs(tmp_path, ["a", "b", "c"])
+    (root / "c" / "model.safetensors").write_bytes(b"\0" * 1_600_000)  # its weights, as the pool estimates them
+    async with pool_server(root, size=3, memory_budget_gb=0.0025) as server:  # 2.5 MB: a and b take 2
+        await text(server, "b")
+        assert await server.statuses() == {"a": "loaded", "b": "loaded", "c": "unloaded"}
+        await text(server, "c")  # 1.6 MB beside 2: both leave, though the pool counts room for three
+        assert await server.statuses() == {"a": "unloaded", "b": "unloaded", "c": "loaded"}

@@ -25,6 +25,7 @@ from actors.pool_setup import pool_setup
 from actors.root import start_actors, start_pool
 from actors.worker_api import ModelInfo
 from api.app import create_app
+from model.load.errors import ModelLoadError
 from tests.fakes import EOS, FakeTokenizer, FakeWorker, default_token
 
 WEIGHTS = 1_000_000  # each fake model's weights, in bytes
@@ -33,7 +34,7 @@ WEIGHTS = 1_000_000  # each fake model's weights, in bytes
 class LoadingFakeWorker(FakeWorker):
     """A fake worker whose load takes virtual time and that says when it was unloaded."""
 
-    def __init__(self, model_id: str, *, load_cost: float, offset: int, **kw: Any) -> None:
+    def __init__(self, model_id: str, *, load_cost: float, offset: int, fails: bool = False, **kw: Any) -> None:
         info = ModelInfo(
             name=model_id,
             context_length=4096,
@@ -44,10 +45,13 @@ class LoadingFakeWorker(FakeWorker):
         )
         super().__init__(info=info, token_fn=lambda prompt, pos: default_token(prompt, pos + offset), **kw)
         self.load_cost = load_cost
+        self.fails = fails
         self.unloaded_at: float | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
         await trio.sleep(self.load_cost)
+        if self.fails:
+            raise ModelLoadError(f"{self.info.name}: config.json names no known family")
         task_status.started(self.info)
         try:
             await trio.sleep_forever()
@@ -89,6 +93,7 @@ async def pool_server(
     load_cost: float = 2.0,
     step_cost: float = 0.1,
     offsets: Callable[[str], int] = lambda model_id: 1000 * (sum(map(ord, model_id)) % 7),
+    failing: Sequence[str] = (),
     **config: Any,
 ) -> AsyncIterator[PoolServer]:
     found = model_dirs(models_dir)
@@ -97,7 +102,8 @@ async def pool_server(
 
     async def start_member(nursery: trio.Nursery, model: Servable) -> ServerHandles:
         costs = {"prefill_cost": 0.1, "join_cost": 0.1, "step_cost": step_cost}
-        worker = LoadingFakeWorker(model.id, load_cost=load_cost, offset=offsets(model.id), **costs)
+        fails = model.id in failing
+        worker = LoadingFakeWorker(model.id, load_cost=load_cost, offset=offsets(model.id), fails=fails, **costs)
         workers.setdefault(model.id, []).append(worker)
         return await start_actors(
             nursery,
