@@ -243,7 +243,10 @@ class GpuWorker:
         import mlx.core as mx
 
         self._engine = None
+        if self.prompt_cache is not None:  # (the app's handles of the model's first load still name it)
+            self.prompt_cache.clear()
         self.prompt_cache = self._tiered = None
+        self.pooling = None  # (an embedding model's pooling layers hold weights)
         gc.collect()  # (the model's modules hold reference cycles)
         mx.clear_cache()
 

@@ -68,6 +68,28 @@ async def test_three_models_two_resident_each_equal_to_mlx_lm(models_dir: Path) 
             assert all(h is not None and getattr(h.worker, "thread_ident", None) == ident for h in resident)
 
 
+async def test_an_unloaded_model_gives_its_weights_and_prompt_cache_back(models_dir: Path) -> None:
+    with trio.fail_after(LIMIT_S):
+        async with real_pool_server(model_pool=2, models_dir=str(models_dir)) as server:
+            await server.complete("a", PROMPT * 20, N)  # the default, whose first load the app holds
+            while True:  # (the finished row's KV reaches the prompt cache just after its reply)
+                stats = (await (await server.client.get("/stats")).get_json())["models"]["resident"]["a"]
+                if stats["prompt_cache"]["bytes"]:
+                    break
+                await trio.sleep(0.01)
+            held = stats["weights_bytes"] + stats["prompt_cache"]["bytes"]
+            before = await server.thread.call(_active_memory)
+            response = await server.client.post("/admin/models/unload", json={"model": "a"})
+            assert response.status_code == 200
+            assert before - await server.thread.call(_active_memory) >= held
+
+
+def _active_memory() -> int:
+    import mlx.core as mx
+
+    return int(mx.get_active_memory())
+
+
 def _steps(server: Any, model: str) -> int:
     handles = server.pool.resident(model)
     return int(handles.scheduler.counters.steps)
