@@ -3,8 +3,10 @@
 The flush is single-flight (concurrent callers share one) and makes every dirty prompt-cache
 record durable now, writing without waiting for an idle engine. Body: the flush result
 (camelCase keys) plus `entries` and `longest_durable_prefix_tokens`; 200 when durable, 503
-otherwise. Without --ssd-cache: 200 with zeros. Access control for /admin/* is
-api/http/security.py's (loopback, or the admin token).
+otherwise. Without --ssd-cache: 200 with zeros. With a model pool it flushes the default
+model's tier (every tier flushes at shutdown; `POST /admin/drain` empties another model's RAM
+tier onto its SSD tier). Access control for /admin/* is api/http/security.py's (loopback, or the
+admin token).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
+
+from api.model_names import current
 
 if TYPE_CHECKING:
     from actors.handles import ServerHandles
@@ -41,8 +45,9 @@ def blueprint(handles: ServerHandles) -> Blueprint:
 
     @bp.post("/admin/cache/flush")
     async def flush() -> Response:
-        result = await handles.flush_cache()
-        body = flush_body(result, handles.ssd)
+        model = current(handles)  # (with a model pool: the default model's latest load)
+        result = await model.flush_cache()
+        body = flush_body(result, model.ssd)
         return Response(json.dumps(body), status=200 if result.durable else 503, content_type="application/json")
 
     return bp
