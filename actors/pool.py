@@ -43,7 +43,15 @@ from actors.handles import ServerHandles
 from actors.messages import FlushResult
 from actors.mlx_thread import MlxThread
 from actors.model_catalog import ModelCatalog, Servable
-from actors.pool_types import ModelBusy, ModelLoadFailed, ModelUnknown, PoolBusy, PoolClosed, PoolEntry
+from actors.pool_types import (
+    ModelBusy,
+    ModelLoadFailed,
+    ModelNotLoaded,
+    ModelUnknown,
+    PoolBusy,
+    PoolClosed,
+    PoolEntry,
+)
 from actors.ssd.drain import DrainReport, drain_to_ssd
 from actors.ssd.durability import SsdTier, shutdown_flush
 
@@ -209,11 +217,6 @@ class ModelPool:
             "models, or loading is slow); retry later",
         )
 
-    async def load(self, name: str) -> PoolEntry:
-        """POST /admin/models/load: resident (and most recently used) once this returns."""
-        await self.acquire(name)
-        return self._entry(self._known(name).id, trio.current_time())
-
     async def unload(self, name: str, *, wait: bool = True) -> DrainReport:
         model = self._known(name)
         member = self.members.get(model.id)
@@ -232,7 +235,7 @@ class ModelPool:
         model = self._known(name)
         member = self.members.get(model.id)
         if member is None or member.handles is None:
-            raise ModelUnknown(f"the model `{model.id}` is not loaded")
+            raise ModelNotLoaded(f"the model `{model.id}` is not loaded: there is nothing to drain")
         await member.ready.wait()
         if member.state != "loaded":  # (it is leaving, which drains it anyway)
             await member.gone.wait()

@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-Status = Literal["loaded", "loading", "unloaded"]
+Status = Literal["loaded", "loading", "unloaded", "failed"]  # failed: its isolated engine kept dying
 
 
 @attrs.frozen
@@ -17,6 +17,7 @@ class PoolEntry:
     id: str
     status: Status
     weights_bytes: int = 0  # 0 until loaded
+    error: str | None = None  # why it failed (status "failed")
     loaded_at: float | None = None  # wall clock (time.time()) of its last load
     idle_s: float | None = None  # since its last request ended (None: running rows, or not resident)
     default: bool = False  # what a request without `model` gets
@@ -62,6 +63,13 @@ class PoolClosed(PoolError):
 
     code = "shutting_down"
     retry_after = 1.0
+
+
+class ModelNotLoaded(PoolError):
+    """A drain of a model that is not resident (409)."""
+
+    status = 409
+    code = "model_not_loaded"
 
 
 class ModelBusy(PoolError):

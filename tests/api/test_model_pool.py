@@ -168,6 +168,8 @@ async def test_load_and_unload_routes(autojump_clock, tmp_path):
         assert await server.statuses() == {"a": "loaded", "b": "unloaded", "c": "unloaded"}
         again = await server.client.post("/admin/models/unload", json={"model": "c"})
         assert again.status_code == 200  # not resident: nothing to do
+        idle = await server.client.post("/admin/drain", json={"model": "c"})
+        assert idle.status_code == 409 and (await idle.get_json())["error"]["code"] == "model_not_loaded"
         drained = await server.client.post("/admin/drain", json={"model": "a"})
         assert drained.status_code == 200 and (await drained.get_json())["demoted"] == 0  # (no SSD tier)
         assert (await server.statuses())["a"] == "loaded"
