@@ -25,8 +25,8 @@ from model.options import SamplingOptions, ServerOptions
 
 if TYPE_CHECKING:
     from actors.ssd.drain import DrainReport
-    from actors.ssd.durability import SsdTier
     from actors.ssd.response_log import ResponseLog
+    from actors.ssd.view import SsdView
     from model.engine.machine import MachineFacts
     from model.engine.scoring import PromptScore
     from model.text.tokenizer import ChatTokenizer
@@ -50,6 +50,14 @@ class ReportsAlive(Protocol):
     A worker without the flag counts as alive."""
 
     alive: bool
+
+
+@runtime_checkable
+class ReportsFailure(Protocol):
+    """A worker whose engine can fail for good (actors/isolate/worker.py: it died more often than
+    it may restart): `failure` says why, None while it serves (or is being restarted)."""
+
+    failure: str | None
 
 
 @runtime_checkable
@@ -116,6 +124,10 @@ class ModelPoolView(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    def failed(self) -> dict[str, str]:
+        """Each resident model whose engine failed for good, and why."""
+        ...
+
 
 @attrs.define(eq=False)
 class ServerHandles:
@@ -135,7 +147,7 @@ class ServerHandles:
     started_at: float = attrs.Factory(time.time)
     prompt_cache: CacheStats | None = None  # the worker's prompt cache, when it has one
     worker: Worker | None = None
-    ssd: SsdTier | None = None  # when --ssd-cache is on and the store opened
+    ssd: SsdView | None = None  # when --ssd-cache is on and the store opened (here, or in the engine's process)
     responses: ResponseLog | None = None  # the durable Responses store (--response-store, or under --ssd-cache)
     adapters: AdapterRegistry = attrs.Factory(AdapterRegistry)  # mounted LoRA adapters
     # /stats blocks the app adds for what it owns itself (the Responses store: api/responses/routes.py).
@@ -167,6 +179,17 @@ class ServerHandles:
     async def flush_cache(self) -> FlushResult:
         """POST /admin/cache/flush: durable, with zeros, without the SSD tier."""
         return FlushResult(durable=True) if self.ssd is None else await self.ssd.flush()
+
+    def worker_failure(self) -> str | None:
+        """Why this model's engine failed for good (an isolated one that kept dying), else None."""
+        return self.worker.failure if isinstance(self.worker, ReportsFailure) else None
+
+    def failed_models(self) -> dict[str, str]:
+        """Every model that failed for good (/health's "degraded"), by name."""
+        if self.pool is not None:
+            return self.pool.failed()
+        failure = self.worker_failure()
+        return {} if failure is None else {self.info.name: failure}
 
     def worker_alive(self) -> bool:
         if self.pool is not None:  # (this model may have left the pool; the MLX thread serves the rest)

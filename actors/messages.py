@@ -177,8 +177,16 @@ class RowFailed:
     status: int = 500  # 400: the request's own mistake (an adapter unmounted before its row opened)
 
 
+@attrs.frozen
+class WorkerLost:
+    """The worker lost every row it had opened (an isolated engine process died: actors/isolate/):
+    they fail now, each stream with `error`, not at their next call (after the engine's restart)."""
+
+    error: Exception
+
+
 RowEvent = RowOpened | TokenOut | RowFailed
-Control = Enqueue | Abort | StopRow
+Control = Enqueue | Abort | StopRow | WorkerLost
 
 
 # --- the prompt cache's SSD tier: durability → spill queue → SSD store ------------------------

@@ -80,6 +80,8 @@ def validate(options: ServerOptions) -> str | None:
         return f"--default-adapter {adapters.default_adapter} is not the ID of an --adapter"
     if options.caches.ssd_cache_dir and options.caches.prompt_cache_gb == 0:
         return "--ssd-cache requires the RAM prompt cache (--prompt-cache 0 disables it)"
+    if options.engine.isolate and options.engine.tensor_parallel > 1:
+        return "--isolate cannot be combined with --tensor-parallel (its ranks are the server's own children)"
     return pool_problem(options)
 
 

@@ -53,7 +53,8 @@ from actors.pool_types import (
     PoolEntry,
 )
 from actors.ssd.drain import DrainReport, drain_to_ssd
-from actors.ssd.durability import SsdTier, shutdown_flush
+from actors.ssd.durability import shutdown_flush
+from actors.ssd.view import SsdView
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,11 @@ class ModelPool:
     def alive(self) -> bool:
         return self.thread is None or self.thread.alive
 
+    def failed(self) -> dict[str, str]:
+        """Resident members whose isolated engine failed for good (unloading one clears it)."""
+        failures = {m.id: m.handles.worker_failure() for m in self.members.values() if m.handles is not None}
+        return {model_id: why for model_id, why in failures.items() if why is not None}
+
     def resident(self, model_id: str) -> ServerHandles | None:
         member = self.members.get(model_id)
         return member.handles if member is not None and member.state != "loading" else None
@@ -171,9 +177,11 @@ class ModelPool:
             return PoolEntry(model_id, "unloaded", default=default)
         if member.state == "loading" or member.handles is None:
             return PoolEntry(model_id, "loading", default=default)
+        failure = member.handles.worker_failure()
         return PoolEntry(
             model_id,
-            "loaded",
+            "loaded" if failure is None else "failed",
+            error=failure,
             weights_bytes=member.handles.info.weights_bytes,
             loaded_at=member.loaded_at,
             idle_s=None if member.busy() else round(max(0.0, now - member.last_used), 3),
@@ -437,7 +445,7 @@ class ModelPool:
             return None
         results: list[FlushResult] = []
 
-        async def flush(tier: SsdTier) -> None:
+        async def flush(tier: SsdView) -> None:
             results.append(await shutdown_flush(tier, timeout=timeout))
 
         async with trio.open_nursery() as nursery:  # (side by side: one budget for all of them)

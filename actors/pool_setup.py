@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from actors.gpu_worker import GpuWorker
+from actors.isolate.worker import IsolatedWorker
 from actors.mlx_thread import MlxThread
 from actors.model_catalog import ModelCatalog, Servable, default_model
 from actors.worker_api import ModelInfo
@@ -47,11 +48,17 @@ class PoolSetup:
             templates=attrs.evolve(o.templates, chat_template=None),
         )
 
-    def worker(self, model: Servable) -> tuple[GpuWorker, Callable[[ModelInfo], Tokenizer]]:
-        """The model's worker on the shared MLX thread (not loaded yet) and its tokenizer factory."""
+    def worker(self, model: Servable) -> tuple[GpuWorker | IsolatedWorker, Callable[[ModelInfo], Tokenizer]]:
+        """The model's worker on the shared MLX thread (not loaded yet) and its tokenizer factory;
+        under --isolate, its engine in a process of its own (actors/isolate/), so it dies alone."""
         from model.text.tokenizer import Tokenizer
 
-        worker = GpuWorker(model.path, self.options_for(model), name=model.id, thread=self.thread)
+        options = self.options_for(model)
+        worker: GpuWorker | IsolatedWorker
+        if options.engine.isolate:
+            worker = IsolatedWorker(model.path, options, name=model.id)
+        else:
+            worker = GpuWorker(model.path, options, name=model.id, thread=self.thread)
 
         def make_tokenizer(info: ModelInfo) -> Tokenizer:
             try:

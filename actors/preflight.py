@@ -11,7 +11,10 @@ usage: exit 2; actors/startup.py):
 * a `--chat-template` file that cannot be read or does not compile;
 * an `--ssd-cache` directory that cannot be created or written — unless `--ssd-optional`, which
   makes it a warning and serves without the SSD tier (the options returned have none);
-* a `--response-store` directory that cannot be created or written.
+* a `--response-store` directory that cannot be created or written;
+* a `--unix` socket path whose directory is missing, that is too long for a socket address, that
+  is some other kind of file, or where another server is listening (a socket file nobody listens
+  on is a dead server's: hypercorn replaces it).
 
 A model without a chat template is a warning, not a failure: /v1/completions still works. An SSD
 directory another server holds is found only once the model is loaded (the lock is per model
@@ -21,6 +24,9 @@ identity, which needs the weights): the GPU worker fails start-up the same way t
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -42,6 +48,8 @@ def preflight(options: ServerOptions) -> ServerOptions:
         check_model_dir(options.model.model)
     if options.templates.chat_template is not None:
         check_template_file(options.templates.chat_template)
+    if options.http.unix is not None and (problem := unix_socket_problem(Path(options.http.unix))):
+        raise StartupFailed(problem, usage=True)
     store = options.responses.response_store
     if store not in (None, "memory") and (problem := dir_problem(Path(store))):
         raise StartupFailed(problem, usage=True)
@@ -111,3 +119,30 @@ def ssd_dir_problem(root: Path) -> str | None:
     except OSError as exc:
         return f"--ssd-cache {root} is not a writable directory ({exc.strerror or exc})"
     return None
+
+
+UNIX_PATH_MAX = 107  # bytes of a socket path sockaddr_un holds (108 on Linux, 104 on macOS, with the NUL)
+
+
+def unix_socket_problem(path: Path) -> str | None:
+    """Why the server cannot listen on the unix socket `path`, or None. A socket file that refuses
+    connections is a dead server's (a kill -9 leaves it): binding replaces it."""
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        return f"--unix {path}: the path is too long for a unix socket (at most {UNIX_PATH_MAX} bytes)"
+    if not path.parent.is_dir():
+        return f"--unix {path}: the directory {path.parent} does not exist"
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(mode):
+        return f"--unix {path}: the file exists and is not a socket"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None  # stale
+        except OSError as exc:
+            return f"--unix {path}: {exc.strerror or exc}"
+    return f"--unix {path}: another server is listening on it"

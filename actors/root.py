@@ -49,7 +49,7 @@ from actors.admission import Admission
 from actors.arrivals import Arrivals
 from actors.handles import CacheStats, ServerHandles, sampling_defaults_for
 from actors.kv_memory import kv_budget
-from actors.messages import Control, FlushResult, Submit
+from actors.messages import Control, FlushResult, Submit, WorkerLost
 from actors.model_catalog import Servable
 from actors.options import resolve
 from actors.policy import admission_ceiling, batch_mode, waiting_rows
@@ -60,8 +60,9 @@ from actors.scheduler import Scheduler
 from actors.shutdown import Shutdown, ShutdownPlan
 from actors.ssd.durability import shutdown_flush, start_ssd_tier
 from actors.ssd.response_log import RESPONSE_DRAIN_S, start_response_log
+from actors.ssd.view import KeepsSsdTier, SsdView
 from actors.startup import listen_failed, load_failed
-from actors.worker_api import ModelInfo, Worker
+from actors.worker_api import LosesRows, ModelInfo, Worker
 from model.engine.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -176,20 +177,27 @@ async def start_actors(
     )
     arrivals.on_settled = scheduler.nudge
     admission.on_queued = scheduler.nudge
+    if isinstance(worker, LosesRows):  # (an isolated engine died: its rows fail at once)
+        worker.on_lost = lambda error: inbox_send.send_nowait(WorkerLost(error))
     await nursery.start(scheduler.run)
 
     submits_send, submits_recv = trio.open_memory_channel[Submit](float("inf"))
     await nursery.start(admission.run, submits_recv)
 
     # The cache SSD tier: spill_queue, durability, demotion_timer — when the worker opened an
-    # SSD store (--ssd-cache); background work yields to `scheduler.busy`.
-    ssd = await start_ssd_tier(
-        nursery,
-        worker,
-        busy=lambda: scheduler.busy,
-        spill_queue_bytes=int(options.caches.ssd_spill_queue_gb * 2**30),
-        demote_idle_s=options.caches.ssd_demote_idle_s,
-    )
+    # SSD store (--ssd-cache); background work yields to `scheduler.busy`. An isolated engine
+    # runs them in its own process.
+    ssd: SsdView | None
+    if isinstance(worker, KeepsSsdTier):
+        ssd = worker.ssd_tier
+    else:
+        ssd = await start_ssd_tier(
+            nursery,
+            worker,
+            busy=lambda: scheduler.busy,
+            spill_queue_bytes=int(options.caches.ssd_spill_queue_gb * 2**30),
+            demote_idle_s=options.caches.ssd_demote_idle_s,
+        )
 
     handles = ServerHandles(
         options=options,
@@ -345,7 +353,7 @@ async def run_server(
                 except Exception as exc:
                     if bound.is_set():
                         raise
-                    raise listen_failed(bind.host, bind.port, exc) from exc
+                    raise listen_failed(bind.host, bind.port, exc, unix=bind.unix) from exc
             http_done.set()
 
         nursery.start_soon(escalate)
@@ -353,8 +361,11 @@ async def run_server(
         nursery.start_soon(http)
         await bound.wait()  # a bind failure raises out of the nursery instead
         trace("listening")
-        log.info("listening on http://%s:%d (OpenAI API at /v1)", bind.host, bind.port)
-        if not options.access.api_key and bind.host not in ("127.0.0.1", "localhost", "::1"):
+        if bind.unix is not None:
+            log.info("listening on unix:%s (mode %03o; OpenAI API at /v1)", bind.unix, bind.unix_mode)
+        else:
+            log.info("listening on http://%s:%d (OpenAI API at /v1)", bind.host, bind.port)
+        if not options.access.api_key and bind.unix is None and bind.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s without --api-key: anyone who can reach this port can use /v1", bind.host)
         with load_scope:
             try:

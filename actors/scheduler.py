@@ -1,7 +1,7 @@
 """The scheduler actor: continuous batching over one GPU worker.
 
-Inbound:  `inbox` — `Enqueue` from admission, `Abort` / `StopRow` from request actors
-          (one unbounded channel, senders use `send_nowait` so an abort never blocks).
+Inbound:  `inbox` — `Enqueue` from admission, `Abort` / `StopRow` from request actors, `WorkerLost`
+          from an isolated worker (one unbounded channel, senders use `send_nowait`: never blocks).
 Outbound: each row's own unbounded event channel (`RowOpened`, `TokenOut`, `RowFailed`; closed
           when the row ends), and worker calls — open_row / prefill / prefill_group / join /
           join_group / step / close_row — strictly one at a time.
@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from actors.kv_memory import PREEMPT_RETAIN_S, KvBudget, preemptible, resumed_spec
-from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow
+from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow, WorkerLost
 from actors.row_table import LeaveReason, Row, RowTable, rows_enqueued
 from actors.scheduler_counters import SchedulerCounters
 from actors.scheduling import (
@@ -192,6 +192,8 @@ class Scheduler:
                 if active is not None and active.opened:
                     # A prefill of it running now stops between layers, not after its chunk.
                     self._worker.abort(message.row_id)
+        elif isinstance(message, WorkerLost) and (lost := [r for r in self.table.rows() if r.opened and not r.leaving]):
+            self._fail(lost, message.error, "lost")
         self._kick.set()
 
     # -- the driver loop: carries out what `decide` says, one action at a time
@@ -209,11 +211,8 @@ class Scheduler:
                 action = decide(table, trio.current_time(), pending, settings, turn)
                 if isinstance(action, Wait):
                     self._kick = trio.Event()
-                    if action.until is None:
+                    with trio.move_on_at(float("inf") if action.until is None else action.until):
                         await self._kick.wait()
-                    else:
-                        with trio.move_on_at(action.until):
-                            await self._kick.wait()
                     break
                 if isinstance(action, EndTurn):
                     # No checkpoint after a turn that made a worker call (each is one): after a

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -186,6 +187,10 @@ def _load_plan(options: ServerOptions) -> tuple[Path, RunnableWorker, Callable[[
         except ValueError as exc:  # a malformed tokenizer.json / config / template: the directory's fault
             raise ModelLoadError(str(exc)) from exc
 
+    if options.engine.isolate:  # the engine in a process of its own (actors/isolate/)
+        from actors.isolate.worker import IsolatedWorker
+
+        return model_dir, IsolatedWorker(model_dir, options, name=name), make_tokenizer
     return model_dir, GpuWorker(model_dir, options, name=name), make_tokenizer
 
 
@@ -200,6 +205,9 @@ async def _serve_http(
     install_protocol_errors()  # hypercorn's own 400/431 answers get a JSON error body
     hc = Config()
     hc.bind = [f"{options.http.host}:{options.http.port}"]
+    if options.http.unix is not None:  # (actors/preflight.py replaced a stale file, refused a live one)
+        hc.bind = [f"unix:{options.http.unix}"]
+        hc.umask = 0o777 & ~options.http.unix_mode  # the file is created with --unix-mode, never wider
     hc.graceful_timeout = plan.http_deadline
     # Per-connection idle limit: a keep-alive connection (or one that never finishes its request
     # headers, which h11 caps at h11_max_incomplete_size = 16 KiB) closes after this long. The
@@ -211,7 +219,27 @@ async def _serve_http(
     hc.keep_alive_timeout = options.http.idle_timeout
     hc.accesslog = None  # api/observability/request_log.py writes one structured line per request instead
     hc.errorlog = logging.getLogger("hypercorn.error")  # through our handler, not a second one
-    await serve(app, hc, shutdown_trigger=shutdown_trigger)
+    bound = False
+
+    async def trigger() -> None:
+        nonlocal bound
+        bound = True  # (hypercorn awaits its trigger once its listeners are bound)
+        await shutdown_trigger()
+
+    try:
+        await serve(app, hc, shutdown_trigger=trigger)
+    finally:
+        if options.http.unix is not None and bound:  # (a failed bind leaves another server's file alone)
+            _remove_socket(options.http.unix)
+
+
+def _remove_socket(path: str) -> None:
+    """The --unix socket file goes with the server (a kill -9 leaves it: the next start replaces it)."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 async def _watchdog(seconds: float, exit_code: int) -> None:

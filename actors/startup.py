@@ -29,12 +29,14 @@ class StartupFailed(Exception):
         self.usage = usage
 
 
-def listen_failed(host: str, port: int, error: BaseException) -> StartupFailed:
-    """A bind error out of hypercorn (possibly inside its nurseries' exception groups)."""
+def listen_failed(host: str, port: int, error: BaseException, *, unix: str | None = None) -> StartupFailed:
+    """A bind error out of hypercorn (possibly inside its nurseries' exception groups); `unix`:
+    the socket path it was binding instead of host:port."""
+    where = f"unix:{unix}" if unix is not None else f"{host}:{port}"
     cause = find(error, OSError)
     if not isinstance(cause, OSError):
-        return StartupFailed(f"cannot listen on {host}:{port}: {error}", usage=False)
-    return StartupFailed(f"cannot listen on {host}:{port}: {cause.strerror or cause}", usage=True)
+        return StartupFailed(f"cannot listen on {where}: {error}", usage=False)
+    return StartupFailed(f"cannot listen on {where}: {cause.strerror or cause}", usage=True)
 
 
 def load_failed(model: str | None, error: BaseException) -> StartupFailed:

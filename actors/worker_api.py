@@ -18,7 +18,8 @@ mistake (a 400), never the worker's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -178,3 +179,12 @@ class Worker(Protocol):
         """An opened row is leaving (it will be closed, not reused): a prefill forward of it
         stops at its next check between layers. Never blocks; safe while a call runs."""
         ...
+
+
+@runtime_checkable
+class LosesRows(Protocol):
+    """A worker whose engine can die and come back (actors/isolate/worker.py): `on_lost(error)` is
+    told, on the trio thread, the moment every row it had opened is gone (the root hands it to the
+    scheduler as `WorkerLost`)."""
+
+    on_lost: Callable[[Exception], None] | None

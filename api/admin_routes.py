@@ -21,10 +21,11 @@ from api.model_names import current
 if TYPE_CHECKING:
     from actors.handles import ServerHandles
     from actors.messages import FlushResult
-    from actors.ssd.durability import SsdTier
+    from actors.ssd.view import SsdView
 
 
-def flush_body(result: FlushResult, ssd: SsdTier | None) -> dict[str, Any]:
+def flush_body(result: FlushResult, ssd: SsdView | None) -> dict[str, Any]:
+    tier = {} if ssd is None else ssd.stats()
     return {
         "durable": result.durable,
         "flushedSnapshots": result.flushed_snapshots,
@@ -35,8 +36,8 @@ def flush_body(result: FlushResult, ssd: SsdTier | None) -> dict[str, Any]:
         "droppedSpills": result.dropped_spills,
         "failedSpills": result.failed_spills,
         "elapsedMs": result.elapsed_ms,
-        "entries": 0 if ssd is None else len(ssd.store),
-        "longest_durable_prefix_tokens": 0 if ssd is None else ssd.store.longest_durable_prefix_tokens,
+        "entries": tier.get("entries", 0),
+        "longest_durable_prefix_tokens": tier.get("longest_durable_prefix_tokens", 0),
     }
 
 

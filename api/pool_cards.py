@@ -55,6 +55,8 @@ def _card(server: ServerHandles, pool: ModelPoolView, entry: PoolEntry, model_ca
     else:
         card = {"id": entry.id, "object": "model", "created": int(server.started_at), "owned_by": "mlx-trio"}
     card["status"] = entry.status
+    if entry.error is not None:
+        card["error"] = entry.error
     if entry.default:
         card["default"] = True
     return card

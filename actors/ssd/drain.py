@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from actors.ssd.durability import SsdTier
+from actors.ssd.view import SsdView
 from cache.spill_item import SpillItem
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,18 @@ class DrainReport:
     elapsed_ms: float = 0.0
 
 
-async def drain_to_ssd(tier: SsdTier | None, worker: object) -> DrainReport:
+@runtime_checkable
+class DrainsItself(Protocol):
+    """A tier in another process (an isolated engine's: actors/isolate/remote.py) drains there."""
+
+    async def drain(self) -> DrainReport: ...
+
+
+async def drain_to_ssd(tier: SsdView | None, worker: object) -> DrainReport:
     """Demote everything the worker's RAM tier holds to `tier`; a report of zeros without one."""
-    if tier is None or not isinstance(worker, DemotesAll):
+    if isinstance(tier, DrainsItself):
+        return await tier.drain()
+    if not isinstance(tier, SsdTier) or not isinstance(worker, DemotesAll):
         return DrainReport()
     started = trio.current_time()
     await tier.quiesce()  # (a finished row's close_row put is in RAM before the demotion)

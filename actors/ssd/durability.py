@@ -26,6 +26,7 @@ import trio
 from actors.messages import FlushResult, MarkDirty
 from actors.ssd.demotion_timer import DemotionPort, DemotionTimer
 from actors.ssd.spill_queue import SpillQueue
+from actors.ssd.view import SsdView
 from cache.spill_item import SpillItem
 from cache.ssd_store import SsdStore
 
@@ -387,6 +388,9 @@ class SsdTier:
         if self.demotion is not None:
             self.demotion.stop()
 
+    async def shutdown_flush(self, *, timeout: float) -> FlushResult:
+        return await shutdown_flush(self, timeout=timeout)
+
     def stats(self) -> dict[str, Any]:
         store, spills = self.store, self.spills
         return {
@@ -447,10 +451,13 @@ async def start_ssd_tier(
     )
 
 
-async def shutdown_flush(tier: SsdTier | None, *, timeout: float) -> FlushResult:
-    """Stop the timers, then flush within `timeout`; the result is logged either way."""
+async def shutdown_flush(tier: SsdView | None, *, timeout: float) -> FlushResult:
+    """Stop the timers, then flush within `timeout`; the result is logged either way. A tier in
+    another process (an isolated engine's) flushes there."""
     if tier is None:
         return FlushResult(durable=True)
+    if not isinstance(tier, SsdTier):
+        return await tier.shutdown_flush(timeout=timeout)
     tier.stop_timers()
     started = trio.current_time()
     result: FlushResult | None = None

@@ -9,6 +9,11 @@ while requests hang:
   never started); a worker without an `alive` flag counts as alive;
 * `shutting down` — admission is closed (a draining server leaves the load balancer's rotation).
 
+A model whose isolated engine (`--isolate`) died more often than it may be restarted has failed
+for good: /health says `{"status": "degraded", "failed": {model: why}}`, with 503 when that was
+the server's one model, and 200 in a model pool whose other models still serve. While an engine
+is being restarted, the single model's /health is 503 `gpu worker is not running`.
+
 Every 503 carries Retry-After. While the model loads, api/http/lifecycle.py answers
 `{"status": "loading"}` with 503 before this app exists.
 """
@@ -44,10 +49,22 @@ def unhealthy_response(reason: str) -> Response:
     return Response(body, status=503, content_type="application/json", headers=headers)
 
 
+def degraded_response(failed: dict[str, str], *, serving: bool) -> Response:
+    """Some models failed for good: 200 while others serve (a pool), else 503."""
+    body = json.dumps({"status": "degraded", "failed": failed})
+    headers = {"Cache-Control": "no-store"}
+    if not serving:
+        headers["Retry-After"] = str(max(1, round(RETRY_AFTER_S)))
+    return Response(body, status=200 if serving else 503, content_type="application/json", headers=headers)
+
+
 def install_health(app: QuartTrio, handles: ServerHandles) -> None:
     @app.before_request
     async def health_gate() -> Response | None:
         if request.path != "/health" or request.method not in ("GET", "HEAD"):
             return None
+        failed = handles.failed_models()
+        if failed and not handles.admission.closed:
+            return degraded_response(failed, serving=handles.pool is not None and handles.pool.alive())
         problem = health_problem(handles)
         return None if problem is None else unhealthy_response(problem)

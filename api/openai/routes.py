@@ -181,4 +181,11 @@ def _model_card(handles: ServerHandles, model_id: str) -> dict[str, Any]:
         "training": False,
         "capabilities": capabilities,
         "gen_defaults": {"temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k},
+        **_failed(handles),
     }
+
+
+def _failed(handles: ServerHandles) -> dict[str, Any]:
+    """A model whose isolated engine failed for good says so (a pool's listing: its entry's status)."""
+    failure = handles.worker_failure()
+    return {} if failure is None else {"status": "failed", "error": failure}

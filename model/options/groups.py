@@ -122,6 +122,30 @@ class HttpOptions:
             metavar="S",
         ),
     )
+    # Serve HTTP on this unix socket instead of TCP (actors/preflight.py checks it; actors/serve.py
+    # binds it and removes it at exit).
+    unix: str | None = option(
+        None,
+        Flag(
+            "--unix",
+            "serve HTTP on a unix socket at PATH instead of TCP (--host and --port are then unused); "
+            "the file is created with --unix-mode, a stale one from a dead server replaced, and removed "
+            "at exit; its clients count as local for the admin routes (default: TCP)",
+            parse=v.path_arg,
+            metavar="PATH",
+        ),
+    )
+    unix_mode: int = option(
+        0o600,
+        Flag(
+            "--unix-mode",
+            "permissions of the --unix socket file, in octal (default 600: only this user; 660 lets "
+            "the file's group, a proxy's, connect)",
+            parse=v.file_mode,
+            metavar="MODE",
+            shown="600",
+        ),
+    )
     ui: bool = option(
         True,
         Flag(
@@ -791,6 +815,18 @@ class EngineOptions:
             "not with --ssd-cache, speculative decoding, adapters or embedding models (default 1 = off)",
             parse=v.at_least_one,
             metavar="N",
+        ),
+    )
+    # Each model's engine (worker, caches, MLX thread) in a process of its own (actors/isolate/).
+    isolate: bool = option(
+        False,
+        Flag(
+            "--isolate",
+            "run each model's engine (its weights, caches and MLX thread) in a child process of its own: "
+            "a crash there (a fault, the OOM killer) fails only that model's requests in flight, and "
+            "the engine is restarted; HTTP, admission and scheduling stay in this process "
+            "(default: off, one process)",
+            action="store_true",
         ),
     )
     blas: str = option(

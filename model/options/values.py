@@ -73,6 +73,17 @@ def port_number(text: str) -> int:
     return value
 
 
+def file_mode(text: str) -> int:
+    """File permissions in octal, as chmod takes them (600, 0660)."""
+    try:
+        value = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be octal permissions such as 600 or 660") from None
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError("must be octal permissions from 000 to 777")
+    return value
+
+
 def path_arg(text: str) -> str:
     """A path flag's value with a leading `~` expanded, as the shell would have done for an
     unquoted one (a quoted "~/x" would otherwise be a directory named `~` in the working one)."""

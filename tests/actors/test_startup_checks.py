@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from actors import serve
 from actors.options import options as serve_options
 from actors.options import validate
-from actors.preflight import preflight, ssd_dir_problem
+from actors.preflight import preflight, ssd_dir_problem, unix_socket_problem
 from actors.shadowing import shadowing_problem
 from actors.startup import StartupFailed
 from tests.helpers.options import parsed
@@ -149,3 +150,28 @@ def test_the_console_script_runs_the_entry_point():
     scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, function = scripts["mlx-trio-server"].partition(":")
     assert getattr(importlib.import_module(module), function) is serve.main
+
+
+def test_unix_socket_path_rules(tmp_path):
+    assert unix_socket_problem(tmp_path / "fresh.sock") is None
+    assert "does not exist" in (unix_socket_problem(tmp_path / "nowhere" / "s.sock") or "")
+    assert "too long" in (unix_socket_problem(tmp_path / ("x" * 120)) or "")
+    (tmp_path / "file").write_text("not a socket")
+    assert "not a socket" in (unix_socket_problem(tmp_path / "file") or "")
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # closed without listening: a dead server's leftover
+    assert unix_socket_problem(stale) is None
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(live))
+        s.listen()
+        assert "another server is listening" in (unix_socket_problem(live) or "")
+        with pytest.raises(StartupFailed) as failed:
+            preflight(serve_options(unix=str(live)))
+        assert failed.value.usage
+
+
+def test_isolate_refuses_tensor_parallelism():
+    assert "--isolate" in (validate(serve_options(isolate=True, tensor_parallel=2)) or "")
+    assert validate(serve_options(isolate=True)) is None

@@ -1,0 +1,150 @@
+"""One end of the socket between the server and an isolated engine process, as a trio actor.
+
+Inbound: frames off the stream (actors/isolate/protocol.py): a call's answer goes to the task
+awaiting it; anything else to `on_message` (the engine host's calls and aborts, the server's hello).
+Outbound: `post` queues a message without waiting (so `Worker.abort` never blocks); one writer
+task sends them in order. `call` posts a call and awaits its answer.
+
+The link closes when the other end does (EOF: its process died or exited), on a stream error, on a
+message that is not plain data, or on `close` (its owner must call it: cancellation alone does
+not close it); every call still waiting then raises `EngineLost` at once, never hangs. `closed`
+is set and `why` says what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from actors.frames import FrameBuffer, pack
+from actors.isolate.codec import CodecError
+from actors.isolate.protocol import EngineLost, message, parse, raised
+
+log = logging.getLogger(__name__)
+
+READ_BYTES = 1 << 20
+
+
+def _ignore(head: dict[str, Any]) -> None:
+    log.warning("unexpected message from the other process: %s", sorted(head))
+
+
+class Link:
+    def __init__(self, stream: trio.abc.Stream, on_message: Callable[[dict[str, Any]], None] = _ignore) -> None:
+        self.stream = stream
+        self.on_message = on_message
+        self.closed = trio.Event()
+        self.why = ""
+        self._outbox_send, self._outbox = trio.open_memory_channel[bytes](math.inf)
+        self._pending: dict[int, trio.MemorySendChannel[dict[str, Any]]] = {}
+        self._next_id = 0
+        self._posted = self._written = 0
+        self._progress = trio.Event()
+        self._scope = trio.CancelScope()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Read and write until the link closes; then close the stream (the other end sees EOF).
+        Cancelling the task that runs it does not end it, `close` (or EOF) does: an owner being
+        cancelled (shutdown) can still send its last messages (`stop`) and read the answers."""
+        with trio.CancelScope(shield=True):
+            try:
+                with self._scope:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._write)
+                        task_status.started()
+                        await self._read()
+                        nursery.cancel_scope.cancel()
+            finally:
+                self._close(self.why or "closed")
+                try:
+                    await self.stream.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+
+    def close(self, why: str) -> None:
+        """Close from this side: waiting calls raise EngineLost, the stream closes."""
+        self.why = self.why or why
+        self._close(self.why)
+        self._scope.cancel()
+
+    def post(self, head: dict[str, Any]) -> None:
+        """Queue one message (CodecError: it is not plain data). Never blocks; after the link has
+        closed it is dropped."""
+        frame = pack(message(head))
+        if self.closed.is_set():
+            return
+        self._posted += 1
+        self._outbox_send.send_nowait(frame)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The other end's answer to `method(*args, **kwargs)`: its value, or the exception it
+        raised; EngineLost when the link closes first."""
+        if self.closed.is_set():
+            raise EngineLost(self.why)
+        call_id = self._next_id = self._next_id + 1
+        send, receive = trio.open_memory_channel[dict[str, Any]](1)
+        self._pending[call_id] = send
+        try:
+            self.post({"c": call_id, "m": method, "a": list(args), "k": kwargs})
+            with receive:
+                reply = await receive.receive()
+        except trio.EndOfChannel:
+            raise EngineLost(self.why) from None
+        finally:
+            self._pending.pop(call_id, None)
+        if "e" in reply:
+            raise raised(reply["e"])
+        return reply.get("v")
+
+    async def flush(self) -> None:
+        """Wait until every message posted so far is written (or the link closed)."""
+        while self._written < self._posted and not self.closed.is_set():
+            await self._progress.wait()
+
+    async def _read(self) -> None:
+        frames = FrameBuffer()
+        while True:
+            try:
+                data = await self.stream.receive_some(READ_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.why = self.why or f"the socket failed ({exc})"
+                return
+            if not data:
+                self.why = self.why or "the other end closed the socket"
+                return
+            for frame in frames.feed(data):
+                try:
+                    head = parse(frame)
+                except (CodecError, ValueError, IndexError) as exc:
+                    self.why = self.why or f"a malformed message ({exc})"
+                    return
+                reply_to = head.get("r")
+                if reply_to is None:
+                    self.on_message(head)
+                elif (waiting := self._pending.pop(reply_to, None)) is not None:
+                    waiting.send_nowait(head)  # (room for one: the only answer)
+
+    async def _write(self) -> None:
+        async for frame in self._outbox:
+            try:
+                await self.stream.send_all(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.close(f"the socket failed ({exc})")
+                return
+            self._written += 1
+            self._progress.set()
+            self._progress = trio.Event()
+
+    def _close(self, why: str) -> None:
+        if self.closed.is_set():
+            return
+        self.why = self.why or why
+        self.closed.set()
+        self._progress.set()
+        for waiting in self._pending.values():
+            waiting.close()  # its caller raises EngineLost
+        self._pending.clear()
