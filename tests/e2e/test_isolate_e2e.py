@@ -5,7 +5,9 @@ a tiny model.
 * kill -9 of the engine mid-stream ends that stream with an error event within 2 s; the server
   logs the cause and exit status, restarts the engine, and the next request (sent at once, so it
   waits for the restart) succeeds with the same tokens.
-* Ctrl-C exits 0 with no engine process left; a server killed with -9 leaves none after 5 s.
+* Ctrl-C exits 0 with no engine process left (its SSD tier flushed: a restart finds the prompt on
+  disk); a second signal exits 130; a server killed with -9 leaves no engine after 5 s.
+* In a model pool, a request to another model succeeds while one model's engine restarts.
 """
 
 from __future__ import annotations
@@ -195,3 +197,19 @@ def test_ctrl_c_flushes_the_engines_ssd_tier_and_a_restart_finds_it(model_dir, t
     finally:
         client.close()
         assert second.interrupt() == 0
+
+
+def test_a_second_signal_exits_130_and_leaves_no_engine(model_dir):
+    server, client = start(model_dir, "--isolate", "--shutdown-timeout", "30")
+    engine = the_engine(server)
+    body = {"prompt": "a long stream", "max_tokens": 20000, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        server.proc.send_signal(signal.SIGINT)  # the drain would wait for the stream...
+        server.wait_log("shutting down: admission closed")
+        server.proc.send_signal(signal.SIGINT)  # ...the second signal cuts it
+        assert server.proc.wait(timeout=10) == 130
+    client.close()
+    assert wait_gone(engine, 5.0)
+    server.kill()
