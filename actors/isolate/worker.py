@@ -42,7 +42,7 @@ from actors.mlx_thread import WorkerDied
 from actors.worker_api import AdapterReport, ModelInfo
 from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
 from model.load.errors import ModelLoadError
-from model.options import ServerOptions
+from model.options import AccessOptions, ServerOptions
 
 if TYPE_CHECKING:
     from model.engine.machine import MachineFacts
@@ -173,7 +173,9 @@ class IsolatedWorker:
         try:
             await self._nursery.start(engine.link.run)
             self._nursery.start_soon(_set_when, engine.answered, engine.link.closed)
-            engine.link.post({"setup": {"model_dir": str(self.model_dir), "name": self.name, "options": self.options}})
+            # (the keys stay here: the engine serves no HTTP)
+            options = attrs.evolve(self.options, access=AccessOptions())
+            engine.link.post({"setup": {"model_dir": str(self.model_dir), "name": self.name, "options": options}})
             await engine.answered.wait()
             if engine.hello is None:
                 raise await self._load_failure(engine)
