@@ -62,8 +62,10 @@ def engine(fd: int) -> int:
     from actors.options import options
 
     async def main() -> int:
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
-        return await serve_engine(stream, InstantWorker(), options())  # type: ignore[arg-type]
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        return await serve_engine(stream, InstantWorker(), options(), sock=sock)  # type: ignore[arg-type]
 
     return trio.run(main)
 
@@ -72,7 +74,8 @@ async def measure(args: argparse.Namespace) -> dict:
     ours, theirs = socket.socketpair()
     child = subprocess.Popen([sys.executable, __file__, "--engine", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
     theirs.close()
-    link = Link(trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+    ours.setblocking(False)
+    link = Link(trio.SocketStream(trio.socket.from_stdlib_socket(ours)), sock=None if args.writer else ours)
     hello = trio.Event()
     link.on_message = lambda head: hello.set()
     results = {}
@@ -107,6 +110,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--logprobs", action="store_true")
+    p.add_argument("--writer", action="store_true", help="the server's frames all through the writer task")
     args = p.parse_args()
     if args.engine is not None:
         sys.exit(engine(args.engine))

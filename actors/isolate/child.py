@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         timer.start()
 
     async def serve() -> int:
+        sock.setblocking(False)
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
-        return await serve_engine(stream, worker, options, on_lost=lost)
+        return await serve_engine(stream, worker, options, on_lost=lost, sock=sock)
 
     code = trio.run(serve)
     logging.shutdown()

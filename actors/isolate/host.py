@@ -18,6 +18,7 @@ the command line (the server's start-up then exits 2 too).
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -152,11 +153,16 @@ class EngineHost:
 
 
 async def serve_engine(
-    stream: trio.abc.Stream, worker: HostedWorker, options: ServerOptions, on_lost: Callable[[], None] = lambda: None
+    stream: trio.abc.Stream,
+    worker: HostedWorker,
+    options: ServerOptions,
+    on_lost: Callable[[], None] = lambda: None,
+    sock: socket.socket | None = None,
 ) -> int:
-    """Load `worker`, say hello over `stream`, answer calls until `stop` or EOF; the exit code.
-    `on_lost` runs the moment the server's end closes (the process arms its exit deadline)."""
-    link = Link(stream)
+    """Load `worker`, say hello over `stream` (`sock`: its socket), answer calls until `stop` or
+    EOF; the exit code. `on_lost` runs the moment the server's end closes (the process arms its
+    exit deadline)."""
+    link = Link(stream, sock=sock)
     async with trio.open_nursery() as nursery:
         await nursery.start(link.run)
         host = EngineHost(worker, link, nursery)

@@ -2,8 +2,11 @@
 
 Inbound: frames off the stream (actors/isolate/protocol.py): a call's answer goes to the task
 awaiting it; anything else to `on_message` (the engine host's calls and aborts, the server's hello).
-Outbound: `post` queues a message without waiting (so `Worker.abort` never blocks); one writer
-task sends them in order. `call` posts a call and awaits its answer.
+Outbound: `post` sends a message without waiting (so `Worker.abort` never blocks): with the
+socket at hand and nothing queued before it, it is written at once, from the caller (a decode
+step's call then leaves before the request actors handle the last step's tokens, as a job put on
+the MLX thread's queue does in one process); else it is queued and one writer task sends the queue
+in order. `call` posts a call and awaits its answer.
 
 The link closes when the other end does (EOF: its process died or exited), on a stream error, on a
 message that is not plain data, or on `close` (its owner must call it: cancellation alone does
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +38,16 @@ def _ignore(head: dict[str, Any]) -> None:
 
 
 class Link:
-    def __init__(self, stream: trio.abc.Stream, on_message: Callable[[dict[str, Any]], None] = _ignore) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        on_message: Callable[[dict[str, Any]], None] = _ignore,
+        *,
+        sock: socket.socket | None = None,
+    ) -> None:
+        """`sock`: the stream's own (non-blocking) socket, for `post`'s writes at once."""
         self.stream = stream
+        self._sock = sock
         self.on_message = on_message
         self.closed = trio.Event()
         self.why = ""
@@ -72,11 +84,22 @@ class Link:
         self._scope.cancel()
 
     def post(self, head: dict[str, Any]) -> None:
-        """Queue one message (CodecError: it is not plain data). Never blocks; after the link has
-        closed it is dropped."""
+        """Send one message, at once or through the writer (CodecError: it is not plain data).
+        Never blocks; after the link has closed it is dropped."""
         frame = pack(message(head))
         if self.closed.is_set():
             return
+        if self._sock is not None and self._written == self._posted:  # (nothing queued or being written)
+            try:
+                sent = self._sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                self.close(f"the socket failed ({exc})")
+                return
+            if sent == len(frame):
+                return
+            frame = frame[sent:]  # the rest goes through the writer, and everything after it
         self._posted += 1
         self._outbox_send.send_nowait(frame)
 

@@ -27,6 +27,7 @@ class EngineProcess(Protocol):
     """A started engine: the server's end of its socket, and its life."""
 
     stream: trio.abc.Stream
+    sock: socket.socket | None  # the stream's socket, when it is one
     pid: int | None
 
     async def wait(self) -> int:
@@ -40,9 +41,10 @@ Launch = Callable[[], Awaitable[EngineProcess]]
 
 
 class SpawnedEngine:
-    def __init__(self, process: trio.Process, stream: trio.abc.Stream) -> None:
+    def __init__(self, process: trio.Process, stream: trio.abc.Stream, sock: socket.socket) -> None:
         self.process = process
         self.stream = stream
+        self.sock: socket.socket | None = sock  # (the stream's own: the link writes small frames at once)
         self.pid: int | None = process.pid
 
     async def wait(self) -> int:
@@ -66,7 +68,8 @@ async def spawn_engine() -> SpawnedEngine:
         raise
     finally:
         theirs.close()  # (the child holds its own copy: our closing it leaves the child's end alone)
-    return SpawnedEngine(process, trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+    ours.setblocking(False)
+    return SpawnedEngine(process, trio.SocketStream(trio.socket.from_stdlib_socket(ours)), ours)
 
 
 def describe_exit(code: int | None) -> str:

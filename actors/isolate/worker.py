@@ -168,7 +168,7 @@ class IsolatedWorker:
         assert self._nursery is not None
         process = await self._launch()
         self._gens += 1
-        engine = _Engine(process, Link(process.stream), self._gens)
+        engine = _Engine(process, Link(process.stream, sock=process.sock), self._gens)
         engine.link.on_message = engine.on_message
         try:
             await self._nursery.start(engine.link.run)

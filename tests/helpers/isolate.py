@@ -5,6 +5,7 @@ its tasks are cancelled, with no last word."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +29,10 @@ class InProcessEngine:
     def __init__(self, worker: HostedWorker, options: ServerOptions, nursery: trio.Nursery) -> None:
         ours, theirs = trio.testing.memory_stream_pair()
         self.stream: trio.abc.Stream = ours
+        self.sock: socket.socket | None = None  # (a memory stream: every frame goes through the writer)
         self.pid: int | None = None
         self.worker = worker
         self.code: int | None = None
-        self.setup: dict[str, Any] | None = None
         self._theirs = theirs
         self._exited = trio.Event()
         self._scope = trio.CancelScope()
