@@ -221,8 +221,13 @@ async def shot(server: Server, log: ServerLog, model: str, prompt: list[int], ma
     return r
 
 
+def same_lead(a: list, b: list) -> int:
+    """How many leading tokens two outputs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def brief(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in r.items() if k not in ("tokens", "start", "end")}
+    return {k: v for k, v in r.items() if k not in ("start", "end")}
 
 
 @contextlib.contextmanager
@@ -327,6 +332,8 @@ async def switching(server: Server, args: argparse.Namespace, prompts: Prompts, 
         # greedy tokens: P0 restored (RAM or SSD) must give what P0 prefilled gave
         hot_equals_cold=all(r["tokens"] == first["tokens"] for r in runs["hot"]),
         warm_equals_cold=all(r["tokens"] == first["tokens"] for r in warm_runs),
+        # how far they agree (bf16 on a GPU: a 1-token prefill and a chunk's last row round apart)
+        same_leading_tokens=[same_lead(r["tokens"], first["tokens"]) for r in runs["hot"] + warm_runs],
         statuses_at_end=await statuses(server),
     )
     out["runs"] = {kind: [brief(r) for r in rs] for kind, rs in runs.items()}
