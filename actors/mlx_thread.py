@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# After this long without a job (following some work) the thread hands MLX's buffer cache back to
+# the device: buffers freed after the last row job (a prompt-cache insert, a stream's last
+# tokens, a snapshot) would otherwise stay cached while the server idles.
+IDLE_RELEASE_S = 1.0
+
 
 class WorkerDied(RuntimeError):
     """The MLX thread (or the model's engine on it) is gone; no MLX work can run any more."""
@@ -58,6 +63,9 @@ class WorkerTimes:
     idle_s: float = 0.0
     idle_decoding_s: float = 0.0  # the part of idle_s while rows were decoding
     warm_up_s: float = 0.0
+    # MLX's allocator after the latest job or idle release: active / cached / peak bytes.
+    memory: dict[str, int] = attrs.Factory(dict)
+    idle_releases: int = 0  # times the buffer cache went back to the device at idle
 
     def add(self, kind: str, seconds: float) -> None:
         self.jobs[kind] = self.jobs.get(kind, 0) + 1
@@ -70,6 +78,8 @@ class WorkerTimes:
             "warm_up_s": round(self.warm_up_s, 4),
             "jobs": dict(self.jobs),
             "busy_s": {k: round(v, 4) for k, v in self.busy_s.items()},
+            "memory": dict(self.memory),
+            "idle_releases": self.idle_releases,
         }
 
 
@@ -149,10 +159,21 @@ class MlxThread:
                     job.reply.close()
 
     def _loop(self, token: trio.lowlevel.TrioToken) -> None:
+        import mlx.core as mx
+
         times, clock = self.times, time.perf_counter
+        worked = False  # a job ran since the last idle release
         while True:
             waited = clock()
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=IDLE_RELEASE_S) if worked else self._jobs.get()
+            except queue.Empty:
+                times.idle_s += clock() - waited
+                worked = False
+                mx.clear_cache()
+                times.idle_releases += 1
+                times.memory = allocator_bytes(mx)
+                continue
             started = clock()
             times.idle_s += started - waited
             if any(probe() for probe in self.decoding):
@@ -167,6 +188,8 @@ class MlxThread:
             if job.after is not None:
                 job.after()
             times.add(job.kind, clock() - started)
+            times.memory = allocator_bytes(mx)
+            worked = True
             try:
                 token.run_sync_soon(_reply, job.reply, result)
             except trio.RunFinishedError:
@@ -199,3 +222,12 @@ def _reply(channel: trio.MemorySendChannel, result: outcome.Outcome) -> None:
         channel.send_nowait(result)
     except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
         pass  # the caller went away (cancelled); the job still ran to completion
+
+
+def allocator_bytes(mx: Any) -> dict[str, int]:
+    """What MLX's allocator holds: arrays alive, freed buffers kept for reuse, the peak."""
+    return {
+        "active_bytes": int(mx.get_active_memory()),
+        "cache_bytes": int(mx.get_cache_memory()),
+        "peak_bytes": int(mx.get_peak_memory()),
+    }

@@ -85,3 +85,32 @@ async def test_a_job_whose_caller_is_cancelled_while_queued_never_runs(qwen3_dir
             assert await worker.run_exclusive(lambda engine: "after") == "after"
             nursery.cancel_scope.cancel()
     assert ran == []
+
+
+async def test_an_idle_thread_hands_the_buffer_cache_back(qwen3_dir):
+    worker = gpu_worker(qwen3_dir, eos_token_ids=[])
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await worker.open_row(RowSpec(1, PROMPT, SamplingParams(), 4))
+            while (await worker.prefill(1)).remaining:
+                pass
+            await worker.join(1)
+
+            def leave_transients() -> int:  # freed buffers MLX keeps for reuse, as a step leaves them
+                import mlx.core as mx
+
+                mx.eval(mx.ones((1024, 1024)) * 2)
+                return int(mx.get_cache_memory())
+
+            assert await worker.thread.call(leave_transients) > 0
+            released = worker.times.idle_releases
+            assert worker.times.memory["cache_bytes"] > 0  # recorded after that job
+            while worker.times.idle_releases == released:  # (about a second without a job)
+                await trio.sleep(0.05)
+            assert worker.times.memory["cache_bytes"] == 0
+            assert worker.times.memory["active_bytes"] > 0  # the model and the open row stay
+            assert worker.times.snapshot()["memory"] == worker.times.memory
+            await trio.sleep(2 * 1.0)
+            assert worker.times.idle_releases == released + 1  # once per spell of work, not per second
+            nursery.cancel_scope.cancel()
