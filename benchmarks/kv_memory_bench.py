@@ -86,6 +86,8 @@ async def burst(server: Server, n: int, words: int, max_tokens: int, limit: floa
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
         "wall_s": round(wall, 2),
         "agg_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1),
+        # tokens per request: equal work for both servers only if these match
+        "tokens": sorted(r["tokens"] for r in ok),
     }
 
 
@@ -113,6 +115,8 @@ def run(kind: str, model: Path, args: argparse.Namespace) -> dict:
                     out["stats"] = {k: stats["batch"].get(k) for k in keys}
                     out["stats"]["prompt_cache"] = stats.get("prompt_cache")
                     out["stats"]["memory_budget_bytes"] = stats["admission"]["memory_budget_bytes"]
+                    # MLX's allocator at idle: what of after_idle_mib is MLX's (arrays, cached buffers)
+                    out["stats"]["mlx_memory"] = stats.get("worker", {}).get("memory")
                 except Exception as exc:  # noqa: BLE001
                     out["stats_error"] = str(exc)
         else:
