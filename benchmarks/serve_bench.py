@@ -67,6 +67,10 @@ def free_port() -> int:
 
 
 class Server:
+    # Where each server's output goes: a file in this folder, named by kind and port, kept after
+    # the run (`--server-logs`); None: a temporary file, gone with the process.
+    log_dir: Path | None = None
+
     def __init__(
         self,
         kind: str,
@@ -112,7 +116,11 @@ class Server:
         self.start_s = float("nan")
 
     def __enter__(self) -> Server:
-        self.log = tempfile.TemporaryFile()
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.log = open(self.log_dir / f"{self.kind}-{self.port}.log", "w+b")  # (open while the server runs)
+        else:
+            self.log = tempfile.TemporaryFile()
         t0 = time.perf_counter()
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -705,9 +713,16 @@ def main() -> None:
         help="start mlx_lm.server with the optimized BLAS our server preloads (Linux CPU)",
     )
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--server-logs",
+        type=Path,
+        default=None,
+        help="keep each server's output in this folder (<kind>-<port>.log; default: a temporary file)",
+    )
     p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
     p.add_argument("--replot", type=Path, default=None, help="only redraw --plots from a saved --out JSON")
     args = p.parse_args()
+    Server.log_dir = args.server_logs
     if args.replot:
         saved = json.loads(args.replot.read_text())
         args.concurrency = [c for c in args.concurrency if f"c{c}" in saved.get("ours", {})]
