@@ -61,19 +61,32 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
         return super().as_linear(x) if y is None else y
 
 
+Shape = tuple[int, int, int, int, Any]  # (N, K, bits, group size, scales dtype)
+ExpertShape = tuple[int, int, int, int, int, Any]  # (experts, N, K, bits, group size, scales dtype)
+
+
 def route(model: nn.Module, *, tune: bool = True) -> int:
     """Route `model`'s quantized linears through the kernel on a CUDA GPU; returns how many
     modules were routed (0 elsewhere). `tune`: measure each weight shape, the routed experts'
-    too (model/quant_tune.py)."""
+    too (model/quant_tune.py). Logs one line: which shapes take the kernel at which row counts,
+    and why the others keep MLX's op (`summary`)."""
     if not quant_kernel.available():
+        log.debug("quantized products: MLX's own ops (model/quant_kernel.py's kernels need a CUDA GPU)")
         return 0
-    shapes: set[tuple[int, int, int, int, Any]] = set()
-    experts: set[tuple[int, int, int, int, int, Any]] = set()
+    shapes: set[Shape] = set()
+    experts: set[ExpertShape] = set()
+    refused: dict[str, int] = {}
     routed = 0
     for _, module in model.named_modules():
-        if type(module) is QuantizedSwitchLinear and module.mode == "affine" and module.get("biases") is not None:
+        if type(module) is QuantizedSwitchLinear:
             e, n, packed = module["weight"].shape
-            experts.add((e, n, packed * 32 // module.bits, module.bits, module.group_size, module["scales"].dtype))
+            k = packed * 32 // module.bits
+            why = _refusal(module) or ("expert biases" if "bias" in module else None)
+            why = why or (None if quant_kernel.gather_config_for(n, k, module.bits) else "no tiling")
+            if why is None:
+                experts.add((e, n, k, module.bits, module.group_size, module["scales"].dtype))
+            else:
+                refused[f"experts {e}x{n}x{k}: {why}"] = refused.get(f"experts {e}x{n}x{k}: {why}", 0) + 1
             continue
         if type(module) is nn.QuantizedLinear:
             module.__class__ = KernelQuantizedLinear
@@ -82,15 +95,106 @@ def route(model: nn.Module, *, tune: bool = True) -> int:
         else:
             continue
         routed += 1
-        if module.mode == "affine" and module.bits in quant_kernel.BITS and module.get("biases") is not None:
-            n, packed = module["weight"].shape
-            shapes.add((n, packed * 32 // module.bits, module.bits, module.group_size, module["scales"].dtype))
+        n, packed = module["weight"].shape
+        k = packed * 32 // module.bits
+        why = _refusal(module) or (None if quant_kernel.config_for(n, k, module.bits) else "no tiling")
+        if why is None:
+            shapes.add((n, k, module.bits, module.group_size, module["scales"].dtype))
+        else:
+            refused[f"{n}x{k}: {why}"] = refused.get(f"{n}x{k}: {why}", 0) + 1
+    reports: dict[str, Any] = {}
     if tune:
-        for name, report in (
-            ("linear", quant_tune.tune(sorted(shapes, key=str))),
-            ("experts", quant_tune.tune_gather(sorted(experts, key=str))),
-        ):
-            for shape, entry in report.items():
-                where = entry.get("kernel_rows", entry.get("kernel_tokens"))
-                log.info("quantized %s kernel %s: %s, kernel at %s rows", name, shape, entry.get("config", ""), where)
+        reports.update(quant_tune.tune(sorted(shapes, key=str)))
+        reports.update(quant_tune.tune_gather(sorted(experts, key=str)))
+    activations = _activation_dtype(model)
+    line, failed = summary(sorted(shapes, key=str), sorted(experts, key=str), refused, reports, activations)
+    log.log(logging.WARNING if failed else logging.INFO, "%s", line)
     return routed + len(experts)
+
+
+def _refusal(module: Any) -> str | None:
+    """Why a quantized module's products never take the kernel (None: they may)."""
+    if module.mode != "affine":
+        return f"{module.mode} mode"
+    if module.bits not in quant_kernel.BITS:
+        return f"{module.bits}-bit"
+    if module.group_size not in quant_kernel.GROUP_SIZES:
+        return f"group size {module.group_size}"
+    if module.get("biases") is None:
+        return "no biases"
+    if module["scales"].dtype not in quant_kernel.DTYPES:
+        return f"{_dtype(module['scales'].dtype)} scales"
+    return None
+
+
+def _activation_dtype(model: nn.Module) -> Any:
+    try:
+        return model.activation_dtype()
+    except Exception:  # noqa: BLE001 - a model without one: not checked
+        return None
+
+
+def _dtype(dtype: Any) -> str:
+    return {mx.bfloat16: "bf16", mx.float16: "f16", mx.float32: "f32"}.get(dtype, str(dtype))
+
+
+def _row_ranges(counts: list[int]) -> str:
+    """[2, 3, 4, 9, 10] -> "2-4, 9-10"."""
+    out: list[str] = []
+    for r in counts:
+        if out and int(out[-1].split("-")[-1]) == r - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out) or "none"
+
+
+def _times(per_rows: dict[Any, Any]) -> str:
+    """Each measured row count's times, ours/MLX's in microseconds ("8: 14/52us, 32: 20/70us")."""
+    return ", ".join(f"{m}: {1e6 * t['ours']:.0f}/{1e6 * t['mlx']:.0f}us" for m, t in sorted(per_rows.items()))
+
+
+def summary(
+    shapes: list[Shape],
+    experts: list[ExpertShape],
+    refused: dict[str, int],
+    reports: dict[str, Any],
+    activations: Any = None,
+) -> tuple[str, bool]:
+    """The start-up line of `route`: for each weight shape, the row counts (of 2..MAX_ROWS) that
+    take the kernel by the measured verdicts, with the times measured (ours/MLX's) or why it is
+    off; the modules refused outright; and whether any shape's kernel failed its check."""
+    parts: list[str] = []
+    failed = False
+    for n, k, bits, gs, dtype in shapes:
+        name = f"{n}x{k} q{bits} g{gs} {_dtype(dtype)}"
+        entry = reports.get(f"{n}x{k} q{bits} g{gs} {dtype}", {})
+        measured = quant_kernel._verdicts.get((n, k, bits, gs, str(dtype)), [])
+        rows = [r for r in range(2, quant_kernel.MAX_ROWS + 1) if quant_kernel._verdict(measured, r)]
+        if "failed" in entry:
+            failed = True
+            parts.append(f"{name}: MLX (kernel failed: {str(entry['failed'])[:200]})")
+            continue
+        if activations is not None and activations != dtype:
+            rows = []
+            entry = {**entry, "why": f"activations are {_dtype(activations)}"}
+        detail = "; ".join(x for x in (entry.get("config", ""), _times(entry.get("rows", {})), entry.get("why")) if x)
+        where = f"kernel at rows {_row_ranges(rows)}" if rows else "MLX at every row count"
+        parts.append(f"{name}: {where}" + (f" [{detail}]" if detail else ""))
+    for e, n, k, bits, gs, dtype in experts:
+        name = f"experts {e}x{n}x{k} q{bits} g{gs} {_dtype(dtype)}"
+        entry = reports.get(f"{e}x{n}x{k} q{bits} g{gs} {dtype}", {})
+        measured = quant_kernel._gather_verdicts.get((e, n, k, bits, gs, str(dtype)), [])
+        tokens = [t for t in range(2, quant_kernel.MAX_ROWS + 1) if quant_kernel._verdict(measured, t)]
+        if "failed" in entry:
+            failed = True
+            parts.append(f"{name}: MLX (kernel failed: {str(entry['failed'])[:200]})")
+        else:
+            detail = _times(entry.get("tokens", {}))
+            where = f"kernel at tokens {_row_ranges(tokens)}" if tokens else "MLX at every token count"
+            parts.append(f"{name}: {where}" + (f" [{detail}]" if detail else ""))
+    for why, count in sorted(refused.items()):
+        parts.append(f"{why}: MLX ({count} module{'s' if count > 1 else ''})")
+    head = "quantized products on CUDA (model/quant_kernel.py; ours/MLX's time per product): "
+    tail = "; one row (a B=1 decode step) and a solo prefill always take MLX's op"
+    return head + ("; ".join(parts) or "no quantized products") + tail, failed

@@ -2,8 +2,9 @@
 holds (model/quant_linear.py `route` runs this once after loading, before any decode is traced).
 
 For each shape: the kernel's output is checked against MLX's op (a tiling that fails or
-disagrees is never used), then both are timed at a few row counts; a row count takes the verdict
-of the nearest measured one at or above it. With `search`, every tiling is timed at 32 rows first
+disagrees is never used), then both are timed at a few row counts (calls queued, `_time`); a row
+count takes the verdict of the nearest measured one at or above it. What was decided is logged by
+`route` in one line. With `search`, every tiling is timed at 32 rows first
 and the fastest becomes the shape's (one tiling per shape: a row's k order never depends on its
 batch).
 """
@@ -27,14 +28,29 @@ log = logging.getLogger(__name__)
 _TOLERANCE = 3e-2
 
 
-def _time(fn: Callable[[], mx.array], reps: int = 20) -> float:
+def _time(fn: Callable[[], mx.array], reps: int = 20, queue: int = 20) -> float:
+    """Seconds per call of `fn` on the device, calls queued `queue` at a time and evaluated
+    together (as a compiled decode step runs its products back to back). One synchronized call
+    at a time would time the launch and the host round trip (tens of microseconds) more than a
+    product of a few megabytes, and leave the verdict of small shapes to noise. `queue` bounds
+    the memory of what MLX's op materializes per call (its dequantized weights)."""
     mx.eval(fn())
     mx.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(fn())
-    mx.synchronize()
-    return (time.perf_counter() - start) / reps
+    total, done = 0.0, 0
+    while done < reps:
+        outs = [fn() for _ in range(min(queue, reps - done))]
+        start = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        total += time.perf_counter() - start
+        done += len(outs)
+        del outs
+    return total / reps
+
+
+def _queue(weights: int) -> int:
+    """How many calls to queue for a product of `weights` values: about 4 GB of bf16 copies."""
+    return max(2, min(20, int(4e9 // (2 * weights))))
 
 
 def _rel_err(got: mx.array, want: mx.array) -> float:
@@ -72,7 +88,7 @@ def tune(
                 for cfg in cands:
                     try:
                         if _rel_err(qk.qmm(x, q, s, b, bits, cfg), want) <= _TOLERANCE:
-                            times[cfg] = _time(partial(qk.qmm, x, q, s, b, bits, cfg))
+                            times[cfg] = _time(partial(qk.qmm, x, q, s, b, bits, cfg), queue=_queue(n * k))
                         else:
                             entry[f"wrong {cfg}"] = True
                     except Exception as e:  # noqa: BLE001 - a tiling this GPU refuses is just not used
@@ -90,8 +106,9 @@ def tune(
             measured, per_rows = [], {}
             for m in sorted(rows):
                 x = mx.random.normal((m, k), key=key).astype(dtype)
-                ours = _time(partial(qk.qmm, x, q, s, b, bits, chosen))
-                theirs = _time(partial(mx.quantized_matmul, x, q, s, b, transpose=True, group_size=gs, bits=bits))
+                ours = _time(partial(qk.qmm, x, q, s, b, bits, chosen), queue=_queue(n * k))
+                mlx_op = partial(mx.quantized_matmul, x, q, s, b, transpose=True, group_size=gs, bits=bits)
+                theirs = _time(mlx_op, queue=_queue(n * k))
                 measured.append((m, ours < theirs))
                 per_rows[m] = {"ours": ours, "mlx": theirs}
             qk._verdicts[key_] = measured
@@ -99,7 +116,7 @@ def tune(
         except Exception as e:  # noqa: BLE001 - the shape keeps MLX's op
             qk._verdicts[key_] = [(max(rows), False)]
             entry["failed"] = repr(e)
-            log.warning("quantized kernel off for %s: %s", key_, e)
+            log.debug("quantized kernel off for %s: %s", key_, e)  # (route's line says so)
     return report
 
 
@@ -140,7 +157,7 @@ def tune_gather(
                 err = _rel_err(ours_fn(), theirs_fn().squeeze(1))
                 if err > _TOLERANCE:
                     raise RuntimeError(f"differs from gather_qmm by {err:.3g} at {t} tokens")
-                ours, theirs = _time(ours_fn), _time(theirs_fn)
+                ours, theirs = _time(ours_fn, queue=_queue(e * n * k)), _time(theirs_fn, queue=_queue(e * n * k))
                 measured.append((t, ours < theirs))
                 per[t] = {"ours": ours, "mlx": theirs}
             qk._gather_verdicts[key_] = measured
@@ -148,5 +165,5 @@ def tune_gather(
         except Exception as e_:  # noqa: BLE001 - the shape keeps MLX's gather_qmm
             qk._gather_verdicts[key_] = [(max(tokens), False)]
             entry["failed"] = repr(e_)
-            log.warning("routed-experts kernel off for %s: %s", key_, e_)
+            log.debug("routed-experts kernel off for %s: %s", key_, e_)  # (route's line says so)
     return report
