@@ -2,13 +2,17 @@
 # Quantized models on a CUDA GPU (model/quant_kernel.py, model/kv/quant_kernel.py): the kernels'
 # tests, the products alone, and both servers with no flags. Steps run in the order given
 # (default: all), each with its own time limit, results under $OUT as they finish:
-#   tests   the CUDA-only kernel tests (dense, routed experts, quantized-KV attention)
+#   diag    benchmarks/quant_diag.py (<60 s): 8B q4 shapes at 1/8/32 rows, MLX's op vs our kernel,
+#           first-call (compile) times, and which one the routing picks after its load-time check
+#   tests   the CUDA-only kernel tests (dense, routed experts, quantized-KV attention; ~90 s)
 #   micro   benchmarks/quant_micro.py: dense 8B shapes (tilings searched at 4 bits), MoE, KV
 #   serve8b 8B q4 shape, ours vs mlx_lm.server, c=1/8/32, ~512-token prompts (135 words), 256 tokens
 #   parity  greedy tokens of q4 and q8 models through our server vs mlx_lm generate_step
 #   kv      16k-token prompts, c=8, our server --kv-quant off / 8 / 4 (on the 8B q4 model)
 #   moe     Qwen3-30B-A3B q4 shape, ours vs mlx_lm.server, c=8/32
-# OUT=/tmp/out bash benchmarks/gpu_quant.sh tests micro serve8b
+# Every server's own log is kept under res-quant/logs (its start-up line says which products take
+# the kernels: model/quant_linear.py); that line is copied into quant-log.txt.
+# OUT=/tmp/out bash benchmarks/gpu_quant.sh diag tests serve8b parity
 set -u
 # Everything lands in /tmp/res-quant, packed into $OUT/quant.tgz after each step ($OUT/quant-log.txt:
 # the steps' tails). A step past its limit gets SIGINT (serve_bench then stops its servers), then
@@ -27,17 +31,27 @@ lim() {  # lim SECONDS cmd...: at most SECONDS, and never past the deadline
   timeout -s INT -k 20 $s "$@"
 }
 cat $R/gpu.txt >> $OUT/quant-log.txt
-SB="python3 benchmarks/serve_bench.py --dtype bfloat16 --agent-turns 0 --joiner-words 0 --exit-streams 0 --no-abort --no-flags"
+SB="python3 benchmarks/serve_bench.py --dtype bfloat16 --agent-turns 0 --joiner-words 0 --exit-streams 0 --no-abort --no-flags --server-logs $R/logs"
+routing() {  # the routing lines of the servers' logs so far, into the step log
+  grep -h "quantized products\|decode attention kernel" $R/logs/ours-*.log 2>/dev/null | sort -u | tail -${1:-4} | cut -c1-3000 >> $OUT/quant-log.txt
+}
 synth() {  # synth DIR SHAPE QUANT [LAYERS]
   [ -d $M/$1 ] || { log "synth $1"; lim ${SYNTH_LIMIT:-150} python3 benchmarks/synth_fast.py $M/$1 $2 bfloat16 $3 ${4:-} >> $R/synth.txt 2>&1; }
 }
-for step in ${@:-tests micro serve8b parity kv moe}; do
+for step in ${@:-diag tests micro serve8b parity kv moe}; do
   case $step in
+    diag)
+      log diag
+      lim ${DIAG_LIMIT:-60} python3 benchmarks/quant_diag.py --budget ${DIAG_BUDGET:-40} > $R/diag.txt 2>&1
+      echo "rc=$?" >> $R/diag.txt; pack; cut -c1-1500 $R/diag.txt | tail -40 >> $OUT/quant-log.txt ;;
     tests)
+      # -v names each test as it starts; a test stuck past 45 s gets every thread's stack dumped.
       log tests
-      lim ${TEST_LIMIT:-200} python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
-        tests/model/test_quant_kernel.py tests/model/test_kv_quant_kernel.py > $R/tests.txt 2>&1
-      pack; grep -E "passed|failed|FAILED|Error" $R/tests.txt | tail -30 | tee -a $OUT/quant-log.txt ;;
+      lim ${TEST_LIMIT:-150} python3 -m pytest -v -rf --tb=short -p no:cacheprovider --durations=12 \
+        -o faulthandler_timeout=45 tests/model/test_quant_kernel.py tests/model/test_kv_quant_kernel.py > $R/tests.txt 2>&1
+      echo "rc=$?" >> $R/tests.txt
+      pack; grep -E "passed|failed|FAILED|Error|Timeout|cuda kernels|^[0-9.]+s (call|setup)|rc=" $R/tests.txt | tail -40 \
+        | cut -c1-600 | tee -a $OUT/quant-log.txt ;;
     micro)
       log micro
       lim ${MICRO_LIMIT:-150} python3 benchmarks/quant_micro.py --bandwidth-gbs $BW ${MICRO_ARGS:---bits 4 --search --moe --kv} \
@@ -49,13 +63,13 @@ for step in ${@:-tests micro serve8b parity kv moe}; do
       log serve8b
       lim ${SERVE_LIMIT:-300} $SB --model $M/l8-q4 --max-tokens 256 --prompt-words ${WORDS:-135} --concurrency 1,8,32 \
         --repeats 1 --out $R/serve-l8-q4.json > $R/serve-l8-q4.txt 2>&1
-      echo "rc=$?" >> $R/serve-l8-q4.txt; pack; tail -14 $R/serve-l8-q4.txt >> $OUT/quant-log.txt ;;
+      echo "rc=$?" >> $R/serve-l8-q4.txt; pack; tail -14 $R/serve-l8-q4.txt >> $OUT/quant-log.txt; routing 2 ;;
     parity)
       synth q06-q4 qwen3-0.6b q4; synth q06-q8 qwen3-0.6b q8
       log parity
       lim ${PARITY_LIMIT:-200} python3 benchmarks/quant_parity.py --model $M/q06-q4 --model $M/q06-q8 \
-        --tokens 48 --prompts 4 --out $R/parity.json > $R/parity.txt 2>&1
-      echo "rc=$?" >> $R/parity.txt; pack; grep -v "^ \|^{\|^}" $R/parity.txt | tail -6 >> $OUT/quant-log.txt ;;
+        --tokens 48 --prompts 4 --out $R/parity.json --server-logs $R/logs > $R/parity.txt 2>&1
+      echo "rc=$?" >> $R/parity.txt; pack; grep -v "^ \|^{\|^}" $R/parity.txt | tail -8 | cut -c1-1500 >> $OUT/quant-log.txt ;;
     kv)
       synth l8-q4 llama3-8b q4
       for kv in off 8 4; do
