@@ -14,6 +14,11 @@ blocking hand-off (`trio.from_thread.run`) would idle the device until the event
 
 A job is never interrupted: a caller that is cancelled while waiting merely stops listening, and
 the job's result is dropped; one cancelled while its job is still queued skips it.
+
+An isolated engine's host (actors/isolate/host.py) also hands its result on from the MLX thread:
+a call made with `ON_THREAD` set gives the job that callback, run there once the job (and its
+`after`) has run, before the reply to the caller is posted. It writes the call's answer to the
+server's socket at once, so the answer does not wait for the engine process's event loop to wake.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import attrs
@@ -32,6 +38,10 @@ import trio
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Set by a caller (for the calls it makes from its task): each job also hands its result to this,
+# on the MLX thread (it must not raise, nor block for long).
+ON_THREAD: ContextVar[Callable[[outcome.Outcome], None] | None] = ContextVar("on_thread", default=None)
 
 # After this long without a job (following some work) the thread hands MLX's buffer cache back to
 # the device: buffers freed after the last row job (a prompt-cache insert, a stream's last
@@ -50,6 +60,7 @@ class _Job:
     kind: str = "other"  # what /stats counts its time under
     after: Callable[[], None] | None = None  # the caller's housekeeping once the job has run
     abandoned: bool = False  # its caller was cancelled before the thread took it: skip it
+    on_thread: Callable[[outcome.Outcome], None] | None = None  # (ON_THREAD's, when the call was made)
 
 
 @attrs.define
@@ -187,6 +198,11 @@ class MlxThread:
             self._current_reply = None
             if job.after is not None:
                 job.after()
+            if job.on_thread is not None:
+                try:
+                    job.on_thread(result)
+                except Exception:
+                    log.exception("a job's result hand-off failed")
             times.add(job.kind, clock() - started)
             times.memory = allocator_bytes(mx)
             worked = True
@@ -200,7 +216,7 @@ class MlxThread:
         if not self.alive:
             raise WorkerDied("the GPU worker is not running")
         reply_send, reply_recv = trio.open_memory_channel[outcome.Outcome](1)
-        job = _Job(fn, reply_send, kind, after)
+        job = _Job(fn, reply_send, kind, after, on_thread=ON_THREAD.get())
         with reply_recv:
             self._jobs.put(job)
             try:

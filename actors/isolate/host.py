@@ -6,6 +6,11 @@ GPU worker still runs its jobs one at a time on its MLX thread), aborts (`Worker
 once, even while a prefill of that row runs) and `stop`. Outbound: the hello once loaded (or the fatal error
 that stops the load), then each call's answer.
 
+A row call (`protocol.ROW_CALLS`: one job each, whose result is the answer) is answered from the
+MLX thread the moment its job ends (actors/mlx_thread.py `ON_THREAD`), not after this process's
+event loop wakes for it: at one stream, that wake-up was on the path of every token. A worker
+without an MLX thread (tests' fakes) answers from the call's task, as every other call does.
+
 With `--ssd-cache` the SSD tier's actors (actors/ssd/) run here beside the worker, so prompt-cache
 snapshots never cross the socket: the server asks for a flush, a shutdown flush or a drain, and
 reads the tier's /stats block through `stats`. Background SSD work yields while rows are open.
@@ -22,10 +27,13 @@ import socket
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import outcome
 import trio
 
+from actors.isolate.codec import CodecError
 from actors.isolate.link import Link
-from actors.isolate.protocol import CALLS, WORKER_CALLS, error_fields
+from actors.isolate.protocol import CALLS, ROW_CALLS, WORKER_CALLS, error_fields
+from actors.mlx_thread import ON_THREAD
 from actors.ssd.drain import drain_to_ssd
 from actors.ssd.durability import SsdTier, shutdown_flush, start_ssd_tier
 from actors.startup import find
@@ -93,22 +101,42 @@ class EngineHost:
             log.warning("unexpected message from the server: %s", sorted(head))
 
     async def _answer(self, call_id: int, method: str, args: list[Any], kwargs: dict[str, Any] | None) -> None:
+        answered: list[bool] = []  # (the MLX thread answered it)
+        if method in ROW_CALLS:
+
+            def on_thread(result: outcome.Outcome) -> None:
+                if isinstance(result, outcome.Error):
+                    head = {"r": call_id, "e": error_fields(result.error)}
+                else:
+                    value = result.unwrap()
+                    self._track(method, args, value)  # (before the server can make its next call)
+                    head = {"r": call_id, "v": value}
+                try:
+                    self.link.post_from_thread(head)
+                except CodecError:
+                    return  # (the task's own post says so: the same error, as any call's)
+                answered.append(True)
+
+            ON_THREAD.set(on_thread)  # (this task's calls only)
         try:
             if method not in CALLS:
                 raise ValueError(f"{method!r} is not a call the engine process takes")
-            value = await self._run(method, args, kwargs or {})
+            value = await self._run(method, args, kwargs or {}, answered)
         except Exception as exc:  # noqa: BLE001 - the caller's exception, raised on its side
-            self.link.post({"r": call_id, "e": error_fields(exc)})
+            if not answered:
+                self.link.post({"r": call_id, "e": error_fields(exc)})
         else:
-            self.link.post({"r": call_id, "v": value})
+            if not answered:
+                self.link.post({"r": call_id, "v": value})
 
-    async def _run(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    async def _run(self, method: str, args: list[Any], kwargs: dict[str, Any], answered: list[bool]) -> Any:
         if method in WORKER_CALLS:
             call = getattr(self.worker, method, None)
             if call is None:
                 raise ValueError(f"this engine has no {method!r}")
             value = await call(*args, **kwargs)
-            self._track(method, args, value)
+            if not answered:  # (else tracked on the MLX thread)
+                self._track(method, args, value)
             return value
         if method == "stats":
             return self.stats()

@@ -6,7 +6,9 @@ Outbound: `post` sends a message without waiting (so `Worker.abort` never blocks
 socket at hand and nothing queued before it, it is written at once, from the caller (a decode
 step's call then leaves before the request actors handle the last step's tokens, as a job put on
 the MLX thread's queue does in one process); else it is queued and one writer task sends the queue
-in order. `call` posts a call and awaits its answer.
+in order. `post_from_thread` does the same from another thread (the engine's MLX thread answers
+a call the moment its job ends: actors/isolate/host.py); a lock keeps each frame whole and the
+queue in order. `call` posts a call and awaits its answer.
 
 The link closes when the other end does (EOF: its process died or exited), on a stream error, on a
 message that is not plain data, or on `close` (its owner must call it: cancellation alone does
@@ -17,8 +19,9 @@ is set and `why` says what happened.
 from __future__ import annotations
 
 import logging
-import math
 import socket
+import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -51,10 +54,12 @@ class Link:
         self.on_message = on_message
         self.closed = trio.Event()
         self.why = ""
-        self._outbox_send, self._outbox = trio.open_memory_channel[bytes](math.inf)
+        self._lock = threading.Lock()  # (a frame is written, or queued, whole: posts come from two threads)
+        self._queue: deque[bytes] = deque()  # what the writer has still to send, in order
+        self._queued = trio.Event()  # set when a frame was queued
+        self._token: trio.lowlevel.TrioToken | None = None
         self._pending: dict[int, trio.MemorySendChannel[dict[str, Any]]] = {}
         self._next_id = 0
-        self._posted = self._written = 0
         self._progress = trio.Event()
         self._scope = trio.CancelScope()
 
@@ -62,6 +67,7 @@ class Link:
         """Read and write until the link closes; then close the stream (the other end sees EOF).
         Cancelling the task that runs it does not end it, `close` (or EOF) does: an owner being
         cancelled (shutdown) can still send its last messages (`stop`) and read the answers."""
+        self._token = trio.lowlevel.current_trio_token()
         with trio.CancelScope(shield=True):
             try:
                 with self._scope:
@@ -86,22 +92,47 @@ class Link:
     def post(self, head: dict[str, Any]) -> None:
         """Send one message, at once or through the writer (CodecError: it is not plain data).
         Never blocks; after the link has closed it is dropped."""
-        frame = pack(message(head))
-        if self.closed.is_set():
-            return
-        if self._sock is not None and self._written == self._posted:  # (nothing queued or being written)
+        failed = self._put(pack(message(head)))
+        if failed:
+            self.close(failed)
+        elif self._queue:
+            self._queued.set()
+
+    def post_from_thread(self, head: dict[str, Any]) -> None:
+        """`post`, from a thread other than the link's event loop's (once `run` has started)."""
+        failed = self._put(pack(message(head)))
+        if failed or self._queue:
+            token = self._token
+            assert token is not None
             try:
-                sent = self._sock.send(frame)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                self.close(f"the socket failed ({exc})")
-                return
-            if sent == len(frame):
-                return
-            frame = frame[sent:]  # the rest goes through the writer, and everything after it
-        self._posted += 1
-        self._outbox_send.send_nowait(frame)
+                token.run_sync_soon(self._wake, failed)
+            except trio.RunFinishedError:
+                pass
+
+    def _wake(self, failed: str) -> None:
+        if failed:
+            self.close(failed)
+        else:
+            self._queued.set()
+
+    def _put(self, frame: bytes) -> str:
+        """Write `frame` at once when nothing is queued before it, else queue what is left of it;
+        what went wrong with the socket, or ''."""
+        with self._lock:
+            if self.closed.is_set():
+                return ""
+            if self._sock is not None and not self._queue:  # (nothing queued or being written)
+                try:
+                    sent = self._sock.send(frame)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    return f"the socket failed ({exc})"
+                if sent == len(frame):
+                    return ""
+                frame = frame[sent:]  # the rest goes through the writer, and everything after it
+            self._queue.append(frame)
+            return ""
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The other end's answer to `method(*args, **kwargs)`: its value, or the exception it
@@ -125,7 +156,7 @@ class Link:
 
     async def flush(self) -> None:
         """Wait until every message posted so far is written (or the link closed)."""
-        while self._written < self._posted and not self.closed.is_set():
+        while self._queue and not self.closed.is_set():
             await self._progress.wait()
 
     async def _read(self) -> None:
@@ -152,13 +183,18 @@ class Link:
                     waiting.send_nowait(head)  # (room for one: the only answer)
 
     async def _write(self) -> None:
-        async for frame in self._outbox:
+        while True:
+            if not self._queue:
+                await self._queued.wait()
+                self._queued = trio.Event()  # (a frame queued before this is seen below, one after sets it)
+                continue
             try:
-                await self.stream.send_all(frame)
+                await self.stream.send_all(self._queue[0])  # (it stays queued, so posts queue behind it)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 self.close(f"the socket failed ({exc})")
                 return
-            self._written += 1
+            with self._lock:
+                self._queue.popleft()
             self._progress.set()
             self._progress = trio.Event()
 

@@ -45,6 +45,9 @@ WORKER_CALLS = frozenset(
         "machine",
     }
 )
+# The worker calls that are one job on the MLX thread whose result is the answer, unchanged
+# (actors/gpu_worker.py): the engine process answers them from that thread (actors/isolate/host.py).
+ROW_CALLS = frozenset({"open_row", "prefill", "prefill_group", "fork_rows", "join", "join_group", "step", "close_row"})
 HOST_CALLS = frozenset({"stats", "set_other_weights", "ssd_flush", "ssd_shutdown_flush", "ssd_drain"})
 CALLS = WORKER_CALLS | HOST_CALLS
 
