@@ -31,7 +31,7 @@ from actors.request import RequestActor, RequestRejected
 from api import images, media, prompt_bounds
 from api.cache_hints import key_namespace
 from api.chat_request import ChatPrompt, ChatRequest, GenerationFields, TextRequest
-from api.errors import bad_request, from_rejection
+from api.errors import ApiError, bad_request, from_rejection
 from api.fields import MAX_CHOICES
 from api.http import offload
 from api.observability.request_log import note_ignored, note_templating
@@ -446,6 +446,9 @@ async def _admitted(
     """Admit every choice: each its own actor (text pipeline, row, abort), siblings in the
     scheduler, which prefills the prompt once for all of them. All or none: a rejection closes
     the choices already admitted."""
+    failure = handles.worker_failure()
+    if failure is not None:  # an isolated engine that failed for good: a 503 before a stream starts
+        raise ApiError(503, f"generation failed: the model {handles.info.name} failed: {failure}")
     n = generation.n
     limit = max_choices(handles)
     if n > limit:

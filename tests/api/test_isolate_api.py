@@ -91,3 +91,20 @@ async def test_an_engine_that_keeps_dying_marks_the_model_failed(autojump_clock)
             assert refused.status_code == 503
             assert "failed" in (await refused.get_json())["error"]["message"]
         engines_nursery.cancel_scope.cancel()
+
+
+async def test_a_stream_to_a_failed_model_is_a_503_not_an_sse_error(autojump_clock):
+    """A model already failed for good is known before the answer starts: each protocol's
+    stream gets the 503 a whole answer gets (its error envelope), not a 200 with an error event."""
+    async with trio.open_nursery() as engines_nursery:
+        worker, engines = isolated(engines_nursery, _fake, policy=RestartPolicy(max_restarts=0))
+        async with server(worker, isolate=True) as (client, _, _):
+            engines.last.kill()
+            await trio.sleep(3)
+            assert worker.state == "failed"
+            for path, body in STREAMS.items():
+                refused = await client.post(path, json={**body, "max_tokens": 3})
+                assert refused.status_code == 503, (path, await refused.get_data())
+                assert refused.content_type.startswith("application/json"), path
+                assert "failed" in json.dumps(await refused.get_json()), path
+        engines_nursery.cancel_scope.cancel()
