@@ -55,6 +55,7 @@ from actors.pool_types import (
 from actors.ssd.drain import DrainReport, drain_to_ssd
 from actors.ssd.durability import shutdown_flush
 from actors.ssd.view import SsdView
+from actors.startup import find
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +339,8 @@ class ModelPool:
                     handles = await self._start_member(nursery, member.model)
                 except Exception as exc:
                     self.counters.load_failures += 1
-                    member.error, member.exception = str(exc) or type(exc).__name__, exc
+                    cause = find(exc, Exception) or exc  # (an isolated engine's start fails inside a group)
+                    member.error, member.exception = str(cause) or type(cause).__name__, exc
                     self._failed[member.id] = (trio.current_time(), member.error)
                     log.error("model %s failed to load: %s", member.id, member.error)
                     nursery.cancel_scope.cancel()

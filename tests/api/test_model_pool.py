@@ -228,6 +228,15 @@ async def test_a_load_that_fails_is_503_with_retry_after_and_the_next_request_tr
         assert await server.statuses() == {"a": "unloaded", "bad": "unloaded", "c": "loaded"}
 
 
+async def test_a_failed_load_names_its_cause_not_the_exception_group_around_it(autojump_clock, tmp_path):
+    root = write_model_dirs(tmp_path, ["a", "bad"])
+    async with pool_server(root, size=2, failing=("bad",), grouped=True) as server:
+        response = await server.client.post("/v1/completions", json={"model": "bad", "prompt": PROMPT})
+        message = (await response.get_json())["error"]["message"]
+        assert response.status_code == 503 and "no known family" in message, message
+        assert "Trio nursery" not in message
+
+
 async def test_a_model_that_would_not_fit_the_memory_budget_makes_room_first(autojump_clock, tmp_path):
     root = write_model_dirs(tmp_path, ["a", "b", "c"])
     (root / "c" / "model.safetensors").write_bytes(b"\0" * 1_600_000)  # its weights, as the pool estimates them

@@ -94,8 +94,11 @@ async def pool_server(
     step_cost: float = 0.1,
     offsets: Callable[[str], int] = lambda model_id: 1000 * (sum(map(ord, model_id)) % 7),
     failing: Sequence[str] = (),
+    grouped: bool = False,
     **config: Any,
 ) -> AsyncIterator[PoolServer]:
+    """`grouped`: a failing load raises its error inside an exception group, as an isolated
+    model's worker does (its engine starts in a nursery)."""
     found = model_dirs(models_dir)
     catalog = ModelCatalog(Servable(found[0].id, found[0].path), models_dir=models_dir)
     workers: dict[str, list[LoadingFakeWorker]] = {}
@@ -105,13 +108,18 @@ async def pool_server(
         fails = model.id in failing
         worker = LoadingFakeWorker(model.id, load_cost=load_cost, offset=offsets(model.id), fails=fails, **costs)
         workers.setdefault(model.id, []).append(worker)
-        return await start_actors(
-            nursery,
-            worker,
-            options=serve_options(served_model_name=(model.id,), **config),
-            make_tokenizer=lambda info: FakeTokenizer(),
-            responses=False,
-        )
+        try:
+            return await start_actors(
+                nursery,
+                worker,
+                options=serve_options(served_model_name=(model.id,), **config),
+                make_tokenizer=lambda info: FakeTokenizer(),
+                responses=False,
+            )
+        except Exception as exc:
+            if grouped:
+                raise ExceptionGroup("Exceptions from Trio nursery", [exc]) from None
+            raise
 
     pool = ModelPool(catalog, start_member, size=size, ttl_s=ttl_s, load_timeout_s=load_timeout_s)
     async with trio.open_nursery() as nursery:
