@@ -196,7 +196,8 @@ class ModelPool:
             entry = attrs.asdict(self._entry(member.id, now))
             if member.handles is not None and member.state != "loading":
                 block = member.handles.model_stats()
-                block.pop("worker", None)  # (one MLX thread: the top level shows it once)
+                if not member.handles.options.engine.isolate:  # (isolated: each engine's own thread)
+                    block.pop("worker", None)  # (one MLX thread: the top level shows it once)
                 entry.update(block)
             models[member.id] = entry
         return {"size": self.size, "ttl_s": self.ttl_s, **attrs.asdict(self.counters), "resident": models}

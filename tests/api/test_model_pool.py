@@ -245,3 +245,24 @@ async def test_a_model_that_would_not_fit_the_memory_budget_makes_room_first(aut
         assert await server.statuses() == {"a": "loaded", "b": "loaded", "c": "unloaded"}
         await text(server, "c")  # 1.6 MB beside 2: both leave, though the pool counts room for three
         assert await server.statuses() == {"a": "unloaded", "b": "unloaded", "c": "loaded"}
+
+
+class _Times:
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"engine_of": self.model_id}
+
+
+async def test_isolated_members_each_show_their_own_engines_worker_block(autojump_clock, tmp_path):
+    """Under --isolate each model's engine is a process with its own MLX thread: /stats shows
+    each resident model's `worker` block, not only the default's at the top level."""
+    root = write_model_dirs(tmp_path, ["a", "b"])
+    async with pool_server(root, size=2, isolate=True) as server:
+        assert (await complete(server, "b"))[0] == 200
+        for model_id in ("a", "b"):
+            server.worker(model_id).times = _Times(model_id)  # type: ignore[attr-defined]
+        stats = await (await server.client.get("/stats")).get_json()
+        resident = stats["models"]["resident"]
+        assert resident["a"]["worker"] == {"engine_of": "a"} and resident["b"]["worker"] == {"engine_of": "b"}
