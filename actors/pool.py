@@ -133,6 +133,7 @@ class ModelPool:
         self.had_ssd = False  # some member opened an SSD tier (a shutdown flush was owed)
         self._app_handles: ServerHandles | None = None  # the default's first load: the app's (/health)
         self._failed: dict[str, tuple[float, str]] = {}  # model id -> (trio time, why) of its last failed load
+        self._making_room: dict[str, Member] = {}  # model id -> the member leaving to make room for it
 
     # -- the actor
 
@@ -298,13 +299,20 @@ class ModelPool:
                 return existing
             if self._has_room(estimate):
                 break
-            victim = self._victim()
+            # Concurrent requests for one model share its evictions: a later one waits for the
+            # victim an earlier one chose (leaving, not gone yet) instead of evicting another.
+            victim = self._making_room.get(model.id)
+            if victim is None or victim.gone.is_set():
+                victim = self._victim()
+                if victim is not None:
+                    self.counters.evictions += 1
+                    self._ask_leave(victim, f"least recently used, making room for {model.id}")
+                    self._making_room[model.id] = victim
             if victim is not None:
-                self.counters.evictions += 1
-                self._ask_leave(victim, f"least recently used, making room for {model.id}")
                 await victim.gone.wait()
             else:
                 await trio.sleep(POLL_S)  # every member is busy: wait for one to go idle
+        self._making_room.pop(model.id, None)
         member = Member(model, last_used=trio.current_time())
         self.members[model.id] = member
         assert self._nursery is not None, "the pool is not running"

@@ -266,3 +266,15 @@ async def test_isolated_members_each_show_their_own_engines_worker_block(autojum
         stats = await (await server.client.get("/stats")).get_json()
         resident = stats["models"]["resident"]
         assert resident["a"]["worker"] == {"engine_of": "a"} and resident["b"]["worker"] == {"engine_of": "b"}
+
+
+async def test_concurrent_requests_for_a_new_model_evict_one_model_not_one_each(autojump_clock, tmp_path):
+    root = write_model_dirs(tmp_path, ["a", "b", "c"])
+    async with pool_server(root, size=2, unload_cost=1.0) as server:
+        await text(server, "b")
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(text, server, "c")
+                await trio.sleep(0.1)  # (the later ones arrive while a is leaving)
+        assert await server.statuses() == {"a": "unloaded", "b": "loaded", "c": "loaded"}
+        assert (await (await server.client.get("/stats")).get_json())["models"]["evictions"] == 1

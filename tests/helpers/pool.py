@@ -34,7 +34,9 @@ WEIGHTS = 1_000_000  # each fake model's weights, in bytes
 class LoadingFakeWorker(FakeWorker):
     """A fake worker whose load takes virtual time and that says when it was unloaded."""
 
-    def __init__(self, model_id: str, *, load_cost: float, offset: int, fails: bool = False, **kw: Any) -> None:
+    def __init__(
+        self, model_id: str, *, load_cost: float, offset: int, fails: bool = False, unload_cost: float = 0.0, **kw: Any
+    ) -> None:
         info = ModelInfo(
             name=model_id,
             context_length=4096,
@@ -45,6 +47,7 @@ class LoadingFakeWorker(FakeWorker):
         )
         super().__init__(info=info, token_fn=lambda prompt, pos: default_token(prompt, pos + offset), **kw)
         self.load_cost = load_cost
+        self.unload_cost = unload_cost  # how long its stop takes (an engine process's exit)
         self.fails = fails
         self.unloaded_at: float | None = None
 
@@ -56,6 +59,8 @@ class LoadingFakeWorker(FakeWorker):
         try:
             await trio.sleep_forever()
         finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(self.unload_cost)
             self.unloaded_at = trio.current_time()
 
 
@@ -95,6 +100,7 @@ async def pool_server(
     offsets: Callable[[str], int] = lambda model_id: 1000 * (sum(map(ord, model_id)) % 7),
     failing: Sequence[str] = (),
     grouped: bool = False,
+    unload_cost: float = 0.0,
     **config: Any,
 ) -> AsyncIterator[PoolServer]:
     """`grouped`: a failing load raises its error inside an exception group, as an isolated
@@ -106,7 +112,10 @@ async def pool_server(
     async def start_member(nursery: trio.Nursery, model: Servable) -> ServerHandles:
         costs = {"prefill_cost": 0.1, "join_cost": 0.1, "step_cost": step_cost}
         fails = model.id in failing
-        worker = LoadingFakeWorker(model.id, load_cost=load_cost, offset=offsets(model.id), fails=fails, **costs)
+        offset = offsets(model.id)
+        worker = LoadingFakeWorker(
+            model.id, load_cost=load_cost, offset=offset, fails=fails, unload_cost=unload_cost, **costs
+        )
         workers.setdefault(model.id, []).append(worker)
         try:
             return await start_actors(
