@@ -285,6 +285,8 @@ class ModelPool:
             await member.ready.wait()
             if member.error is not None:
                 raise ModelLoadFailed(f"the model `{model.id}` failed to load: {member.error}")
+            if self.closed:  # (the shutdown began during its load: a request not admitted yet is refused)
+                raise PoolClosed("server is shutting down")
             if member.state == "loaded":
                 return member
 
@@ -356,6 +358,8 @@ class ModelPool:
                     return
                 handles.pool = self
                 member.handles = handles
+                if self.closed:  # (loaded during the shutdown: it admits nothing, as every other member)
+                    handles.admission.close(cutoff_after=max(0.0, self.cutoff - trio.current_time()))
                 member.loaded_at = time.time()
                 member.state = "loaded"
                 member.last_used = trio.current_time()

@@ -278,3 +278,24 @@ async def test_concurrent_requests_for_a_new_model_evict_one_model_not_one_each(
                 await trio.sleep(0.1)  # (the later ones arrive while a is leaving)
         assert await server.statuses() == {"a": "unloaded", "b": "loaded", "c": "loaded"}
         assert (await (await server.client.get("/stats")).get_json())["models"]["evictions"] == 1
+
+
+async def test_a_request_waiting_for_a_load_when_shutdown_begins_gets_503_not_a_late_admission(
+    autojump_clock, tmp_path
+):
+    """The shutdown drains the requests admitted before it; one still waiting for its model's load
+    is refused like any new request, and the model that loads meanwhile admits nothing."""
+    root = write_model_dirs(tmp_path, ["a", "b"])
+    async with pool_server(root, size=2) as server:
+        async with trio.open_nursery() as nursery:
+            answers: list[int] = []
+
+            async def waiting() -> None:
+                answers.append((await complete(server, "b"))[0])
+
+            nursery.start_soon(waiting)
+            await trio.sleep(1)  # b is loading (2 s)
+            server.pool.close(cutoff_after=30)
+        assert answers == [503]
+        b = server.pool.resident("b")
+        assert b is None or b.admission.closed
