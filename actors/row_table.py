@@ -103,8 +103,9 @@ class RowTable:
 
     Siblings (`enqueue_sibling`): a request's choices share one prefill. The leader alone is queued
     and takes the batch slots of the whole family; after its prefill `fork` stages the others
-    (they join as a group prefill's rows do). A leader that leaves before forking puts its
-    followers in the queue where it stood, each to prefill alone.
+    (they join as a group prefill's rows do), those whose KV fits the live-KV budget beside the
+    active rows: the rest wait at the head of the queue, each to open alone. A leader that leaves
+    before forking puts its followers in the queue where it stood, each to prefill alone.
     """
 
     def __init__(self, capacity: int, memory: KvBudget | None = None) -> None:
@@ -146,10 +147,16 @@ class RowTable:
         if family is None:
             return []
         self.families.pop(family.key, None)
-        for row in family.followers:
+        forked: list[Row] = []
+        for row in family.followers:  # (with a live-KV budget: those that fit beside the active rows)
+            if not self.has_room_for([row]):
+                break
             row.phase = "joining"
-        self.staged.extend(family.followers)
-        return list(family.followers)
+            self.staged.append(row)
+            forked.append(row)
+        for row in reversed(family.followers[len(forked) :]):  # the rest wait where it stood, each alone
+            self.queue.appendleft(row)
+        return forked
 
     def _disband(self, leader: Row, at: int) -> None:
         """A leader left before forking: its followers take its place in the queue."""

@@ -122,3 +122,33 @@ def test_growth_is_billed_in_whole_buffer_steps_padded_to_the_longest_row():
     assert kv.row_bytes(1) == 2 * GROWTH_TOKENS + 5
     assert kv.row_bytes(GROWTH_TOKENS + 1) == 2 * 2 * GROWTH_TOKENS + 5
     assert kv.batch_bytes(3, GROWTH_TOKENS) == 3 * (2 * GROWTH_TOKENS + 5)
+
+
+async def test_choices_that_do_not_fit_together_fork_only_what_fits_the_rest_wait(autojump_clock):
+    """A request's choices (n) share the leader's prefill, but its fork opens only the siblings
+    whose KV fits beside the active rows: the others wait in the queue and run as rows end, so the
+    live KV never passes the budget, and every choice still gives its solo output."""
+    from actors.messages import Enqueue, Siblings
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
+    from tests.fakes import RowLog
+
+    worker = FakeWorker(chunk=512)
+    async with scheduler_harness(worker, kv_budget=budget(600)) as h:
+        logs = []
+        for i in range(3):  # each row bills 512 positions (200 + its next growth): one fits at a time
+            send, recv = trio.open_memory_channel(100)
+            spec = RowSpec(10 + i, prompt(200), SamplingParams(seed=0), 20)
+            h.inbox.send_nowait(Enqueue(spec=spec, lane="batched", rows=send, siblings=Siblings(7, i, 3)))
+            logs.append(RowLog())
+            h._nursery.start_soon(h._collect, recv, logs[-1])
+        await trio.sleep(600)
+    assert not worker.violations
+    assert [log.tokens for log in logs] == [worker.expected(prompt(200), 20)] * 3
+    assert all(log.ended_at is not None for log in logs)
+    assert h.scheduler.counters.preemptions == 0  # (forked over the budget, two had to be preempted)
+    open_rows, most = 0, 0
+    for _, call, _ in worker.calls:
+        open_rows += {"open_row": 1, "fork_rows": 2, "close_row": -1}.get(call, 0)
+        most = max(most, open_rows)
+    assert most == 1
