@@ -35,6 +35,7 @@ import trio
 
 from actors.kv_memory import PREEMPT_RETAIN_S, KvBudget, preemptible, resumed_spec
 from actors.messages import Abort, Control, Enqueue, RowEvent, RowFailed, StopRow, WorkerLost
+from actors.mlx_thread import WorkerDied
 from actors.row_table import LeaveReason, Row, RowTable, rows_enqueued
 from actors.scheduler_counters import SchedulerCounters
 from actors.scheduling import (
@@ -436,8 +437,9 @@ class Scheduler:
         if isinstance(exc, AdapterNotMounted):  # unmounted after the route's check: that request's 400
             log.info("worker.%s refused rows %s: %s", call, [r.row_id for r in rows], exc)
             failed = RowFailed(0, str(exc), status=400)
-        else:
-            log.error("worker.%s failed for rows %s", call, [r.row_id for r in rows], exc_info=exc)
+        else:  # (a dead engine, WorkerDied: its worker logs the cause, so no traceback here)
+            trace = None if isinstance(exc, WorkerDied) else exc
+            log.error("worker.%s failed for rows %s: %s", call, [r.row_id for r in rows], exc, exc_info=trace)
             # A worker that cannot go on at all (a tensor-parallel rank lost) says 503 itself.
             failed = RowFailed(0, f"generation failed: {exc}", status=getattr(exc, "status", 500))
         for row in rows:

@@ -356,3 +356,23 @@ async def test_cancellation_during_a_close_still_ends_the_other_leavers(autojump
         assert [arg for _, call, arg in worker.calls if call == "close_row"] == [1]
     assert [seen[i].ended for i in (1, 2)] == [[3.0], [3.5]]  # row 2: ended by the cancellation
     assert len(rows[2].tokens) == 1
+
+
+async def test_a_dead_engine_is_logged_as_one_line_not_a_traceback(autojump_clock, caplog):
+    """A worker that died (an isolated engine killed, the MLX thread gone) says why itself: the
+    scheduler's line for each call it cut names the cause without the link's traceback."""
+    from actors.mlx_thread import WorkerDied
+
+    class Dying(FakeWorker):
+        async def step(self) -> list[TokenOut]:
+            if self._steps >= 2:
+                raise WorkerDied("the model's engine process died during the call")
+            return await super().step()
+
+    async with scheduler_harness(Dying()) as h:
+        row = h.submit(1, (5, 6, 7), max_tokens=10)
+        await trio.sleep(30)
+    assert isinstance(row.events[-1][1], RowFailed)
+    lines = [r for r in caplog.records if "worker.step failed" in r.getMessage()]
+    assert lines and all(r.exc_info is None for r in lines)
+    assert "engine process died" in lines[0].getMessage()
