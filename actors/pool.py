@@ -402,6 +402,7 @@ class ModelPool:
             member.drained = await drain_to_ssd(handles.ssd, handles.worker)
         except Exception:  # noqa: BLE001 - a failed demotion loses cache entries, never a request
             log.exception("model %s: the drain to the SSD tier failed", member.id)
+            member.drained = DrainReport(durable=False)
 
     def _bill(self) -> None:
         """Each resident member's budgets leave out every other one's weights."""

@@ -299,3 +299,23 @@ async def test_a_request_waiting_for_a_load_when_shutdown_begins_gets_503_not_a_
         assert answers == [503]
         b = server.pool.resident("b")
         assert b is None or b.admission.closed
+
+
+class _DyingTier:
+    """An SSD tier whose drain fails (an isolated engine killed during it)."""
+
+    async def drain(self) -> Any:
+        raise RuntimeError("the model's engine process died during the call")
+
+
+async def test_a_drain_that_fails_reports_not_durable(autojump_clock, tmp_path):
+    root = write_model_dirs(tmp_path, ["a", "b"])
+    async with pool_server(root, size=2) as server:
+        assert (await complete(server, "b"))[0] == 200
+        handles = server.pool.resident("b")
+        assert handles is not None
+        handles.ssd = _DyingTier()  # type: ignore[assignment]
+        drained = await (await server.client.post("/admin/drain", json={"model": "b"})).get_json()
+        assert drained["durable"] is False, drained
+        unloaded = await (await server.client.post("/admin/models/unload", json={"model": "b"})).get_json()
+        assert unloaded["drain"]["durable"] is False, unloaded
