@@ -3,6 +3,7 @@ KV never passes the budget, and every output equals its solo run, preempted rows
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from actors.kv_memory import GROWTH_TOKENS
@@ -18,6 +19,7 @@ def prompt_text(i: int) -> str:
     return f"Agent {i}: " + " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(150 + i))
 
 
+@pytest.mark.slow  # (~14 s on 2 cores; the MockClock tests in tests/actors/test_kv_budget.py run by default)
 async def test_a_burst_five_times_the_kv_budget_finishes_within_it_and_equals_solo_runs(qwen3_dir):
     bodies = [{"prompt": prompt_text(i), "max_tokens": MAX_TOKENS, "temperature": 0} for i in range(REQUESTS)]
     # A budget that opens 7 rows of up to 2 growth steps each: as they pass 512 positions the
