@@ -8,7 +8,9 @@ like /stats. Errors are OpenAI's envelope.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from importlib import metadata
+from typing import Any
 
 from quart import Blueprint, Response, current_app
 
@@ -24,26 +26,24 @@ SERVER_NAME = "mlx-trio-server"
 def blueprint(server: ServerHandles) -> Blueprint:
     bp = Blueprint("utilities", __name__)
 
-    @bp.post("/tokenize")
-    async def tokenize() -> Response:
+    async def answer(work: Callable[[ServerHandles, Mapping[str, Any]], dict[str, Any]]) -> Response:
+        """Run `work` on the request's model and body off the event loop (it tokenizes)."""
         body = await json_body()
         handles = await model_handles(server)
         check_requested_model(handles, body)
-        return json_response(await offload.run(tokens.tokenize, handles, body))
+        return json_response(await offload.run(work, handles, body))
+
+    @bp.post("/tokenize")
+    async def tokenize() -> Response:
+        return await answer(tokens.tokenize)
 
     @bp.post("/detokenize")
     async def detokenize() -> Response:
-        body = await json_body()
-        handles = await model_handles(server)
-        check_requested_model(handles, body)
-        return json_response(await offload.run(tokens.detokenize, handles, body))
+        return await answer(tokens.detokenize)
 
     @bp.post("/apply-template")
     async def apply_template() -> Response:
-        body = await json_body()
-        handles = await model_handles(server)
-        check_requested_model(handles, body)
-        return json_response(await offload.run(tokens.apply_template, handles, body))
+        return await answer(tokens.apply_template)
 
     @bp.get("/v1")
     async def index() -> Response:
