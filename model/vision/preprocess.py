@@ -62,18 +62,7 @@ class ImageProcessorConfig:
         """preprocessor_config.json's keys (`size.shortest_edge/longest_edge` or min/max_pixels)."""
         path = model_dir / "preprocessor_config.json"
         raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-        size = raw.get("size") or {}
-        d = cls()
-        return cls(
-            patch_size=int(raw.get("patch_size", d.patch_size)),
-            temporal_patch_size=int(raw.get("temporal_patch_size", d.temporal_patch_size)),
-            merge_size=int(raw.get("merge_size", d.merge_size)),
-            min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or d.min_pixels),
-            max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or d.max_pixels),
-            image_mean=tuple(float(x) for x in raw.get("image_mean", d.image_mean)),
-            image_std=tuple(float(x) for x in raw.get("image_std", d.image_std)),
-            rescale_factor=float(raw.get("rescale_factor", d.rescale_factor)),
-        )
+        return cls(**pixel_keys(raw, cls()))
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         return grid_for(height, width, self)
@@ -197,3 +186,19 @@ def _patches(image: Image.Image, config: ImageProcessorConfig) -> PreparedImage:
     out = np.empty((gh // ms, gw // ms, ms, ms, channels, tps, ps, ps), dtype=np.float32)
     out[...] = grouped[:, :, :, :, :, None]  # one frame, repeated along time
     return PreparedImage(pixel_values=out.reshape(gh * gw, channels * tps * ps * ps), grid_thw=(1, gh, gw))
+
+
+def pixel_keys(raw: dict[str, Any], d: Any) -> dict[str, Any]:
+    """The keys an image and a video processor config share (patching, resize bounds as
+    min/max_pixels or `size.shortest_edge/longest_edge`, normalisation), `d`'s where absent."""
+    size = raw.get("size") or {}
+    return {
+        "patch_size": int(raw.get("patch_size", d.patch_size)),
+        "temporal_patch_size": int(raw.get("temporal_patch_size", d.temporal_patch_size)),
+        "merge_size": int(raw.get("merge_size", d.merge_size)),
+        "min_pixels": int(raw.get("min_pixels") or size.get("shortest_edge") or d.min_pixels),
+        "max_pixels": int(raw.get("max_pixels") or size.get("longest_edge") or d.max_pixels),
+        "image_mean": tuple(float(x) for x in raw.get("image_mean", d.image_mean)),
+        "image_std": tuple(float(x) for x in raw.get("image_std", d.image_std)),
+        "rescale_factor": float(raw.get("rescale_factor", d.rescale_factor)),
+    }

@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from model.vision.header import ImageError
-from model.vision.preprocess import MAX_ASPECT_RATIO, DecodeCost, PreparedImage
+from model.vision.preprocess import MAX_ASPECT_RATIO, DecodeCost, PreparedImage, pixel_keys
 
 MAX_SOURCE_PIXELS = 4096 * 4096  # a frame's, before resizing
 # `prepare_video`'s memory per resized pixel of all frames: the uint8 frames, their float32 copy
@@ -67,16 +67,9 @@ class VideoProcessorConfig:
             if path.exists():
                 raw = json.loads(path.read_text(encoding="utf-8"))
                 break
-        size, d = raw.get("size") or {}, cls()
+        d = cls()
         return cls(
-            patch_size=int(raw.get("patch_size", d.patch_size)),
-            temporal_patch_size=int(raw.get("temporal_patch_size", d.temporal_patch_size)),
-            merge_size=int(raw.get("merge_size", d.merge_size)),
-            min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or d.min_pixels),
-            max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or d.max_pixels),
-            image_mean=tuple(float(x) for x in raw.get("image_mean", d.image_mean)),
-            image_std=tuple(float(x) for x in raw.get("image_std", d.image_std)),
-            rescale_factor=float(raw.get("rescale_factor", d.rescale_factor)),
+            **pixel_keys(raw, d),
             fps=float(raw.get("fps") or d.fps),
             min_frames=int(raw.get("min_frames", d.min_frames)),
             max_frames=int(raw.get("max_frames", d.max_frames)),
