@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from actors.policy import KvRate, kv_bill
+from actors.policy import GROWTH_TOKENS, KvRate, kv_bill
 from model.engine.rows import RowSpec
 
 if TYPE_CHECKING:
     from actors.worker_api import ModelInfo
 
-GROWTH_TOKENS = 256  # KV buffers grow by this many positions (model/kv/cache.py STEP)
 PREEMPT_RETAIN_S = 600.0  # a preempted row's KV is protected in the prompt cache this long
 # MLX keeps freed buffers for reuse; unbounded, it keeps every transient a burst ever made. Twice
 # one prefill forward's peak lets each forward reuse the last one's buffers.

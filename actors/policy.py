@@ -97,6 +97,11 @@ def memory_budget_bytes(budget_gb: float | None, *, device_memory_bytes: int = 0
     return int(total * DEFAULT_BUDGET_FRACTION)
 
 
+# A row's KV buffers grow this many positions at a time (model/kv/cache.py STEP): the live-KV
+# budget bills a row in whole steps (actors/kv_memory.py).
+GROWTH_TOKENS = 256
+
+
 @attrs.frozen
 class KvRate:
     """How admission bills one row's memory (`kv_bill`, then its fixed recurrent state)."""
@@ -126,19 +131,24 @@ class AdmissionCeiling:
     def memory_context(self, rows: int = 1) -> int:
         """The longest each of `rows` rows of one request may grow to, side by side in the budget.
         Each holds its own copy of the prompt's KV: choices fork from one prefill as views, but
-        their first write or the batch merge copies them (model/engine/engine.py `fork_rows`)."""
+        their first write or the batch merge copies them (model/engine/engine.py `fork_rows`).
+        Under an explicit live-KV budget, in whole `GROWTH_TOKENS` steps: the scheduler bills a
+        row's KV as the buffers it grows by, and lets a lone row grow unchecked."""
         rows = max(1, rows)
         rate = self.kv_rate
         if rate is None:
             return self.max_safe_context // rows
         if rate.bytes_per_token <= 0:  # no KV grows with the row: only the window bounds it
             return self.context_length or self.max_safe_context
-        return max_tokens_billed(
+        tokens = max_tokens_billed(
             self.usable_bytes // rows - rate.state_bytes_per_row,  # (a row's fixed state comes first)
             kv_bytes_per_token=rate.bytes_per_token,
             kv_quant_ratio=rate.quant_ratio,
             kv_quantized_from=rate.quantized_from,
         )
+        if self.kv_budget_bytes:  # (its last step is allocated whole: it must fit too)
+            tokens -= tokens % GROWTH_TOKENS
+        return tokens
 
 
 def kv_bill(tokens: int, *, kv_bytes_per_token: int, kv_quant_ratio: float = 1.0, kv_quantized_from: int = 0) -> int:

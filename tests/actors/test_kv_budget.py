@@ -152,3 +152,35 @@ async def test_choices_that_do_not_fit_together_fork_only_what_fits_the_rest_wai
         open_rows += {"open_row": 1, "fork_rows": 2, "close_row": -1}.get(call, 0)
         most = max(most, open_rows)
     assert most == 1
+
+
+def test_an_explicit_kv_budget_admits_a_lone_row_in_whole_growth_steps():
+    """A lone row opens and grows with nothing to preempt, so admission's clamp is all that bounds
+    it: under `--kv-budget` a row may grow only to what its KV buffers, grown a whole step at a
+    time, still fit (the step about to be allocated included), so it never passes the budget."""
+    from actors.policy import admission_ceiling, fit_rows
+
+    def ceiling(kv_budget_bytes: int | None, state: int = 0):
+        return admission_ceiling(
+            budget_bytes=10**9,
+            weights_bytes=0,
+            kv_bytes_per_token=1,
+            context_length=10**6,
+            transient_bytes=0,
+            state_bytes_per_row=state,
+            kv_budget_bytes=kv_budget_bytes,
+        )
+
+    kv = budget(1000)
+    limited = ceiling(1000)
+    assert limited.max_safe_context == limited.memory_context(1) == 3 * GROWTH_TOKENS
+    assert kv.row_bytes(limited.memory_context(1)) <= 1000 < kv.row_bytes(limited.memory_context(1) + 1)
+    # A prompt of 4 asking for far more: clamped to what its whole steps hold (not 996 tokens).
+    assert fit_rows(limited, prompt_tokens=4, max_tokens=5000) == 3 * GROWTH_TOKENS - 4
+    # A request's n rows together, each with its fixed state.
+    assert ceiling(1000).memory_context(2) == GROWTH_TOKENS
+    stateful = KvBudget(1000, KvRate(bytes_per_token=1, state_bytes_per_row=300))
+    assert ceiling(1000, state=300).memory_context(1) == 2 * GROWTH_TOKENS
+    assert stateful.row_bytes(2 * GROWTH_TOKENS) <= 1000
+    # Under the memory budget alone, a row is billed by its tokens as before.
+    assert ceiling(None).memory_context(1) == 10**9
