@@ -365,9 +365,9 @@ class Scheduler:
             return
         self.counters.forked_rows += len(rows)
         for row, event in zip(rows, opened):
-            row.opened = True
-            row.to_prefill = event.to_prefill
+            row.opened, row.to_prefill = True, event.to_prefill
             self._deliver(row, event)
+        self._note_kv()  # (the choices are rows of their own from here on)
 
     async def _join(self, row: Row) -> None:
         try:

@@ -4,6 +4,8 @@ running row that arrived last, which resumes ahead of later arrivals with exactl
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import trio
 
 from actors.kv_memory import GROWTH_TOKENS, KvBudget
@@ -184,3 +186,54 @@ def test_an_explicit_kv_budget_admits_a_lone_row_in_whole_growth_steps():
     assert stateful.row_bytes(2 * GROWTH_TOKENS) <= 1000
     # Under the memory budget alone, a row is billed by its tokens as before.
     assert ceiling(None).memory_context(1) == 10**9
+
+
+class BillingWorker(FakeWorker):
+    """A fake worker that records the scheduler's live-KV bill as each of its calls starts."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.bill = lambda: 0
+        self.bills: list[tuple[str, int]] = []
+
+    @asynccontextmanager
+    async def _call(self, name, arg, cost, stoppable=()):
+        self.bills.append((name, self.bill()))
+        async with super()._call(name, arg, cost, stoppable):
+            yield
+
+
+async def test_a_request_of_n_choices_bills_the_rows_it_opened_when_it_opened_them(autojump_clock):
+    """The leader of `n` choices holds one row of KV until it forks the others (and only those that
+    fit open then): the live bill, and so /stats' peak, counts the rows the worker holds, not the
+    family the leader will fork."""
+    from actors.messages import Enqueue, Siblings
+    from model.engine.params import SamplingParams
+    from model.engine.rows import RowSpec
+
+    async def run(kv: KvBudget) -> BillingWorker:
+        worker = BillingWorker(chunk=512)
+        async with scheduler_harness(worker, kv_budget=kv) as h:
+            worker.bill = h.scheduler.table.kv_bytes
+            readers = []  # (kept open: a row whose reader is gone is aborted)
+            for i in range(3):
+                send, recv = trio.open_memory_channel(100)
+                readers.append(recv)
+                spec = RowSpec(10 + i, prompt(200), SamplingParams(seed=0), 20)
+                h.inbox.send_nowait(Enqueue(spec=spec, lane="batched", rows=send, siblings=Siblings(7, i, 3)))
+            await trio.sleep(600)
+            worker.peak = h.scheduler.counters.peak_kv_bytes
+        assert not worker.violations and not worker.rows
+        return worker
+
+    one_row = budget(10**6).row_bytes(200 + 19)  # (a row never passes its first growth step here)
+    # Room for all three: the leader prefills as one row; the three rows decode together after the fork.
+    worker = await run(budget(10**6))
+    assert [bill for call, bill in worker.bills if call == "prefill"] == [one_row]
+    steps = [(bill, len(ids)) for (_, bill), (_, call, ids) in zip(worker.bills, worker.calls) if call == "step"]
+    assert all(bill == rows * one_row for bill, rows in steps) and max(rows for _, rows in steps) == 3
+    assert worker.peak == 3 * one_row
+    # Room for one row at a time: each choice runs alone, and the peak is one row's, within the budget.
+    worker = await run(budget(600))
+    assert max(bill for _, bill in worker.bills) == one_row
+    assert worker.peak == one_row <= 600
