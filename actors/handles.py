@@ -201,10 +201,21 @@ class ServerHandles:
         the top-level blocks are then the default model's latest load while it is resident."""
         if self.pool is None:
             return self.model_stats()
-        now = self.pool.resident(self.info.name) or self
-        stats = now.model_stats()
+        now = self.pool.resident(self.info.name)
+        stats = now.model_stats() if now is not None else self.unloaded_stats()
         stats.update({name: block() for name, block in self.stats_blocks.items()})  # (the app's own)
         stats["models"] = self.pool.stats()
+        return stats
+
+    def unloaded_stats(self) -> dict[str, Any]:
+        """/stats' top level while a model pool's default model is not resident (unloaded, evicted,
+        loading again): these handles are a load that is gone, so none of its blocks (rows, live
+        KV, prompt cache, counters) is shown; the server, and the MLX thread every model shares."""
+        stats: dict[str, Any] = {
+            "server": {"model": self.info.name, "started_at": int(self.started_at), "device": self.info.device}
+        }
+        if not self.options.engine.isolate and isinstance(self.worker, ReportsTimes):  # (isolated: its own)
+            stats["worker"] = self.worker.times.snapshot()
         return stats
 
     def model_stats(self) -> dict[str, Any]:

@@ -123,8 +123,8 @@ def _echo_text(handles: ServerHandles, request: TextRequest) -> str:
 def _stats(handles: ServerHandles) -> dict[str, Any]:
     stats = handles.stats()
     stats.setdefault("server", {}).setdefault("owner", OWNER)
-    batch = stats.setdefault("batch", {})
-    batch.setdefault("kv_budget_bytes", max(0, handles.ceiling.usable_bytes))
+    if (batch := stats.get("batch")) is not None:  # (none while a model pool's default model is not resident)
+        batch.setdefault("kv_budget_bytes", max(0, handles.ceiling.usable_bytes))
     return stats
 
 
