@@ -4,9 +4,10 @@ shapes: per weight shape and row count (1, 8, 32), MLX's `quantized_matmul` agai
 routing picks after the measurement it makes at load (model/quant_tune.py `tune`, then
 `quant_kernel.usable` on a decode step's [rows, 1, K] activations).
 
-Two timings per product: "queued" (20 calls evaluated together: what a compiled decode step
-pays, and what tune measures) and "sync" (one call per evaluation: launch and host round trip
-included). "first" is our kernel's first call at a row bucket: its NVRTC compile plus one run.
+Two timings per product: "queued" (20 calls evaluated together, over copies of the weight that
+overflow L2: what a compiled decode step pays, and what tune measures) and "sync" (one call per
+evaluation: launch and host round trip included). "first" is a kernel's first call at a row
+count: its NVRTC compile (ours; MLX's CUTLASS kernels compile too) plus one run.
 Every line prints as soon as it is known; a kernel that fails to compile or run prints its
 exception and the rest goes on. Ends with the products of one 8B decode step (32 layers and the
 LM head) added up per row count: MLX's op, ours, whatever the routing picks, bf16.
@@ -99,14 +100,21 @@ def shape(name: str, n: int, k: int, per_step: int, args: argparse.Namespace, st
     cfg = quant_kernel.config_for(n, k, bits)
     say(f"{name} {n}x{k} q{bits} g{gs}: tiling {cfg} ({(q.nbytes + s.nbytes + b.nbytes) / 1e6:.1f} MB)")
     queue = quant_tune._queue(n * k)
+    copies = quant_tune._copies(q, s, b)  # (timed in turn: device memory, not L2)
     timed: dict[int, tuple[float, float, float | None]] = {}
     for m in args.rows_list:
         x2 = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
         try:
             mlx = partial_mlx(x2, q, s, b, gs, bits)
-            t_mlx, s_mlx = quant_tune._time(mlx, queue=queue), sync_time(mlx)
+            first_mlx = first_call(mlx)
+            t_mlx, s_mlx = quant_tune._time(rotating_mlx(x2, copies, gs, bits), queue=queue), sync_time(mlx)
+            # a decode step's [B, 1, K] as it reached MLX's op before `quant_linear.as_rows`
+            t_batch = quant_tune._time(rotating_mlx(x2[:, None], copies, gs, bits), queue=queue) if m > 1 else t_mlx
             t_bf16 = quant_tune._time(lambda: x2 @ w.T, queue=queue)
-            say(f"  M={m}: mlx {us(t_mlx)} (sync {us(s_mlx)}) | bf16 {us(t_bf16)}")
+            say(
+                f"  M={m}: mlx {us(t_mlx)} (sync {us(s_mlx)}, first call {first_mlx:.2f}s) | mlx as [{m},1,K] "
+                f"{us(t_batch)} | bf16 {us(t_bf16)}"
+            )
         except Exception as e:  # noqa: BLE001
             say(f"  M={m}: MLX's op failed: {failure(e)}")
             ok = False
@@ -116,7 +124,8 @@ def shape(name: str, n: int, k: int, per_step: int, args: argparse.Namespace, st
             ours = lambda: quant_kernel.qmm(x2, q, s, b, bits)  # noqa: E731
             first = first_call(ours)
             err = quant_tune._rel_err(ours(), mlx())
-            t_ours, s_ours = quant_tune._time(ours, queue=queue), sync_time(ours)
+            rot = quant_tune._rotating(lambda x, w_, s_, b_: quant_kernel.qmm(x, w_, s_, b_, bits), copies, x2)
+            t_ours, s_ours = quant_tune._time(rot, queue=queue), sync_time(ours)
             say(
                 f"  M={m}: ours {us(t_ours)} (sync {us(s_ours)}, first call {first:.2f}s, rel err {err:.2g}) "
                 f"| ours/mlx {t_ours / t_mlx:.2f}x"
@@ -187,6 +196,10 @@ def main() -> None:
                 f"{1e3 * acc['ours']:.2f} ms, as routed {1e3 * acc['routed']:.2f} ms, bf16 {1e3 * acc['bf16']:.2f} ms"
             )
     say(f"done in {time.perf_counter() - t_start:.1f}s; kernels compiled {len(quant_kernel._kernels)}")
+
+
+def rotating_mlx(x: mx.array, copies: list, gs: int, bits: int) -> Callable[[], mx.array]:
+    return quant_tune._rotating(mx.quantized_matmul, copies, x, transpose=True, group_size=gs, bits=bits)
 
 
 def partial_mlx(x: mx.array, q: mx.array, s: mx.array, b: mx.array, gs: int, bits: int) -> Callable[[], mx.array]:

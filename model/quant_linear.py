@@ -41,24 +41,35 @@ def product(x: mx.array, module: Any) -> mx.array | None:
     return quant_kernel.qmm(x, w, scales, biases, module.bits)
 
 
+def as_rows(x: mx.array) -> mx.array:
+    """`x` [..., K] as one matrix of rows [R, K] for MLX's op. MLX's CUDA `quantized_matmul` takes
+    every leading dimension but the last two as a batch of separate products, each reading the
+    whole weight: a decode step's [B, 1, K] would read the weights B times (B products of one
+    row), the [R, K] matrix reads them once. One sequence's [1, L, K] and one row's [1, 1, K] are
+    the same problem either way, so a solo request's ops do not change."""
+    return x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x
+
+
 class KernelQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose product of a few rows runs the CUDA kernel."""
+    """nn.QuantizedLinear whose product of a few rows runs the CUDA kernel, and whose other
+    products give MLX's op their rows as one matrix (`as_rows`)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         y = product(x, self)
         if y is None:
-            return super().__call__(x)
-        if "bias" in self:
+            y = super().__call__(as_rows(x)).reshape(*x.shape[:-1], -1)
+        elif "bias" in self:
             y = y + self["bias"]
         return y
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose `as_linear` (a tied LM head) runs the CUDA kernel for a few rows."""
+    """nn.QuantizedEmbedding whose `as_linear` (a tied LM head) runs the CUDA kernel for a few
+    rows, and gives MLX's op its rows as one matrix otherwise (`as_rows`)."""
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = product(x, self)
-        return super().as_linear(x) if y is None else y
+        return super().as_linear(as_rows(x)).reshape(*x.shape[:-1], -1) if y is None else y
 
 
 Shape = tuple[int, int, int, int, Any]  # (N, K, bits, group size, scales dtype)

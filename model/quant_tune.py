@@ -53,10 +53,43 @@ def _queue(weights: int) -> int:
     return max(2, min(20, int(4e9 // (2 * weights))))
 
 
+# A decode step reads each weight once, from device memory; one weight timed over and over would
+# sit in the GPU's L2 (50 MB on an H100) and time the cache instead. Calls rotate over copies
+# holding at least this many bytes in all.
+_ROTATE_BYTES = 256 << 20
+
+
+def _copies(*arrays: mx.array) -> list[tuple[mx.array, ...]]:
+    """Copies of a weight's arrays, enough that timing one call after another over them reads
+    device memory rather than L2 (`_ROTATE_BYTES`)."""
+    size = sum(a.nbytes for a in arrays)
+    count = max(1, min(32, -(-_ROTATE_BYTES // max(size, 1))))
+    out = [arrays] + [tuple(a + 0 for a in arrays) for _ in range(count - 1)]
+    mx.eval(out)
+    return out
+
+
+def _rotating(
+    fn: Callable[..., mx.array], copies: list[tuple[mx.array, ...]], *head: Any, **kw: Any
+) -> Callable[[], mx.array]:
+    """`fn(*head, *copy, **kw)` over the copies in turn, one per call."""
+    turn = [0]
+
+    def call() -> mx.array:
+        turn[0] = (turn[0] + 1) % len(copies)
+        return fn(*head, *copies[turn[0]], **kw)
+
+    return call
+
+
 def _rel_err(got: mx.array, want: mx.array) -> float:
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     err: float = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()  # type: ignore[assignment]
     return err
+
+
+def _ours(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, bits: int, cfg: qk.Config) -> mx.array:
+    return qk.qmm(x, w, scales, biases, bits, cfg)
 
 
 def tune(
@@ -104,10 +137,11 @@ def tune(
             if err > _TOLERANCE:
                 raise RuntimeError(f"{chosen} differs from MLX's op by {err:.3g}")
             measured, per_rows = [], {}
+            copies = _copies(q, s, b)
             for m in sorted(rows):
                 x = mx.random.normal((m, k), key=key).astype(dtype)
-                ours = _time(partial(qk.qmm, x, q, s, b, bits, chosen), queue=_queue(n * k))
-                mlx_op = partial(mx.quantized_matmul, x, q, s, b, transpose=True, group_size=gs, bits=bits)
+                ours = _time(_rotating(_ours, copies, x, bits=bits, cfg=chosen), queue=_queue(n * k))
+                mlx_op = _rotating(mx.quantized_matmul, copies, x, transpose=True, group_size=gs, bits=bits)
                 theirs = _time(mlx_op, queue=_queue(n * k))
                 measured.append((m, ours < theirs))
                 per_rows[m] = {"ours": ours, "mlx": theirs}

@@ -149,3 +149,28 @@ def test_the_cuda_tests_guard_fails_a_kernel_that_failed_its_smoke_run(monkeypat
     with pytest.raises(pytest.fail.Exception, match="not in this module's plan"):
         module._kernel("attend", mx.bfloat16, 4, 16)
     assert built == [("attend", mx.bfloat16, 4, 4), ("combine", mx.bfloat16, 8, 8)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mlx_s_op_gets_a_batch_of_rows_as_one_matrix(monkeypatch, bias):
+    """Where MLX's op runs, a decode step's [B, 1, K] reaches it as one [B, K] matrix (MLX's CUDA
+    op reads the weights once per leading batch entry otherwise), with the same values."""
+    lin = nn.QuantizedLinear(128, 64, bias=bias, group_size=64, bits=4)
+    x = mx.random.normal((5, 1, 128), key=mx.random.key(1))
+    want = lin(x)
+    shapes: list[tuple[int, ...]] = []
+    real = mx.quantized_matmul
+
+    def spy(x, *a, **k):
+        shapes.append(tuple(x.shape))
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    lin.__class__ = quant_linear.KernelQuantizedLinear
+    got = lin(x)  # (no CUDA here: `product` declines, MLX's op runs)
+    assert shapes == [(5, 128)]
+    assert got.shape == (5, 1, 64) and mx.array_equal(got, want)
+    embed = nn.QuantizedEmbedding(64, 128, group_size=64, bits=4)
+    want_head = embed.as_linear(x)
+    embed.__class__ = quant_linear.KernelQuantizedEmbedding
+    assert mx.array_equal(embed.as_linear(x), want_head) and shapes[-1] == (5, 128)
