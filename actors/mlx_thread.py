@@ -182,6 +182,10 @@ class MlxThread:
                 times.idle_s += clock() - waited
                 worked = False
                 mx.clear_cache()
+                # On CUDA the freed buffers go back to the driver's stream-ordered pool, which
+                # hands them to the device only at a synchronization: without one an idle
+                # server keeps its last burst's memory reserved.
+                mx.synchronize()
                 times.idle_releases += 1
                 times.memory = allocator_bytes(mx)
                 continue
