@@ -136,6 +136,11 @@ def _decode_capacities(engine: Engine, rid: int) -> None:
     for capacity in range(STEP, engine.options.warm_decode_capacity + 1, STEP):
         caches = []
         for t in template:
+            if type(t) is not KVCache:
+                # A recurrent state, a sliding window or a quantized cache: its buffers do not
+                # take the capacity's shape; the layer runs on a copy of what the prompt left.
+                caches.append(t.clone())
+                continue
             assert t.keys is not None and t.values is not None  # prefilled
             c = KVCache()
             c.keys = mx.zeros((1, t.keys.shape[1], capacity, t.keys.shape[3]), t.keys.dtype)

@@ -4,6 +4,7 @@ idle afterwards and real rows decode exactly as on an engine that never warmed u
 from __future__ import annotations
 
 import attrs
+import pytest
 import trio
 
 from actors.gpu_worker import GpuWorker
@@ -155,6 +156,28 @@ def test_warm_up_can_meet_decode_kv_capacities(qwen3_dir):
     warmed.warm_up(2)
     assert (256, 255) in solo_decode.seen and (512, 511) in solo_decode.seen
     assert warmed.active_rows == 0 and warmed.batch_size == 0
+    assert generate_tokens(warmed, SPECS) == cold
+
+
+@pytest.mark.parametrize(
+    "family, shape",
+    [
+        ("qwen3_5", {"num_hidden_layers": 4, "head_dim": 16}),  # recurrent state layers
+        ("gemma3_text", {"num_hidden_layers": 4, "head_dim": 16}),  # sliding-window layers
+    ],
+)
+def test_decode_capacities_warm_up_on_families_whose_caches_are_not_all_kv(tiny_model_factory, family, shape):
+    """The capacities' warm-up (on by default on CUDA) builds each capacity's buffers for plain
+    KV layers only; a state or window layer runs on a copy of its cache, and outputs are unchanged."""
+    model_dir = tiny_model_factory(family, **shape)
+    cold = generate_tokens(Engine(load_model(model_dir).model, eos_token_ids=[0, 1]), SPECS)
+    warmed = Engine(
+        load_model(model_dir).model,
+        eos_token_ids=[0, 1],
+        options=EngineOptions(compile_decode=False, warm_decode_capacity=512),
+    )
+    warmed.warm_up(2)
+    assert warmed.active_rows == 0
     assert generate_tokens(warmed, SPECS) == cold
 
 
