@@ -44,6 +44,22 @@ def quantized_attention(
 ) -> mx.array:
     """mlx-lm's quantized scaled dot-product attention. `mask`: None, "causal" (any string) or a
     boolean array broadcastable to [B, 1, L, K]."""
+    g, b = quant.group_size, quant.bits
+    if _cuda():
+        # MLX's CUDA quantized_matmul has no kernel for these products (H100, mlx 0.32.4: a
+        # prefill chunk's rows raised "no implementation for problem shape" or stalled, and so did
+        # one decode row over a 16k cache, whose K/V are views into a larger buffer, not
+        # row-contiguous; the scores @ V product is untransposed, which its fast paths exclude):
+        # the fused attention over the dequantized keys and values, the same products up to
+        # summation order, without materializing a chunk's [heads, L, K] scores (at a 2048-token
+        # chunk over 16k positions, 2 GB per layer). The cache still holds (and admission bills)
+        # the quantized bytes; a decode step takes model/kv/quant_kernel.py instead.
+        k = mx.dequantize(*keys, group_size=g, bits=b)
+        v = mx.dequantize(*values, group_size=g, bits=b)
+        if isinstance(mask, str):
+            qL, kL = queries.shape[-2], k.shape[-2]
+            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
@@ -52,19 +68,7 @@ def quantized_attention(
         queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))
         keys = (mx.expand_dims(keys[0], -3), mx.expand_dims(keys[1], -3), mx.expand_dims(keys[2], -3))
         values = (mx.expand_dims(values[0], -3), mx.expand_dims(values[1], -3), mx.expand_dims(values[2], -3))
-    g, b = quant.group_size, quant.bits
-    if _cuda():
-        # MLX's CUDA quantized_matmul has no kernel for these products (H100, mlx 0.32.4: a
-        # prefill chunk's rows raised "no implementation for problem shape" or stalled, and so did
-        # one decode row over a 16k cache, whose K/V are views into a larger buffer, not
-        # row-contiguous; the scores @ V product is untransposed, which its fast paths exclude):
-        # multiply by the dequantized keys and values, the same products up to summation order.
-        # The cache still holds (and admission bills) the quantized bytes.
-        keys = (mx.dequantize(*keys, group_size=g, bits=b),)  # type: ignore[assignment]
-        values = (mx.dequantize(*values, group_size=g, bits=b),)  # type: ignore[assignment]
-        scores = queries @ mx.swapaxes(keys[0], -1, -2)
-    else:
-        scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=g, bits=b)
+    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=g, bits=b)
     if mask is not None:
         if isinstance(mask, str):
             qL, kL = scores.shape[-2:]
@@ -76,10 +80,7 @@ def quantized_attention(
         else:
             scores = scores + mask
     scores = mx.softmax(scores, axis=-1, precise=True)
-    if len(values) == 1:  # (dequantized above)
-        out = scores @ values[0]
-    else:
-        out = mx.quantized_matmul(scores, *values, transpose=False, group_size=g, bits=b)
+    out = mx.quantized_matmul(scores, *values, transpose=False, group_size=g, bits=b)
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, D))
     return out
