@@ -44,7 +44,7 @@ for step in ${@:-diag tests micro serve8b parity kv moe}; do
   case $step in
     diag)
       log diag
-      lim ${DIAG_LIMIT:-100} python3 benchmarks/quant_diag.py --budget ${DIAG_BUDGET:-70} > $R/diag.txt 2>&1
+      lim ${DIAG_LIMIT:-100} python3 benchmarks/quant_diag.py --budget ${DIAG_BUDGET:-70} --rows ${DIAG_ROWS:-1,8,32,2048} > $R/diag.txt 2>&1
       echo "rc=$?" >> $R/diag.txt; pack; cut -c1-1500 $R/diag.txt | tail -40 >> $OUT/quant-log.txt ;;
     tests)
       # -v names each test as it starts; a test stuck past 45 s gets every thread's stack dumped.

@@ -13,6 +13,9 @@ exception and the rest goes on. Ends with the products of one 8B decode step (32
 LM head) added up per row count: MLX's op, ours, whatever the routing picks, bf16.
 
     python benchmarks/quant_diag.py [--budget 50] [--bits 4] [--group-size 64] [--rows 1,8,32]
+
+A row count past 64 (a prefill chunk, e.g. --rows 1,8,32,2048) times MLX's op against
+dequantizing the weight and running the bf16 GEMM instead.
 """
 
 from __future__ import annotations
@@ -109,8 +112,18 @@ def shape(name: str, n: int, k: int, per_step: int, args: argparse.Namespace, st
             first_mlx = first_call(mlx)
             t_mlx, s_mlx = quant_tune._time(rotating_mlx(x2, copies, gs, bits), queue=queue), sync_time(mlx)
             # a decode step's [B, 1, K] as it reached MLX's op before `quant_linear.as_rows`
-            t_batch = quant_tune._time(rotating_mlx(x2[:, None], copies, gs, bits), queue=queue) if m > 1 else t_mlx
             t_bf16 = quant_tune._time(lambda: x2 @ w.T, queue=queue)
+            if m > quant_kernel.MAX_ROWS:  # a prefill chunk: MLX's op against dequantize + the bf16 GEMM
+                deq = quant_tune._rotating(
+                    lambda x, q_, s_, b_: x @ mx.dequantize(q_, s_, b_, group_size=gs, bits=bits).T, copies, x2
+                )
+                t_deq = quant_tune._time(deq, queue=queue)
+                say(
+                    f"  M={m}: mlx {us(t_mlx)} (first call {first_mlx:.2f}s) | dequantize + bf16 GEMM {us(t_deq)} "
+                    f"| bf16 {us(t_bf16)}"
+                )
+                continue
+            t_batch = quant_tune._time(rotating_mlx(x2[:, None], copies, gs, bits), queue=queue) if m > 1 else t_mlx
             say(
                 f"  M={m}: mlx {us(t_mlx)} (sync {us(s_mlx)}, first call {first_mlx:.2f}s) | mlx as [{m},1,K] "
                 f"{us(t_batch)} | bf16 {us(t_bf16)}"
@@ -136,7 +149,8 @@ def shape(name: str, n: int, k: int, per_step: int, args: argparse.Namespace, st
         timed[m] = (t_mlx, t_bf16, t_ours)
     t0 = time.perf_counter()
     try:  # the server's measurement at load (model/quant_linear.py route), at these row counts
-        report = quant_tune.tune([(n, k, bits, gs, dtype)], rows=tuple(m for m in args.rows_list if m >= 2))
+        decode_rows = tuple(m for m in args.rows_list if 2 <= m <= quant_kernel.MAX_ROWS)
+        report = quant_tune.tune([(n, k, bits, gs, dtype)], rows=decode_rows)
         tuned = next(iter(report.values()), {})
     except Exception as e:  # noqa: BLE001
         tuned = {"failed": failure(e)}
@@ -191,6 +205,8 @@ def main() -> None:
             complete = False
     if complete:
         for m, acc in step.items():
+            if m > quant_kernel.MAX_ROWS:
+                continue
             say(
                 f"8B decode step products at M={m} (queued): mlx {1e3 * acc['mlx']:.2f} ms, ours "
                 f"{1e3 * acc['ours']:.2f} ms, as routed {1e3 * acc['routed']:.2f} ms, bf16 {1e3 * acc['bf16']:.2f} ms"
