@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from model.engine.params import SamplingParams
 from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
-from model.kv.cache import STEP, KVCache
+from model.kv.cache import STEP, KVCache, at_capacity
 from model.nn.language_model import LanguageModel
 from model.options import ResolvedEngine
 
@@ -134,18 +134,6 @@ def _decode_capacities(engine: Engine, rid: int) -> None:
     template = engine.row_caches(rid)
     engine.close_row(rid)
     for capacity in range(STEP, engine.options.warm_decode_capacity + 1, STEP):
-        caches = []
-        for t in template:
-            if type(t) is not KVCache:
-                # A recurrent state, a sliding window or a quantized cache: its buffers do not
-                # take the capacity's shape; the layer runs on a copy of what the prompt left.
-                caches.append(t.clone())
-                continue
-            assert t.keys is not None and t.values is not None  # prefilled
-            c = KVCache()
-            c.keys = mx.zeros((1, t.keys.shape[1], capacity, t.keys.shape[3]), t.keys.dtype)
-            c.values = mx.zeros((1, t.values.shape[1], capacity, t.values.shape[3]), t.values.dtype)
-            c.offset = capacity - 1
-            caches.append(c)
+        caches = [at_capacity(t, capacity) for t in template]
         mx.eval(engine.model(mx.array([[1]]), caches))
         mx.clear_cache()

@@ -417,6 +417,21 @@ class SoloCache(LayerCache, Protocol):
         ...
 
 
+def at_capacity(cache: Any, capacity: int) -> Any:
+    """A throwaway cache for warm-up to meet one decode step against buffers of `capacity`
+    positions (model/engine/warm_up.py): for a prefilled full-precision `KVCache`, zeros of that
+    capacity with the next write at its last slot; any other kind (a recurrent state, a sliding
+    window, a quantized cache) does not shape its buffers by capacity and is cloned as it is."""
+    if type(cache) is not KVCache or cache.keys is None or cache.values is None:
+        return cache.clone()
+    keys, values = cache.keys, cache.values
+    out = KVCache()
+    out.keys = mx.zeros((1, keys.shape[1], capacity, keys.shape[3]), keys.dtype)
+    out.values = mx.zeros((1, values.shape[1], capacity, values.shape[3]), values.dtype)
+    out.offset = capacity - 1
+    return out
+
+
 def make_caches(num_layers: int) -> list[KVCache]:
     return [KVCache() for _ in range(num_layers)]
 
