@@ -269,7 +269,8 @@ class ServerHandles:
 
 
 def kv_quant_stats(info: ModelInfo) -> dict[str, Any]:
-    """/stats' `kv_quant`: the KV storage scheme and how admission bills it."""
+    """/stats' `kv_quant`: the KV storage scheme and how admission bills it (paged: by each row's
+    own blocks)."""
     return {
         "mode": info.kv_scheme,
         "group_size": info.kv_group_size,
@@ -277,6 +278,7 @@ def kv_quant_stats(info: ModelInfo) -> dict[str, Any]:
         "bits": list(info.kv_bits) if isinstance(info.kv_bits, tuple) else info.kv_bits,
         "ratio": round(info.kv_quant_ratio, 6),
         "quantized_from": info.kv_quantized_from,
+        "paged": info.kv_paged,  # --paged-kv
     }
 
 

@@ -9,8 +9,10 @@ in the prompt cache so it resumes as a cache hit with exactly the tokens it woul
 
 A row's bill is its positions rounded up to the KV buffers' growth step (they grow 256 positions
 at a time), at the scheme's true bytes (`kv_bill`: a quantized row past its conversion point at
-the quantized rate), plus a hybrid model's fixed recurrent state per row; a batch holds every row
-padded to its longest, so the rows together cost their count times the longest one's bill.
+the quantized rate), plus a hybrid model's fixed recurrent state per row; a contiguous batch holds
+every row padded to its longest, so the rows together cost their count times the longest one's
+bill. Under `--paged-kv` each row holds its own 256-position blocks (model/kv/paged.py): the rows
+together cost the sum of their own bills.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def buffer_cache_bytes(prefill_transient_bytes: int) -> int:
 class KvBudget:
     budget_bytes: int
     rate: KvRate
+    paged: bool = False  # rows hold blocks of their own (`ModelInfo.kv_paged`), not a padded batch
 
     def row_bytes(self, tokens: int) -> int:
         """What a row of `tokens` positions holds: whole growth steps, plus its fixed state."""
@@ -55,14 +58,23 @@ class KvBudget:
         return kv + rate.state_bytes_per_row
 
     def batch_bytes(self, rows: int, longest: int) -> int:
-        """A batch of `rows` rows holds each padded to its `longest` (model/kv/cache.py)."""
+        """A contiguous batch of `rows` rows holds each padded to its `longest` (model/kv/cache.py)."""
         return rows * self.row_bytes(longest)
+
+    def rows_bytes(self, positions: Sequence[int]) -> int:
+        """What rows of these `positions` hold as one batch: each padded to the longest, or,
+        paged, each its own blocks (whole growth steps: a block is one)."""
+        if not positions:
+            return 0
+        if self.paged:
+            return sum(self.row_bytes(p) for p in positions)
+        return self.batch_bytes(len(positions), max(positions))
 
 
 def kv_budget(budget_bytes: int, info: ModelInfo) -> KvBudget:
     """The live-KV budget of `budget_bytes`, billed at the loaded model's rates."""
     rate = KvRate(info.kv_bytes_per_token, info.kv_quant_ratio, info.kv_quantized_from, info.state_bytes_per_row)
-    return KvBudget(budget_bytes, rate)
+    return KvBudget(budget_bytes, rate, paged=info.kv_paged)
 
 
 def preemptible(spec: RowSpec) -> bool:

@@ -216,29 +216,26 @@ class RowTable:
     # -- the live-KV budget
 
     def has_room_for(self, rows: Sequence[Row]) -> bool:
-        """`rows` may open beside the active ones: all of them, billed as the one padded batch they
-        will be, still fit the budget after each grows by `GROWTH_TOKENS` (a queued leader with
+        """`rows` may open beside the active ones: all of them, billed as the one batch they will
+        be (`KvBudget.rows_bytes`), still fit the budget after each grows by `GROWTH_TOKENS` (a queued leader with
         room for its whole family, which forks from it). A lone row always may (admission bounded
         it by the whole budget)."""
         active = self._active_rows()
         if self.memory is None or (not active and len(rows) == 1):
             return True
-        batch = [*active, *rows]
-        count = len(active) + sum(r.width for r in rows)
-        longest = max(r.positions for r in batch) + GROWTH_TOKENS
-        return self.memory.batch_bytes(count, longest) <= self.memory.budget_bytes
+        positions = [r.positions for r in active] + [r.positions for r in rows for _ in range(r.width)]
+        return self.memory.rows_bytes([p + GROWTH_TOKENS for p in positions]) <= self.memory.budget_bytes
 
     def kv_bytes(self, rows: Sequence[Row] | None = None, growth: int = 0) -> int:
         """What `rows` (default: the active rows) hold as one batch, each grown by `growth`
-        positions: a batch's rows are padded to its longest (model/kv/cache.py). Each row opened
-        holds one row of KV: a leader's other choices hold none until it forks them (`fork`), and
-        those that do not fit then never open beside it."""
+        positions: a contiguous batch's rows are padded to its longest (model/kv/cache.py), paged
+        ones hold their own blocks (`KvBudget.rows_bytes`). Each row opened holds one row of KV: a
+        leader's other choices hold none until it forks them (`fork`), and those that do not fit
+        then never open beside it."""
         if self.memory is None:
             return 0
         rows = self._active_rows() if rows is None else rows
-        if not rows:
-            return 0
-        return self.memory.batch_bytes(len(rows), max(r.positions for r in rows) + growth)
+        return self.memory.rows_bytes([r.positions + growth for r in rows])
 
     def preemption_victim(self, step_tokens: int) -> Row | None:
         """Before a decode step: when the active rows' next `step_tokens` positions would pass the

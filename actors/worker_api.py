@@ -62,6 +62,7 @@ class ModelInfo:
     kv_group_size: int | None = None  # None when nothing is quantized
     kv_bits: int | tuple[int | None, ...] | None = None  # KVScheme.bits
     kv_start: int = 0  # --quantized-kv-start
+    kv_paged: bool = False  # --paged-kv: a batch's rows hold blocks of their own (actors/kv_memory.py)
     # Bytes every row holds whatever its length (a hybrid model's recurrent states).
     state_bytes_per_row: int = 0
     # One prefill forward's peak beyond weights and KV, for the chunk in use and the model's
@@ -119,6 +120,7 @@ def kv_fields(
         "kv_group_size": scheme.group_size,
         "kv_bits": scheme.bits,
         "kv_start": scheme.start,
+        "kv_paged": scheme.paged,
     }
 
 

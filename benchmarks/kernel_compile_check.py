@@ -1,9 +1,9 @@
-"""Compile the CUDA kernels of model/quant_kernel.py and model/kv/quant_kernel.py with nvcc, as
-MLX's `mx.fast.cuda_kernel` would build them (its default header + ours + the generated
-signature + the body), for sm_90a, without a GPU: syntax, templates and register use per
-configuration (ptxas -v: registers, spills, shared memory).
+"""Compile the CUDA kernels of model/quant_kernel.py, model/kv/quant_kernel.py and
+model/kv/paged_kernel.py with nvcc, as MLX's `mx.fast.cuda_kernel` would build them (its default
+header + ours + the generated signature + the body), for sm_90a, without a GPU: syntax, templates
+and register use per configuration (ptxas -v: registers, spills, shared memory).
 
-    python benchmarks/kernel_compile_check.py --mlx-src /path/to/mlx [--only qmm|attn] [--quick]
+    python benchmarks/kernel_compile_check.py --mlx-src /path/to/mlx [--only qmm|attn|paged] [--quick]
 
 `--mlx-src`: a checkout of ml-explore/mlx (for mlx/backend/cuda/device/*.cuh). The generated
 sources are written under --out (default /tmp/kernel_check) for inspection.
@@ -95,7 +95,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mlx-src", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path("/tmp/kernel_check"))
-    ap.add_argument("--only", choices=["qmm", "attn"], default=None)
+    ap.add_argument("--only", choices=["qmm", "attn", "paged"], default=None)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -119,6 +119,15 @@ def main() -> int:
         from model.kv import quant_kernel as kv_quant_kernel
 
         for name, header, body, inputs, outputs in kv_quant_kernel.compile_check_sources(args.quick):
+            ok, log = compile_one(args.out / f"{name}.cu", build(name, header, body, inputs, outputs), args.mlx_src)
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: {summarize(log) if ok else ''}")
+            if not ok:
+                failed += 1
+                print(log[-3000:])
+    if args.only in (None, "paged"):
+        from model.kv import paged_kernel
+
+        for name, header, body, inputs, outputs in paged_kernel.compile_check_sources(args.quick):
             ok, log = compile_one(args.out / f"{name}.cu", build(name, header, body, inputs, outputs), args.mlx_src)
             print(f"{'ok  ' if ok else 'FAIL'} {name}: {summarize(log) if ok else ''}")
             if not ok:

@@ -161,6 +161,7 @@ CACHE_CLASSES = {
     "StateCache",
     "BatchStateCache",
     "MixedBatchKVCache",
+    "PagedBatchKVCache",
 }
 # Families are recognised by what they declare (`LanguageModel.capabilities`), not by class.
 MODEL_CLASSES = {"DecoderModel"}

@@ -12,10 +12,11 @@ is a miss, never a different result.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from model.kv.cache import BatchKVCache, KVCache
 from model.kv.mixed import MixedBatchKVCache
+from model.kv.paged import PagedBatchKVCache
 from model.kv.quant import QuantizedKVCache
 from model.kv.rotating import RotatingKVCache
 from model.kv.scheme import KVScheme
@@ -82,9 +83,15 @@ def merge_batch(scheme: KVScheme, per_row: Sequence[Sequence[Solo]]) -> list[Any
     merged: list[Any] = []
     for layer in range(len(per_row[0])):
         caches = [row[layer] for row in per_row]
+        quant = scheme.layer(layer)
+        if scheme.paged and quant is None and all(type(c) is KVCache for c in caches):
+            # --paged-kv: a full-attention layer that never turns quantized keeps its rows in
+            # blocks (model/kv/paged.py); sliding windows, states and quantized layers do not.
+            merged.append(PagedBatchKVCache.merge(cast(list[KVCache], caches)))
+            continue
         # Each kind says how its rows batch (a new kind brings its own `batched`).
         mixed = MixedBatchKVCache.merge if scheme.quantized else None
-        merged.append(type(caches[0]).batched(caches, scheme.layer(layer), mixed))
+        merged.append(type(caches[0]).batched(caches, quant, mixed))
     return merged
 
 
@@ -107,4 +114,6 @@ def quantize_due_rows(scheme: KVScheme, rows: Sequence[Row], caches: list[Any]) 
 
 
 def is_merged(caches: Sequence[Any]) -> bool:
-    return bool(caches) and isinstance(caches[0], BatchKVCache | MixedBatchKVCache | BatchStateCache)
+    return bool(caches) and isinstance(
+        caches[0], BatchKVCache | MixedBatchKVCache | BatchStateCache | PagedBatchKVCache
+    )

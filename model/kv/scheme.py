@@ -10,6 +10,10 @@ token, is mlx-lm's (`conversion_point`).
 
 kv_config.json: {"group_size": 64, "bits": 8, "layers": {"0": 4, "3": null, ...}} — `bits` is
 the default for unnamed layers (null = full precision), a layer may name its own bits or null.
+
+`--paged-kv` (`paged`) changes only how a batch of rows holds its full-precision full-attention
+layers (model/kv/paged.py, merged by model/kv/rows.py): what a row computes and what the prompt
+cache keeps are the same either way.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class KVScheme:
     mode: str = "off"  # "off" | "4" | "8" | "config": what the operator asked for
     layers: tuple[LayerQuant | None, ...] = ()
     start: int = default_of(KVOptions, "quantized_kv_start")
+    # --paged-kv: a batch's full-attention layers keep their rows in blocks (model/kv/paged.py).
+    # Not part of `cache_key`: rows leave a paged batch as the same solo caches.
+    paged: bool = default_of(KVOptions, "paged_kv")
 
     @property
     def quantized(self) -> bool:
@@ -150,7 +157,11 @@ def from_config(model_dir: Path, num_layers: int, group_size: int, start: int) -
 
 
 def resolve(options: KVOptions, *, model_dir: Path | None, num_layers: int) -> KVScheme:
-    """The scheme `options` (--kv-quant and its knobs) give a model of `num_layers` layers."""
+    """The scheme `options` (--kv-quant and its knobs, --paged-kv) give a model of `num_layers` layers."""
+    return attrs.evolve(_storage(options, model_dir=model_dir, num_layers=num_layers), paged=options.paged_kv)
+
+
+def _storage(options: KVOptions, *, model_dir: Path | None, num_layers: int) -> KVScheme:
     mode, group_size, start = options.kv_quant, options.kv_group_size, options.quantized_kv_start
     if mode == "off":
         return KVScheme("off", (), start)

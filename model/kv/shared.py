@@ -4,7 +4,8 @@ own: each attends over what an earlier layer of its kind stored, with that layer
 `store` puts a step's keys and values in a layer's cache, whatever its kind, and returns the
 attention over everything the cache then holds, as a function of the queries: the storing layer
 calls it with its own queries, each sharing layer with its own. Each kind attends as its own
-layer would (model/nn/decoder.py `Attention.attend_cached`, model/kv/mixed.py, model/kv/quant.py).
+layer would (model/nn/decoder.py `Attention.attend_cached`, model/kv/mixed.py, model/kv/quant.py,
+model/kv/paged.py).
 `SharingAttention` is Gemma 4's attention (op for op as mlx-lm's gemma4_text), of either role.
 """
 
@@ -18,6 +19,7 @@ import mlx.nn as nn
 
 from model.kv.cache import LayerCache
 from model.kv.mixed import MixedBatchKVCache
+from model.kv.paged import PagedBatchKVCache
 from model.kv.quant import QUANTIZED_CACHES, QuantizedBatchKVCache, quantized_attention
 
 # queries [B, heads, L, head_dim] -> attended, same shape.
@@ -39,6 +41,8 @@ def store(cache: Any, keys: mx.array, values: mx.array, scale: float, mask: Any)
             return cache._unsplit(out_full, None if on_quant is None else on_quant(qq))
 
         return mixed
+    if isinstance(cache, PagedBatchKVCache):
+        return cache.store(keys, values, scale)  # (its own mask: the gathered rows' layout)
     if isinstance(cache, QuantizedBatchKVCache):
         mask = cache.make_mask(keys.shape[2])  # its own layout (the model's may be another's)
     if isinstance(cache, QUANTIZED_CACHES):

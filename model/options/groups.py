@@ -527,7 +527,7 @@ class ResponsesOptions:
 
 @attrs.frozen
 class KVOptions:
-    """KV cache storage: quantized or the activation dtype (model/kv/scheme.py)."""
+    """KV cache storage: quantized or the activation dtype, contiguous or paged (model/kv/scheme.py)."""
 
     kv_quant: str = option(
         "off",
@@ -556,6 +556,19 @@ class KVOptions:
             "positions (as mlx-lm)",
             parse=v.non_negative_int,
             metavar="N",
+        ),
+    )
+    # A batch's full-attention KV in a pool of fixed blocks with a block table per row
+    # (model/kv/paged.py): rows are billed by the blocks they hold, not padded to the longest.
+    paged_kv: bool = option(
+        False,
+        Flag(
+            "--paged-kv",
+            "keep a batch's full-attention KV in a pool of 256-position blocks, each row holding "
+            "its own: a row is billed by its own length, not padded to the batch's longest, and "
+            "rows join and leave without copying the others' KV; on CUDA decode attention reads "
+            "the blocks in place (default off: one contiguous, left-padded buffer per layer)",
+            action="store_true",
         ),
     )
 

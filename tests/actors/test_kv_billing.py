@@ -73,6 +73,7 @@ def test_model_info_fields_of_each_scheme():
         "kv_group_size": 64,
         "kv_bits": 8,
         "kv_start": 5000,
+        "kv_paged": False,
     }
     four = kv_fields(
         scheme("4", group_size=32), num_layers=LAYERS, dtype_name="bfloat16", dtype_bytes=2, prefill_chunk=512
@@ -86,6 +87,7 @@ def test_model_info_fields_of_each_scheme():
         "kv_group_size": None,
         "kv_bits": None,
         "kv_start": 5000,
+        "kv_paged": False,
     }
     # full-precision KV is named by its dtype; a quantized scheme's name does not change with it
     for dtype_name, label in [("mlx.core.float32", "f32"), ("float16", "f16"), ("mlx.core.bfloat16", "bf16")]:

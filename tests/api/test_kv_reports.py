@@ -42,6 +42,7 @@ async def test_stats_and_models_name_a_quantized_scheme(autojump_clock):
             "bits": 4,
             "ratio": (0.5 + 4 / 32) / 2,
             "quantized_from": 1024,  # the first 256-token chunk end at or past 1000
+            "paged": False,
         }
         models = await (await client.get("/v1/models")).get_json()
         assert [m["kv_scheme"] for m in models["data"]] == ["kv4"]
@@ -59,5 +60,6 @@ async def test_full_precision_is_reported_as_bf16_with_nothing_quantized(autojum
             "bits": None,
             "ratio": 1.0,
             "quantized_from": 0,
+            "paged": False,
         }
         assert (await (await client.get("/v1/models")).get_json())["data"][0]["kv_scheme"] == "bf16"
