@@ -53,6 +53,21 @@ def _as_blocks(x: mx.array, n: int) -> mx.array:
     return x.reshape(H, width // BLOCK, BLOCK, D).transpose(1, 0, 2, 3)
 
 
+# The last step's write rows: every layer of a batch holds the same tables (they allocate alike),
+# so a step's layers share one upload instead of one each.
+_last_write: tuple[tuple[tuple[int, ...], int], mx.array] | None = None
+
+
+def _write_rows(slots: tuple[int, ...], heads: int) -> mx.array:
+    """Rows (block * H + head) * BLOCK + slot of the pool viewed as [blocks * H * BLOCK, D], for
+    each (row, position) slot `block * H * BLOCK + slot` and head, in [B, N, H] order."""
+    global _last_write
+    if _last_write is None or _last_write[0] != (slots, heads):
+        rows = np.array(slots, np.int64)[:, None] + np.arange(heads) * BLOCK
+        _last_write = ((slots, heads), mx.array(rows.reshape(-1).astype(np.int32)))
+    return _last_write[1]
+
+
 class PagedBatchKVCache:
     """One full-attention layer's rows in a block pool. `lengths[i]`: positions row i holds;
     `tables[i]`: its blocks, in position order; `free`: the pool's unused blocks."""
@@ -241,12 +256,12 @@ class PagedBatchKVCache:
                 self.tables[i] += self._allocate(missing, keys, values)
                 self._table = None
         assert self.keys is not None and self.values is not None
-        slots = []
-        for i in range(B):
-            for p in range(self.lengths[i], self.lengths[i] + N):
-                slots.append(self.tables[i][p // BLOCK] * H * BLOCK + p % BLOCK)
-        # Row (block * H + head) * BLOCK + slot of the pool viewed as [blocks * H * BLOCK, D].
-        idx = mx.array((np.array(slots, np.int64)[:, None] + np.arange(H) * BLOCK).reshape(-1).astype(np.int32))
+        slots = tuple(
+            self.tables[i][p // BLOCK] * H * BLOCK + p % BLOCK
+            for i in range(B)
+            for p in range(self.lengths[i], self.lengths[i] + N)
+        )
+        idx = _write_rows(slots, H)
         for name, new in (("keys", keys), ("values", values)):
             pool: mx.array = getattr(self, name)
             flat = pool.reshape(-1, pool.shape[-1])

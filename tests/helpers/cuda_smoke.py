@@ -26,11 +26,13 @@ import mlx.core as mx
 import pytest
 
 from model import quant_kernel
+from model.kv import paged_kernel
 from model.kv import quant_kernel as kv_quant_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# ("qmm", dtype name, bits, maxnt, wn, wk, s, u, gather) or ("kvq", dtype name, bits, heads per KV head)
+# ("qmm", dtype name, bits, maxnt, wn, wk, s, u, gather), ("kvq", dtype name, bits, heads per KV
+# head) or ("kvp", dtype name, head dim, heads per KV head)
 Spec = tuple[Any, ...]
 _DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -47,10 +49,17 @@ def kvq_spec(dtype: mx.Dtype, bits: int, group: int) -> Spec:
     return ("kvq", _dtype_name(dtype), bits, group)
 
 
+def kvp_spec(dtype: mx.Dtype, head_dim: int, group: int) -> Spec:
+    return ("kvp", _dtype_name(dtype), head_dim, group)
+
+
 def name(spec: Spec) -> str:
     if spec[0] == "qmm":
         _, dt, bits, maxnt, wn, wk, s, u, gather = spec
         return quant_kernel._kernel_name(_DTYPES[dt], bits, maxnt, quant_kernel.Config(wn, wk, s, u), gather)
+    if spec[0] == "kvp":
+        _, dt, head_dim, group = spec
+        return paged_kernel._name("attend", _DTYPES[dt], head_dim, group)
     _, dt, bits, group = spec
     return kv_quant_kernel._name("attend", _DTYPES[dt], bits, group)
 
@@ -116,11 +125,31 @@ def _kvq_problem(dtype: mx.Dtype, bits: int, group: int) -> float:
     return seconds
 
 
+def _kvp_problem(dtype: mx.Dtype, head_dim: int, group: int) -> float:
+    """One row, one KV head of 40 positions in the pool's second block: the attend and the combine."""
+    q = mx.random.normal((1, group, 1, head_dim), key=mx.random.key(1)).astype(dtype)
+    kp, vp = (mx.random.normal((2, 1, 256, head_dim), key=mx.random.key(i)).astype(dtype) for i in (2, 3))
+    want = paged_kernel.gathered_attention(q, kp, vp, [[1]], [40], head_dim**-0.5)
+    table, lengths = mx.array([[1]], mx.int32), mx.array([40], mx.int32)
+    mx.eval(q, kp, vp, want, table, lengths)
+    start = time.perf_counter()
+    got = paged_kernel.decode_attention(q, kp, vp, table, lengths, head_dim**-0.5)
+    mx.eval(got)
+    seconds = time.perf_counter() - start
+    err = _rel_err(got, want)
+    if not err < 3e-2:
+        raise AssertionError(f"differs from attention over the gathered rows by {err:.3g}")
+    return seconds
+
+
 def run_one(spec: Spec) -> float:
     """The child's side: build and run the kernel of `spec`; seconds of its first call."""
     if spec[0] == "qmm":
         _, dt, bits, maxnt, wn, wk, s, u, gather = spec
         return _qmm_problem(_DTYPES[dt], bits, maxnt, quant_kernel.Config(wn, wk, s, u), gather)
+    if spec[0] == "kvp":
+        _, dt, head_dim, group = spec
+        return _kvp_problem(_DTYPES[dt], head_dim, group)
     _, dt, bits, group = spec
     return _kvq_problem(_DTYPES[dt], bits, group)
 

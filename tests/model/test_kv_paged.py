@@ -208,3 +208,37 @@ def test_gathered_layout_is_the_contiguous_batchs(lengths):
     live = np.broadcast_to(np.array(mask_b)[:, :, -1:, :].transpose(0, 1, 3, 2), kp.shape)  # unmasked slots
     assert np.array_equal(np.array(kp)[live], np.array(kb)[live])
     assert np.array_equal(np.array(vp)[live], np.array(vb)[live])
+
+
+@pytest.mark.parametrize("kernel", ["raises", "disagrees"])
+def test_a_kernel_failing_its_first_use_check_is_never_used(monkeypatch, caplog, kernel):
+    """(As on CUDA, where `usable` checks the kernel once against the gathered rows.)"""
+    from model.kv import paged_kernel
+
+    monkeypatch.setattr(paged_kernel.quant_kernel, "available", lambda: True)  # "a CUDA GPU"
+    monkeypatch.setattr(paged_kernel, "_verified", {})
+    calls = []
+
+    def fake(q, *rest):  # type: ignore[no-untyped-def]
+        calls.append(q.shape)
+        if kernel == "raises":
+            raise RuntimeError("cannot compile")
+        return mx.zeros_like(q)
+
+    monkeypatch.setattr(paged_kernel, "decode_attention", fake)
+    rng, dim = np.random.default_rng(1), 64  # (a head dim the kernel takes)
+
+    def rand(*shape: int) -> mx.array:
+        return mx.array(rng.standard_normal(shape).astype(np.float16))
+
+    rows = [KVCache(), KVCache()]
+    for n, c in zip((300, 100), rows):
+        c.update_and_fetch(rand(1, H, n, dim), rand(1, H, n, dim))
+    paged, batch = PagedBatchKVCache.merge(rows), BatchKVCache.merge(rows)
+    for _ in range(2):
+        q, k, v = rand(2, HQ, 1, dim), rand(2, H, 1, dim), rand(2, H, 1, dim)
+        got = paged.attend(q, k, v, SCALE, None, sdpa)
+        want = batch.attend(q, k, v, SCALE, batch.make_mask(1), sdpa)
+        assert np.array_equal(np.array(got), np.array(want))  # gathered
+    assert len(calls) == 1 and paged_kernel._verified == {(mx.float16, dim, HQ // H): False}  # checked once
+    assert "paged-KV decode attention kernel" in caplog.text and " off" in caplog.text
