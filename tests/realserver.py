@@ -177,6 +177,7 @@ async def real_server(
     prefill_chunk: int = 2048,
     prompt_cache_bytes: int = 0,
     eos_token_ids: Any = None,
+    paged_kv: bool = False,
     **config: Any,
 ) -> AsyncIterator[RealServer]:
     worker = RecordingWorker(
@@ -185,6 +186,7 @@ async def real_server(
             prefill_chunk=prefill_chunk,
             prompt_cache_gb=prompt_cache_bytes / 2**30,
             eos_token_ids=eos_token_ids,
+            paged_kv=paged_kv,
         )
     )
     tokenizers: list[Tokenizer] = []
@@ -197,7 +199,7 @@ async def real_server(
         handles = await start_actors(
             nursery,
             worker,
-            options=serve_options(batch=batch, prompt_cache_gb=prompt_cache_bytes / 2**30, **config),
+            options=serve_options(batch=batch, prompt_cache_gb=prompt_cache_bytes / 2**30, paged_kv=paged_kv, **config),
             make_tokenizer=make_tokenizer,
         )
         yield RealServer(create_app(handles).test_client(), handles, worker, tokenizers[0])
