@@ -175,3 +175,23 @@ def test_speculative_verification_in_a_paged_batch_takes_drafts_back_per_row(qwe
     want = reference(qwen3_dir, prompts)
     assert got == {i: want[i][: lengths[i]] for i in range(5)}
     assert max(paged_writes) > 1  # verifications of several positions per row ran paged
+
+
+def test_the_engines_live_kv_is_the_blocks_its_paged_rows_hold(qwen3_dir):
+    model = load_model(qwen3_dir).model
+    specs = [spec(1, tokens(700, 1), 4), spec(2, tokens(10, 2), 4)]
+    held = {}
+    for scheme in (PAGED, KVScheme()):
+        engine = Engine(model, eos_token_ids=[], kv_scheme=scheme)
+        for s in specs:
+            engine.open_row(s)
+            while engine.prefill(s.row_id).remaining:
+                pass
+            engine.join(s.row_id)
+        engine.step()
+        held[scheme.paged] = engine.live_kv_bytes()
+        for s in specs:
+            engine.close_row(s.row_id)
+    per_position = 2 * len(model.layers) * 2 * 16 * 4  # keys and values, 2 KV heads of 16 dims, float32
+    assert held[True] == (3 + 1) * 256 * per_position  # 701 positions in 3 blocks, 11 in 1
+    assert held[False] == 2 * 768 * per_position  # both rows padded to the longest's capacity
