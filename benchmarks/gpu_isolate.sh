@@ -1,7 +1,7 @@
 #!/bin/bash
 # --isolate on a CUDA GPU: our server with the engine in a child process vs in process, 8B bf16
 # shape, no other flags, c=1/8/32, ~512-token prompts, 128 tokens; ROUNDS alternating pairs
-# (default 2), each run bounded, the whole ending by DEADLINE seconds (default 300). Results in
+# (default 3), each run bounded, the whole ending by DEADLINE seconds (default 300). Results in
 # $OUT/isolate.tgz (serve_bench JSONs) and $OUT/isolate-log.txt.
 # OUT=/tmp/out bash benchmarks/gpu_isolate.sh
 set -u
@@ -26,7 +26,7 @@ fast_model_dir('$M/l8-32k', dtype='bfloat16', quant=None, **{**SHAPES['llama3-8b
 " > $R/synth.txt 2>&1; }
 SB="python3 benchmarks/serve_bench.py --model $M/l8-32k --dtype bfloat16 --only ours --max-tokens 128 --prompt-words 135
  --concurrency 1,8,32 --repeats 1 --agent-turns 0 --joiner-words 0 --exit-streams 0 --no-abort --no-flags"
-for r in $(seq 1 ${ROUNDS:-2}); do
+for r in $(seq 1 ${ROUNDS:-3}); do
   log "plain r$r"; lim 110 $SB --out $R/plain-r$r.json > $R/plain-r$r.txt 2>&1; cleanup
   log "isolate r$r"; lim 110 $SB --ours-args=--isolate --out $R/isolate-r$r.json > $R/isolate-r$r.txt 2>&1; cleanup
   pack
