@@ -6,7 +6,8 @@ bandwidth roofline of the weight bytes each reads.
 
 Dense shapes: the Llama-3-8B linears (q, k/v, o, gate/up, down, LM head); `--search` times every
 tiling per shape at 32 rows first (quant_kernel.tune). `--moe`: Qwen3-30B-A3B's expert products
-(128 experts, top 8) for 2-64 tokens, sorted pairs, ours vs `gather_qmm(sorted_indices=True)`.
+(128 experts, top 8) for 2-64 tokens, sorted pairs, ours vs `gather_qmm(sorted_indices=True)`; and
+for a prefill chunk (`--moe-prefill`, default 2048 tokens) `gather_qmm` vs dequantize + `gather_mm`.
 `--kv`: decode attention over 4k/16k-token caches, 8-bit and 4-bit (model/kv/quant_kernel.py)
 against bf16 SDPA over a bf16 cache and the quantized cache's dequantizing path.
 """
@@ -121,8 +122,31 @@ def moe(args: argparse.Namespace) -> dict:
                     "ours_vs_mlx": t_mlx / t_ours,
                 }
                 print(f"moe q{bits} {name} T={tokens}: {json.dumps(entry[str(tokens)])}", file=sys.stderr, flush=True)
+            for tokens in args.moe_prefill:
+                x = mx.random.normal((tokens, k), key=key).astype(mx.bfloat16)
+                entry[str(tokens)] = _moe_prefill(x, q, s, b, e, top, args, bits)
+                print(f"moe q{bits} {name} T={tokens}: {json.dumps(entry[str(tokens)])}", file=sys.stderr, flush=True)
             out[f"moe q{bits} {name}"] = entry
     return out
+
+
+def _moe_prefill(x, q, s, b, e: int, top: int, args: argparse.Namespace, bits: int) -> dict:  # type: ignore[no-untyped-def]
+    """A prefill chunk's routed products (past the kernel's 64 rows): MLX's `gather_qmm` over the
+    sorted pairs (on CUDA one one-row GEMM per pair) against dequantizing every expert and MLX's
+    `gather_mm` (on CUDA a grouped GEMM for sorted one-row pairs)."""
+    gs, tokens = args.group_size, x.shape[0]
+    idx = mx.argsort(mx.random.uniform(shape=(tokens, e), key=mx.random.key(tokens)), axis=-1)[:, :top]
+    flat = idx.flatten()
+    order = mx.argsort(flat)
+    experts, xs = flat[order], x[order // top][:, None]
+    mx.eval(experts, xs)
+    t_mlx = timed(
+        lambda: mx.gather_qmm(xs, q, s, b, rhs_indices=experts, transpose=True, group_size=gs, bits=bits,
+                              sorted_indices=True), reps=5)  # fmt: skip
+    t_deq = timed(
+        lambda: mx.gather_mm(xs, mx.dequantize(q, s, b, group_size=gs, bits=bits).swapaxes(-1, -2),
+                             rhs_indices=experts, sorted_indices=True), reps=5)  # fmt: skip
+    return {"mlx_gather_qmm_us": 1e6 * t_mlx, "dequantize_gather_mm_us": 1e6 * t_deq, "deq_vs_mlx": t_mlx / t_deq}
 
 
 def kv(args: argparse.Namespace) -> dict:
@@ -172,6 +196,10 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,8,16,32,64")
     p.add_argument("--search", action="store_true")
     p.add_argument("--moe", action="store_true")
+    p.add_argument(
+        "--moe-prefill", type=lambda v: [int(t) for t in v.split(",") if t], default=[2048],
+        help="prefill token counts for the MoE A/B: gather_qmm vs dequantize + gather_mm ('' for none)",
+    )  # fmt: skip
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--kv", action="store_true")
     p.add_argument("--out", type=Path)
