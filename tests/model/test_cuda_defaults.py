@@ -14,7 +14,7 @@ from model.load.loader import load_model
 from model.options import EngineOptions
 from model.options.engine import GPU_GROUP_BUCKET
 from tests.engine_helpers import generate_tokens
-from tests.fixtures.synth import FAMILIES
+from tests.helpers.families import every_family
 
 SPECS = [RowSpec(i, (5 + i, 17, 42, 99, 3, 250 - i, 11, 7) * (1 + i), SamplingParams(), 12) for i in range(1, 4)]
 CUDA = EngineOptions(
@@ -22,7 +22,7 @@ CUDA = EngineOptions(
 )
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", every_family())
 def test_each_family_warms_up_and_decodes_alike_under_cuda_defaults(tiny_model_factory, family):
     layers = 6 if family.startswith("gemma4") else 4  # (Gemma 4's KV-shared layers need unshared ones first)
     model_dir = tiny_model_factory(family, num_hidden_layers=layers, head_dim=16)

@@ -23,12 +23,11 @@ from model.kv.scheme import KVScheme
 from model.load.loader import load_model
 from model.options import EngineOptions
 from tests.engine_helpers import generate_tokens
-from tests.fixtures.synth import FAMILIES
+from tests.helpers.families import every_family
 from tests.helpers.parity import N_TOKENS, PROMPTS, reference
 from tests.helpers.ssd_store import open_store, write_item
 
 PAGED = KVScheme(paged=True)
-FAMILY_IDS = sorted(FAMILIES)
 
 
 def shape(family: str) -> dict:
@@ -96,7 +95,7 @@ def cold(model: object, specs: Sequence[RowSpec]) -> dict[int, list[int]]:
     return {s.row_id: generate_tokens(engine, [s])[s.row_id] for s in specs}
 
 
-@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("family", every_family())
 def test_a_paged_batch_decodes_as_mlx_lm_generates(tiny_model_factory, paged_writes, family):
     model_dir = tiny_model_factory(family, **shape(family))
     engine = Engine(load_model(model_dir).model, eos_token_ids=[], kv_scheme=PAGED)
@@ -105,7 +104,7 @@ def test_a_paged_batch_decodes_as_mlx_lm_generates(tiny_model_factory, paged_wri
     assert paged_writes and all(len(set(seq)) > 4 for seq in got.values())  # paged, and not degenerate
 
 
-@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("family", every_family())
 def test_paged_rows_joining_and_leaving_mid_decode_equal_their_solo_runs(tiny_model_factory, paged_writes, family):
     model = load_model(tiny_model_factory(family, **shape(family))).model
     # A row spanning two blocks, short ones that leave early, a long one joining mid-decode (its
@@ -123,7 +122,7 @@ def test_paged_rows_joining_and_leaving_mid_decode_equal_their_solo_runs(tiny_mo
     assert paged_writes and engine.live_kv_bytes() == 0
 
 
-@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("family", every_family())
 def test_paged_rows_put_and_restored_as_hits_equal_cold_runs(tiny_model_factory, paged_writes, family):
     model = load_model(tiny_model_factory(family, **shape(family))).model
     hot = Engine(model, eos_token_ids=[], kv_scheme=PAGED, prompt_cache=PromptCache(1 << 30))
@@ -139,7 +138,7 @@ def test_paged_rows_put_and_restored_as_hits_equal_cold_runs(tiny_model_factory,
     assert len(paged_writes) > writes_first
 
 
-@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("family", every_family())
 def test_paged_rows_restored_from_the_ssd_tier_equal_cold_runs(tiny_model_factory, tmp_path, paged_writes, family):
     lm = load_model(tiny_model_factory(family, **shape(family)))
     if any(c.spill_kind != "kv" for c in lm.model.make_caches()):
