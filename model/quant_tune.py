@@ -3,7 +3,12 @@ holds (model/quant_linear.py `route` runs this once after loading, before any de
 
 For each shape: the kernel's output is checked against MLX's op (a tiling that fails or
 disagrees is never used), then both are timed at a few row counts (calls queued, `_time`); a row
-count takes the verdict of the nearest measured one at or above it. What was decided is logged by
+count takes the verdict of the nearest measured one at or above it. Row counts are measured
+upwards and the first where MLX's op wins ends the shape's measurement: that count and every
+larger one keep MLX's op. MLX's GEMM gains on the kernel as rows grow (H100: of 11 weight shapes
+measured at 2-64 rows over three loads, none won again after a loss), and every larger row bucket
+is another kernel NVRTC builds at load (~3 s each: an 8B q4 load spent ~35 s building kernels
+that then lost). What was decided is logged by
 `route` in one line. With `search`, every tiling is timed at 32 rows first
 and the fastest becomes the shape's (one tiling per shape: a row's k order never depends on its
 batch).
@@ -145,6 +150,8 @@ def tune(
                 theirs = _time(mlx_op, queue=_queue(n * k))
                 measured.append((m, ours < theirs))
                 per_rows[m] = {"ours": ours, "mlx": theirs}
+                if ours >= theirs:
+                    break  # (larger counts: MLX's op, unmeasured; see the module docstring)
             qk._verdicts[key_] = measured
             entry.update(config=str(chosen), kernel_rows=[m for m, f in measured if f], rows=per_rows)
         except Exception as e:  # noqa: BLE001 - the shape keeps MLX's op
@@ -194,6 +201,8 @@ def tune_gather(
                 ours, theirs = _time(ours_fn, queue=_queue(e * n * k)), _time(theirs_fn, queue=_queue(e * n * k))
                 measured.append((t, ours < theirs))
                 per[t] = {"ours": ours, "mlx": theirs}
+                if ours >= theirs:
+                    break  # (larger counts: MLX's op, unmeasured; see the module docstring)
             qk._gather_verdicts[key_] = measured
             entry.update(kernel_tokens=[t for t, f in measured if f], tokens=per)
         except Exception as e_:  # noqa: BLE001 - the shape keeps MLX's gather_qmm

@@ -174,3 +174,40 @@ def test_mlx_s_op_gets_a_batch_of_rows_as_one_matrix(monkeypatch, bias):
     want_head = embed.as_linear(x)
     embed.__class__ = quant_linear.KernelQuantizedEmbedding
     assert mx.array_equal(embed.as_linear(x), want_head) and shapes[-1] == (5, 128)
+
+
+def test_tune_measures_row_counts_upwards_until_mlx_s_op_wins(monkeypatch):
+    """Each row count past the first loss would build another kernel at load for nothing: the
+    measurement stops there, and that count and larger ones keep MLX's op."""
+    calls: list[tuple[str, int]] = []
+    times = {2: (1.0, 2.0), 8: (3.0, 2.0), 16: (1.0, 2.0)}  # ours wins at 2, loses at 8, "would" win at 16
+
+    def fake_time(fn, reps=20, queue=20):
+        rows = fake_time.rows  # type: ignore[attr-defined]
+        side = "ours" if len([c for c in calls if c[1] == rows]) % 2 == 0 else "mlx"
+        calls.append((side, rows))
+        return times[rows][0 if side == "ours" else 1]
+
+    real_normal = mx.random.normal
+
+    def normal(shape, *a, **k):
+        if len(shape) == 2 and shape[0] in times:
+            fake_time.rows = shape[0]  # type: ignore[attr-defined]
+        return real_normal(shape, *a, **k)
+
+    monkeypatch.setattr(quant_tune, "_time", fake_time)
+    monkeypatch.setattr(quant_tune.mx.random, "normal", normal)
+    monkeypatch.setattr(
+        quant_kernel,
+        "qmm",
+        lambda x, w, s, b, bits, cfg=None: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits),
+    )
+    monkeypatch.setattr(quant_kernel, "_verdicts", {})
+    report = quant_tune.tune([(256, 512, 4, 64, mx.bfloat16)], rows=(2, 8, 16))
+    key = (256, 512, 4, 64, str(mx.bfloat16))
+    assert quant_kernel._verdicts[key] == [(2, True), (8, False)]
+    assert sorted({rows for _, rows in calls}) == [2, 8]  # 16 never timed
+    assert [quant_kernel.wins(256, 512, 4, 64, mx.bfloat16, r) for r in (2, 5, 8, 16, 64)] == [
+        True, False, False, False, False,
+    ]  # fmt: skip
+    assert next(iter(report.values()))["kernel_rows"] == [2]
