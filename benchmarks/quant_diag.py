@@ -31,6 +31,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quant_micro import timed as sync_time  # noqa: E402  (one synchronized call at a time)
 from model import quant_kernel, quant_tune  # noqa: E402
 
 # (name, N, K, products per 8B decode step: 32 layers, the LM head once)
@@ -45,16 +46,6 @@ SHAPES = [
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-def sync_time(fn: Callable[[], mx.array], reps: int = 10) -> float:
-    mx.eval(fn())
-    mx.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(fn())
-    mx.synchronize()
-    return (time.perf_counter() - t0) / reps
 
 
 def first_call(fn: Callable[[], mx.array]) -> float:

@@ -237,3 +237,12 @@ async def test_a_request_of_n_choices_bills_the_rows_it_opened_when_it_opened_th
     worker = await run(budget(600))
     assert max(bill for _, bill in worker.bills) == one_row
     assert worker.peak == one_row <= 600
+
+
+def test_the_billing_step_is_the_kv_buffers_growth_step():
+    """actors/policy.py restates the step (it imports nothing of MLX): the bill must stay the
+    buffers' step and the paged pool's block."""
+    from model.kv.cache import STEP
+    from model.kv.paged import BLOCK
+
+    assert GROWTH_TOKENS == STEP == BLOCK
