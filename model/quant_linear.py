@@ -10,6 +10,10 @@ What takes the kernel: 2..64 rows of an affine 4/8-bit product, except one seque
 several tokens (a solo prompt's prefill, one row's speculative verify): those keep mlx-lm's exact
 ops, so a cold solo request's greedy tokens stay mlx-lm's. One row (a B=1 decode step) keeps
 MLX's one-row kernel for the same reason.
+
+Under tensor parallelism (`rows_only`, after the model is split) every quantized product keeps
+MLX's op, its rows still given as one matrix: the ranks must compute the replicated LM head
+alike, and each rank's load-time measurements could pick differently.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
 from model import quant_kernel, quant_tune
 from model.moe import QuantizedSwitchLinear
@@ -50,26 +55,78 @@ def as_rows(x: mx.array) -> mx.array:
     return x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x
 
 
-class KernelQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose product of a few rows runs the CUDA kernel, and whose other
-    products give MLX's op their rows as one matrix (`as_rows`)."""
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear that gives MLX's op its rows as one matrix (`as_rows`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(as_rows(x)).reshape(*x.shape[:-1], -1)
+
+
+class KernelQuantizedLinear(RowsQuantizedLinear):
+    """RowsQuantizedLinear whose product of a few rows runs the CUDA kernel."""
 
     def __call__(self, x: mx.array) -> mx.array:
         y = product(x, self)
         if y is None:
-            y = super().__call__(as_rows(x)).reshape(*x.shape[:-1], -1)
-        elif "bias" in self:
-            y = y + self["bias"]
-        return y
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
 
 
-class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose `as_linear` (a tied LM head) runs the CUDA kernel for a few
-    rows, and gives MLX's op its rows as one matrix otherwise (`as_rows`)."""
+class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose `as_linear` (a tied LM head) gives MLX's op its rows as one
+    matrix (`as_rows`)."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return super().as_linear(as_rows(x)).reshape(*x.shape[:-1], -1)
+
+
+class KernelQuantizedEmbedding(RowsQuantizedEmbedding):
+    """RowsQuantizedEmbedding whose `as_linear` runs the CUDA kernel for a few rows."""
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = product(x, self)
-        return super().as_linear(as_rows(x)).reshape(*x.shape[:-1], -1) if y is None else y
+        return super().as_linear(x) if y is None else y
+
+
+class RowsQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
+    """A column-parallel quantized linear that gives MLX's op its rows as one matrix."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(as_rows(x)).reshape(*x.shape[:-1], -1)
+
+
+class RowsQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+    """A row-parallel quantized linear that gives MLX's op its rows as one matrix (the partial
+    products are summed across ranks as that matrix)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(as_rows(x)).reshape(*x.shape[:-1], -1)
+
+
+_ROWS_ONLY: dict[type, type] = {
+    nn.QuantizedLinear: RowsQuantizedLinear,
+    KernelQuantizedLinear: RowsQuantizedLinear,
+    nn.QuantizedEmbedding: RowsQuantizedEmbedding,
+    KernelQuantizedEmbedding: RowsQuantizedEmbedding,
+    QuantizedAllToShardedLinear: RowsQuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear: RowsQuantizedShardedToAllLinear,
+}
+
+
+def rows_only(model: nn.Module) -> int:
+    """After a tensor-parallel split, on a CUDA GPU: every quantized linear (sharded or replicated)
+    keeps MLX's op, given its rows as one matrix; returns how many modules changed class (0
+    elsewhere: off CUDA the model keeps MLX's own classes). The kernel is left out on purpose:
+    every rank computes the replicated LM head, and all must round it the same way."""
+    if not quant_kernel.available():
+        return 0
+    changed = 0
+    for _, module in model.named_modules():
+        rows_class = _ROWS_ONLY.get(type(module))
+        if rows_class is not None:
+            module.__class__ = rows_class
+            changed += 1
+    return changed
 
 
 Shape = tuple[int, int, int, int, Any]  # (N, K, bits, group size, scales dtype)

@@ -12,6 +12,7 @@ Each rank's attention keeps only its own heads (KV heads included), so its KV ca
 
 Quantized linears shard too (mlx's `QuantizedAllToShardedLinear` / `QuantizedShardedToAllLinear`),
 as long as each rank's slice of a row-parallel input is a whole number of quantization groups.
+On CUDA they then keep MLX's op, given a batch's rows as one matrix (`quant_linear.rows_only`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
 from model.nn.decoder import MLP, DecoderModel
+from model.quant_linear import rows_only
 
 COLUMN = "all-to-sharded"
 ROW = "sharded-to-all"
@@ -75,6 +77,7 @@ def shard_model(model: DecoderModel, group: Any) -> None:
     model.args = attrs.evolve(
         a, num_attention_heads=a.num_attention_heads // size, num_key_value_heads=a.num_key_value_heads // size
     )
+    rows_only(model)
 
 
 def _linears(layer: Any) -> list[tuple[str, Any, str]]:

@@ -211,3 +211,42 @@ def test_tune_measures_row_counts_upwards_until_mlx_s_op_wins(monkeypatch):
         True, False, False, False, False,
     ]  # fmt: skip
     assert next(iter(report.values()))["kernel_rows"] == [2]
+
+
+def test_tensor_parallel_keeps_mlx_s_op_with_rows_as_one_matrix(fake_cuda, monkeypatch):
+    """After a split (`rows_only`), sharded and replicated quantized linears alike give MLX's op a
+    decode step's rows as one matrix, never the kernel (the ranks must round the replicated LM
+    head alike), with the values of MLX's own classes."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    group = mx.distributed.init()  # a group of one: the classes of a split, without a ring
+    x = mx.random.normal((3, 1, 128), key=mx.random.key(2)).astype(mx.bfloat16)
+    embed = nn.QuantizedEmbedding(64, 128, group_size=64, bits=4)
+    model = nn.Sequential(
+        shard_linear(quantized(128, 64, group_size=64, bits=4), "all-to-sharded", group=group),
+        shard_linear(quantized(128, 64, group_size=64, bits=4), "sharded-to-all", group=group),
+        quantized(128, 64, group_size=64, bits=4),
+    )
+    quant_linear.route(model)  # at load, before the split: the replicated one takes the kernel
+    model.layers[2](x)
+    assert fake_cuda[3] == 1
+    model.layers[2].__class__ = nn.QuantizedLinear
+    wants = [layer(x) for layer in model.layers] + [embed.as_linear(x)]
+    shapes: list[tuple[int, ...]] = []
+    real = mx.quantized_matmul
+
+    def spy(x, *a, **k):
+        shapes.append(tuple(x.shape))
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    model.layers[2].__class__ = quant_linear.KernelQuantizedLinear
+    embed.__class__ = quant_linear.KernelQuantizedEmbedding
+    assert quant_linear.rows_only(model) == 3 and quant_linear.rows_only(embed) == 1
+    gots = [layer(x) for layer in model.layers] + [embed.as_linear(x)]
+    assert fake_cuda[3] == 1  # no further kernel call
+    assert shapes == [(3, 128)] * 4
+    for got, want in zip(gots, wants, strict=True):
+        assert got.shape == want.shape and mx.array_equal(got, want)
+    monkeypatch.setattr(quant_kernel, "available", lambda: False)
+    assert quant_linear.rows_only(nn.Sequential(quantized(128, 64, group_size=64, bits=4))) == 0
