@@ -1,5 +1,6 @@
 """Affine-quantized weights (MLX's `mx.quantize` layout, 4 or 8 bits, groups of 32/64/128) times
-a few rows of activations on CUDA, through `mx.fast.cuda_kernel`: the dense product
+a few rows of activations on CUDA, through our own kernel (built once per machine:
+model/kernels/cuda_build.py): the dense product
 `x @ dequantize(w).T` and the routed-experts product (`gather_qmm` over rows sorted by expert).
 
 MLX's CUDA `quantized_matmul` is a one-row kernel; for more rows it dequantizes the weights and
@@ -36,6 +37,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from model.kernels import cuda_build
 from model.kernels.qmm_cuda import BODY, HEADER
 
 MAX_ROWS = 64
@@ -95,7 +97,7 @@ def _source(dtype: mx.Dtype, bits: int, maxnt: int, cfg: Config, gather: bool) -
     header = HEADER
     header += f"\n#define QMM_GATHER {1 if gather else 0}\n"
     if cfg.s > 1:
-        # MLX writes `__global__ void <name>(`: the macro puts the cluster shape on it; the body
+        # The kernel is declared `__global__ void <name>(`: the macro puts the cluster shape on it; the body
         # undefines it so NVRTC's own reference to the kernel by name reads plainly.
         header += f"\n#define QMM_CLUSTER 1\n#define {name} __cluster_dims__({cfg.s}, 1, 1) {name}\n"
     else:
@@ -118,7 +120,7 @@ def _kernel(dtype: mx.Dtype, bits: int, maxnt: int, cfg: Config, gather: bool) -
     if key not in _kernels:
         header, body = _source(dtype, bits, maxnt, cfg, gather)
         inputs = ["x", "w", "scales", "biases"] + (["idx", "rowmap"] if gather else [])
-        _kernels[key] = mx.fast.cuda_kernel(
+        _kernels[key] = cuda_build.kernel(
             name=_kernel_name(dtype, bits, maxnt, cfg, gather),
             input_names=inputs,
             output_names=["y"],

@@ -7,8 +7,8 @@ count takes the verdict of the nearest measured one at or above it. Row counts a
 upwards and the first where MLX's op wins ends the shape's measurement: that count and every
 larger one keep MLX's op. MLX's GEMM gains on the kernel as rows grow (H100: of 11 weight shapes
 measured at 2-64 rows over three loads, none won again after a loss), and every larger row bucket
-is another kernel NVRTC builds at load (~3 s each: an 8B q4 load spent ~35 s building kernels
-that then lost). What was decided is logged by
+is another kernel NVRTC builds at the machine's first load (~3 s each: an 8B q4 load spent ~35 s
+building kernels that then lost; model/kernels/cuda_build.py keeps the builds on disk). What was decided is logged by
 `route` in one line. With `search`, every tiling is timed at 32 rows first
 and the fastest becomes the shape's (one tiling per shape: a row's k order never depends on its
 batch).

@@ -1,6 +1,6 @@
 """CUDA source of model/quant_kernel.py's kernel (the dense and the routed-experts product of
 affine-quantized weights and a few rows of activations): `HEADER`, device helpers shared with
-model/kv/quant_kernel.py, and `BODY`, the kernel body that `mx.fast.cuda_kernel` wraps in its
+model/kv/quant_kernel.py, and `BODY`, the kernel body that model/kernels/cuda_build.py wraps in its
 generated signature. model/quant_kernel.py describes the design and bakes in the constants.
 """
 

@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 
 from model import quant_kernel
+from model.kernels import cuda_build
 from model.kv import quant_kernel as kv_quant_kernel
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ def _kernel(kind: str, dtype: mx.Dtype, head_dim: int, group: int) -> Any:
     key = (kind, dtype) if kind == "combine" else (kind, dtype, head_dim, group)
     if key not in _kernels:
         header, body = _sources(dtype, head_dim, group)[kind]
-        _kernels[key] = mx.fast.cuda_kernel(
+        _kernels[key] = cuda_build.kernel(
             name=_name(kind, dtype, head_dim, group),
             input_names=_INPUTS[kind],
             output_names=_OUTPUTS[kind],

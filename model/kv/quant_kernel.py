@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from model import quant_kernel
+from model.kernels import cuda_build
 from model.kernels.qmm_cuda import HEADER
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,7 @@ def _kernel(kind: str, dtype: mx.Dtype, bits: int, group: int) -> Any:
     key = (kind, dtype) if kind == "combine" else (kind, dtype, bits, group)
     if key not in _kernels:
         header, body = _sources(dtype, bits, group)[kind]
-        _kernels[key] = mx.fast.cuda_kernel(
+        _kernels[key] = cuda_build.kernel(
             name=_name(kind, dtype, bits, group),
             input_names=_INPUTS[kind],
             output_names=_OUTPUTS[kind],

@@ -199,13 +199,17 @@ def write_demo_model(path: Path) -> Path:
     return path
 
 
+def cache_root() -> Path:
+    """The server's own cache (the demo model, built CUDA kernels): $MLX_TRIO_CACHE or
+    ~/.cache/mlx-trio."""
+    env = os.environ.get("MLX_TRIO_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlx-trio"
+
+
 def demo_model_dir(cache_dir: Path | None = None) -> Path:
     """Where the demo model lives: `<cache_dir>/<DEMO_VERSION>`, cache_dir defaulting to
-    $MLX_TRIO_CACHE or ~/.cache/mlx-trio."""
-    if cache_dir is None:
-        env = os.environ.get("MLX_TRIO_CACHE")
-        cache_dir = Path(env).expanduser() if env else Path.home() / ".cache" / "mlx-trio"
-    return Path(cache_dir) / DEMO_VERSION
+    `cache_root()`."""
+    return Path(cache_dir if cache_dir is not None else cache_root()) / DEMO_VERSION
 
 
 def _is_complete(model_dir: Path) -> bool:

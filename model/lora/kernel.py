@@ -18,6 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from model.kernels import cuda_build
+
 MAX_ROWS = 8
 MAX_COLUMNS = 1024
 _SHRINK_THREADS = 256
@@ -158,7 +160,7 @@ _kernels: dict[str, Any] = {}
 def _kernel(name: str) -> Any:
     if name not in _kernels:
         inputs, outputs, source = _SOURCES[name]
-        _kernels[name] = mx.fast.cuda_kernel(
+        _kernels[name] = cuda_build.kernel(
             name=f"lora_{name}", input_names=inputs, output_names=outputs, source=source, header=_HEADER
         )
     return _kernels[name]
