@@ -151,13 +151,8 @@ def test_the_cuda_tests_guard_fails_a_kernel_that_failed_its_smoke_run(monkeypat
     assert built == [("attend", mx.bfloat16, 4, 4), ("combine", mx.bfloat16, 8, 8)]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_mlx_s_op_gets_a_batch_of_rows_as_one_matrix(monkeypatch, bias):
-    """Where MLX's op runs, a decode step's [B, 1, K] reaches it as one [B, K] matrix (MLX's CUDA
-    op reads the weights once per leading batch entry otherwise), with the same values."""
-    lin = nn.QuantizedLinear(128, 64, bias=bias, group_size=64, bits=4)
-    x = mx.random.normal((5, 1, 128), key=mx.random.key(1))
-    want = lin(x)
+def spy_on_mlx_s_op(monkeypatch) -> list[tuple[int, ...]]:
+    """The input shapes MLX's `quantized_matmul` is called with from now on."""
     shapes: list[tuple[int, ...]] = []
     real = mx.quantized_matmul
 
@@ -166,6 +161,17 @@ def test_mlx_s_op_gets_a_batch_of_rows_as_one_matrix(monkeypatch, bias):
         return real(x, *a, **k)
 
     monkeypatch.setattr(mx, "quantized_matmul", spy)
+    return shapes
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mlx_s_op_gets_a_batch_of_rows_as_one_matrix(monkeypatch, bias):
+    """Where MLX's op runs, a decode step's [B, 1, K] reaches it as one [B, K] matrix (MLX's CUDA
+    op reads the weights once per leading batch entry otherwise), with the same values."""
+    lin = nn.QuantizedLinear(128, 64, bias=bias, group_size=64, bits=4)
+    x = mx.random.normal((5, 1, 128), key=mx.random.key(1))
+    want = lin(x)
+    shapes = spy_on_mlx_s_op(monkeypatch)
     lin.__class__ = quant_linear.KernelQuantizedLinear
     got = lin(x)  # (no CUDA here: `product` declines, MLX's op runs)
     assert shapes == [(5, 128)]
@@ -232,14 +238,7 @@ def test_tensor_parallel_keeps_mlx_s_op_with_rows_as_one_matrix(fake_cuda, monke
     assert fake_cuda[3] == 1
     model.layers[2].__class__ = nn.QuantizedLinear
     wants = [layer(x) for layer in model.layers] + [embed.as_linear(x)]
-    shapes: list[tuple[int, ...]] = []
-    real = mx.quantized_matmul
-
-    def spy(x, *a, **k):
-        shapes.append(tuple(x.shape))
-        return real(x, *a, **k)
-
-    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    shapes = spy_on_mlx_s_op(monkeypatch)
     model.layers[2].__class__ = quant_linear.KernelQuantizedLinear
     embed.__class__ = quant_linear.KernelQuantizedEmbedding
     assert quant_linear.rows_only(model) == 3 and quant_linear.rows_only(embed) == 1
