@@ -14,7 +14,8 @@ with the same call, which instead:
   `~/.cache/mlx-trio`), named by a hash of everything that went into it (source, options, the
   GPU's architecture, NVRTC's and MLX's versions), with a checksum: a file that does not match
   is a miss and is rebuilt;
-* launches it with `mx.fast.precompiled_cuda_kernel`.
+* launches it with `mx.fast.precompiled_cuda_kernel`, once a probe kernel has made the same
+  road and answered right (`probe`, at the process's first kernel).
 
 A body that reads `<input>_strides` keeps MLX's build: a view's strides are known only when the
 graph runs, and a launch's scalars are fixed when it is built. Anything that fails on the road
@@ -271,15 +272,46 @@ def _write(path: Path, code: bytes) -> None:
 _builder: Builder | None = None
 _builder_error: str | None = None
 
+# The probe: a kernel through the whole road (source, cubin, precompiled launch with shape
+# scalars), run once per process before any kernel of ours takes it.
+_PROBE_BODY = """
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < x_shape[0] * x_shape[1]) y[i] = x[i] + 100.0f * x_shape[0] + x_shape[1] + OFFSET;
+"""
+
+
+def probe(b: Builder) -> None:
+    """Build and run the probe (eagerly: it evaluates); BuildError unless its answer is right."""
+    x = mx.arange(12, dtype=mx.float32).reshape(4, 3)
+    fname = function_name("cuda_build_probe", [("OFFSET", 7)])
+    source = kernel_source(fname, "", _PROBE_BODY, ["x"], [mx.float32], ["y"], [mx.float32], [("OFFSET", 7)])
+    (y,) = mx.fast.precompiled_cuda_kernel(
+        name=fname,
+        compiled_source=b.cubin(source, fname),
+        inputs=[x],
+        output_shapes=[(4, 3)],
+        output_dtypes=[mx.float32],
+        scalars=shape_scalars([x], shapes_read(_PROBE_BODY, ["x"])),
+        grid=(12, 1, 1),
+        threadgroup=(32, 1, 1),
+    )
+    if not mx.array_equal(y, x + 410.0).item():  # 100 * 4 + 3 + 7
+        raise BuildError(f"the probe kernel answered {y.tolist()}")
+
 
 def builder() -> Builder:
-    """The process's builder, made on first use; BuildError (remembered) where there is none."""
+    """The process's builder, made (and probed) on first use; BuildError (remembered) where there
+    is none. A probe that cannot run (no CUDA, a failed launch, or a first use inside a traced
+    function, where nothing can be evaluated) leaves every kernel to MLX's build."""
     global _builder, _builder_error
     if _builder is None and _builder_error is None:
         try:
-            _builder = Builder(cache_root() / "cuda-kernels", architecture(), Nvrtc(), include_dirs())
-        except (BuildError, KeyError, ValueError, OSError) as e:
-            _builder_error = str(e)
+            made = Builder(cache_root() / "cuda-kernels", architecture(), Nvrtc(), include_dirs())
+            probe(made)
+            _builder = made
+        except Exception as e:  # noqa: BLE001 - any doubt: MLX builds the kernels, as before
+            _builder_error = f"{type(e).__name__}: {e}"
+            log.info("CUDA kernels: built by MLX at each start (%s)", _builder_error[:300])
     if _builder is None:
         raise BuildError(_builder_error or "no builder")
     return _builder

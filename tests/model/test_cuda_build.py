@@ -147,6 +147,42 @@ def test_a_cache_that_cannot_be_written_still_builds(tmp_path):
     assert b.cubin("src", "k") == b"cubin of k from 3 characters"
 
 
+def _emulated_probe(**kw: Any) -> list[mx.array]:
+    """The probe kernel's body, run on its launch arguments: y = x + 100 * shape[0] + shape[1] + 7
+    (another kernel: zeros)."""
+    if "probe" not in kw["name"]:
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"], strict=True)]
+    (x,) = kw["inputs"]
+    return [x + 100 * kw["scalars"][0] + kw["scalars"][1] + 7]
+
+
+@pytest.mark.parametrize("answer", ["right", "wrong", "raises"])
+def test_the_probe_decides_whether_any_kernel_is_built_here(monkeypatch, tmp_path, answer):
+    """The first kernel of a process first runs the probe through the whole road; a wrong answer
+    or a failed launch leaves every kernel to MLX's own build."""
+    launches = {
+        "right": _emulated_probe,
+        "wrong": lambda **kw: [mx.zeros((4, 3))],
+        "raises": lambda **kw: (_ for _ in ()).throw(RuntimeError("cuModuleLoadDataEx failed")),
+    }
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", launches[answer])
+    monkeypatch.setattr(cuda_build, "architecture", lambda: "sm_90a")
+    monkeypatch.setattr(cuda_build, "Nvrtc", FakeNvrtc)
+    monkeypatch.setattr(cuda_build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(cuda_build, "_builder", None)
+    monkeypatch.setattr(cuda_build, "_builder_error", None)
+    ran_by_mlx: list[str] = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **made: lambda **kw: ran_by_mlx.append(made["name"]) or [])
+    k = cuda_build.kernel("after", ["x"], ["y"], "y[0] = x[0];")
+    k(inputs=[mx.zeros((2,))], output_shapes=[(2,)], output_dtypes=[mx.float32], grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    if answer == "right":
+        assert isinstance(cuda_build.builder(), cuda_build.Builder) and ran_by_mlx == []
+    else:
+        with pytest.raises(cuda_build.BuildError):
+            cuda_build.builder()
+        assert ran_by_mlx == ["after"]
+
+
 def _nvrtc() -> cuda_build.Nvrtc | None:
     """The NVRTC library: loaded already (MLX's CUDA build), else a `nvidia-cuda-nvrtc` wheel's."""
     try:
@@ -191,7 +227,9 @@ def test_every_kernel_s_call_sites_compile_with_nvrtc(monkeypatch, tmp_path):
     _call_every_kernel()
     assert by_mlx == ["kvq_attend_bf16_b4_r2_c256"]
     assert len(built) == 7 and len(list(tmp_path.iterdir())) == 7, built
-    assert all(len(p.read_bytes()) > 1000 for p in tmp_path.iterdir())
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", _emulated_probe)
+    cuda_build.probe(b)  # the probe's source too
+    assert len(list(tmp_path.iterdir())) == 8 and all(len(p.read_bytes()) > 1000 for p in tmp_path.iterdir())
 
 
 def _call_every_kernel() -> None:
