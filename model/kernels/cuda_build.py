@@ -317,6 +317,19 @@ def builder() -> Builder:
     return _builder
 
 
+def prepare() -> bool:
+    """On a CUDA GPU, make and probe the builder now, where evaluation is allowed (a model's load),
+    rather than at a first kernel that may sit in a traced function; whether kernels will be
+    built here. Never raises."""
+    if not (mx.cuda.is_available() and mx.default_device().type == mx.gpu):
+        return False
+    try:
+        builder()
+    except BuildError:
+        return False
+    return True
+
+
 class Kernel:
     """The callable `kernel` returns: `mx.fast.cuda_kernel`'s call, each variant (input and
     output dtypes, template) built once through the cache, or through MLX where that fails."""

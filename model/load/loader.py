@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from model.engine.embedding import checkpoint_weights, headless_config
 from model.families import build_model, family_for
+from model.kernels import cuda_build
 from model.load.config import ModelConfig, load_config
 from model.load.embedding_config import Pooling, read_pooling
 from model.load.resolve import model_name, resolve_model_dir
@@ -51,6 +52,7 @@ def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
         apply_quantization(model, config.quantization, weights)
     load_into(model, weights, model_dir)
     model.eval()
+    cuda_build.prepare()  # CUDA: our kernels' builder probed here, eagerly (model/kernels/cuda_build.py)
     if config.quantization is not None:
         route(model)  # CUDA: few-row quantized products on our kernel (model/quant_linear.py)
     return LoadedModel(

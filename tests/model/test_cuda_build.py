@@ -171,6 +171,10 @@ def test_the_probe_decides_whether_any_kernel_is_built_here(monkeypatch, tmp_pat
     monkeypatch.setattr(cuda_build, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(cuda_build, "_builder", None)
     monkeypatch.setattr(cuda_build, "_builder_error", None)
+    assert cuda_build.prepare() is False and cuda_build._builder_error is None  # no CUDA here: nothing tried
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert cuda_build.prepare() is (answer == "right")  # at a model's load: the probe runs there
     ran_by_mlx: list[str] = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **made: lambda **kw: ran_by_mlx.append(made["name"]) or [])
     k = cuda_build.kernel("after", ["x"], ["y"], "y[0] = x[0];")
