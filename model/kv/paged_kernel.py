@@ -48,7 +48,8 @@ ENABLED = True
 # Kernel 1: one warp per (row, KV head, block). Constants from `_sources`: T, D, R (query heads
 # per KV head), BLOCK, WARPS. Inputs row-contiguous: q [B, HQ, 1, D], kp / vp [blocks, HKV,
 # BLOCK, D], tbl [B, C] int32 (C: blocks of the longest row), lens [B] int32, scale [1] float32.
-_ATTEND = r"""
+_ATTEND = (
+    r"""
     constexpr int KSTEPS = D / 16;               // mma k steps over the head dimension
     constexpr int LW = D / 8;                    // 32-bit words of a lane's D/4 key dims
     constexpr int VQ = D / 16;                   // 16-byte loads of a lane's D/2 value dims
@@ -134,41 +135,9 @@ _ATTEND = r"""
             }
         }
 
-        // -- online softmax per head row (the quad t = 0..3 holds a row's 16 scores) --
-        float pr[2][4];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float mx_ = fmaxf(fmaxf(sc_frag[0][2 * hh], sc_frag[0][2 * hh + 1]),
-                              fmaxf(sc_frag[1][2 * hh], sc_frag[1][2 * hh + 1]));
-            mx_ = fmaxf(mx_, __shfl_xor_sync(0xffffffffu, mx_, 1));
-            mx_ = fmaxf(mx_, __shfl_xor_sync(0xffffffffu, mx_, 2));
-            const float m_new = fmaxf(m_run[hh], mx_);
-            const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-            const float alpha = exp2f(m_run[hh] - m_use);
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const float pv = exp2f(sc_frag[j][2 * hh + c] - m_use);
-                    pr[j][2 * hh + c] = pv;
-                    sum += pv;
-                }
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            l_run[hh] = l_run[hh] * alpha + sum;
-            m_run[hh] = m_new;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                acc[j][2 * hh] *= alpha;
-                acc[j][2 * hh + 1] *= alpha;
-            }
-        }
-        // P as the A operand of P @ V: rows = heads, k = the 16 positions.
-        const uint32_t pa0 = kvq_pack<T>(pr[0][0], pr[0][1]);
-        const uint32_t pa1 = kvq_pack<T>(pr[0][2], pr[0][3]);
-        const uint32_t pa2 = kvq_pack<T>(pr[1][0], pr[1][1]);
-        const uint32_t pa3 = kvq_pack<T>(pr[1][2], pr[1][3]);
+"""
+    + kv_quant_kernel.ONLINE_SOFTMAX
+    + r"""
 
         // -- the 16 positions' values into shared memory (zeros past the row's end) --
         {
@@ -176,37 +145,11 @@ _ATTEND = r"""
 #pragma unroll
             for (int i = 0; i < VQ; ++i) *reinterpret_cast<uint4*>(dst + 8 * i) = vwords[i];
         }
-        __syncwarp();
-        // -- acc[heads, dims] += P @ V: ldmatrix.trans gives V's B fragments, two dim tiles a time --
-#pragma unroll
-        for (int j = 0; j < D / 8; j += 2) {
-            const int mi = lane >> 3, r = lane & 7;
-            const T* src = vw_s + (r + 8 * (mi & 1)) * VROW + 8 * (j + (mi >> 1));
-            uint32_t v0, v1, v2, v3;
-            kvq_ldmatrix_x4_trans(v0, v1, v2, v3, src);
-            qmm_mma<T>(acc[j], pa0, pa1, pa2, pa3, v0, v1);
-            qmm_mma<T>(acc[j + 1], pa0, pa1, pa2, pa3, v2, v3);
-        }
-        __syncwarp();
-    }
-
-    // -- this block's partials: running max (log2 domain), sum, unnormalized output --
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int r = g + 8 * hh;
-        if (r >= R) continue;
-        const size_t row = ((size_t)b * HQ + (size_t)h * R + r) * C + chunk;
-        if (t == 0) {
-            pm[row] = m_run[hh];
-            pl[row] = l_run[hh];
-        }
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            pacc[row * D + 8 * j + 2 * t] = acc[j][2 * hh];
-            pacc[row * D + 8 * j + 2 * t + 1] = acc[j][2 * hh + 1];
-        }
-    }
 """
+    + kv_quant_kernel.PV_PRODUCT
+    + "\n"
+    + kv_quant_kernel.PARTIALS
+)
 
 _kernels: dict[tuple[Any, ...], Any] = {}
 _scales: dict[float, mx.array] = {}
