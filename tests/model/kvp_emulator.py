@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.model.kvq_emulator import ldmatrix_x4_trans
+from tests.model.kvq_emulator import combine, online_softmax, partials, pv_product
 from tests.model.qmm_emulator import bf16, mma
 
 BLOCK = 256
@@ -53,49 +53,15 @@ def _block_partials(
                 for c in range(4):
                     p2 = t0 + 8 * j + 2 * t + (c & 1)
                     sc_frag[j, lane, c] = np.float32(c4[lane, c]) * sc if p2 < t_end else -np.inf
-        pr = np.zeros((2, 32, 4), np.float32)
-        for hh in range(2):
-            for quad in range(8):
-                lanes = [4 * quad + t for t in range(4)]
-                vals = sc_frag[:, lanes][:, :, [2 * hh, 2 * hh + 1]]
-                m_new = max(m_run[lanes[0], hh], vals.max())
-                m_use = 0.0 if m_new == -np.inf else m_new
-                alpha = np.exp2(np.float32(m_run[lanes[0], hh] - m_use))
-                pv = np.exp2(vals - np.float32(m_use))
-                for i, lane in enumerate(lanes):
-                    pr[:, lane, 2 * hh : 2 * hh + 2] = pv[:, i]
-                    l_run[lane, hh] = l_run[lane, hh] * alpha + pv.sum()
-                    m_run[lane, hh] = m_new
-                    acc[:, lane, 2 * hh : 2 * hh + 2] *= alpha
-        pa = [
-            (bf16(pr[0, lane, 0:2]), bf16(pr[0, lane, 2:4]), bf16(pr[1, lane, 0:2]), bf16(pr[1, lane, 2:4]))
-            for lane in range(32)
-        ]
+        pa = online_softmax(sc_frag, m_run, l_run, acc)
         vsm = np.zeros((16, D + 8), np.float32)
         for lane in range(32):
             pp, half = lane >> 1, lane & 1
             dims = slice((D // 2) * half, (D // 2) * (half + 1))
             if t0 + pp < t_end:
                 vsm[pp, dims] = vblk[t0 + pp - t_begin, dims]
-        for j in range(0, D // 8, 2):
-            addrs = [((lane & 7) + 8 * ((lane >> 3) & 1), 8 * (j + ((lane >> 3) >> 1))) for lane in range(32)]
-            regs = ldmatrix_x4_trans(vsm, addrs)
-            mma(acc[j], pa, [(regs[lane][0], regs[lane][1]) for lane in range(32)])
-            mma(acc[j + 1], pa, [(regs[lane][2], regs[lane][3]) for lane in range(32)])
-    pm = np.full(R, -np.inf, np.float32)
-    pl = np.zeros(R, np.float32)
-    pacc = np.zeros((R, D), np.float32)
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        for hh in range(2):
-            r = g + 8 * hh
-            if r >= R:
-                continue
-            pm[r], pl[r] = m_run[lane, hh], l_run[lane, hh]
-            for j in range(D // 8):
-                pacc[r, 8 * j + 2 * t] = acc[j, lane, 2 * hh]
-                pacc[r, 8 * j + 2 * t + 1] = acc[j, lane, 2 * hh + 1]
-    return pm, pl, pacc
+        pv_product(acc, vsm, pa)
+    return partials(m_run, l_run, acc, R)
 
 
 def emulate(
@@ -117,12 +83,6 @@ def emulate(
                 blk = int(table[b, chunk]) if t_end > t_begin else 0
                 heads = q[b, h * R : h * R + R, 0]
                 parts.append(_block_partials(heads, kp[blk, h], vp[blk, h], t_begin, t_end, R, sc))
-            M = np.max(np.stack([p[0] for p in parts]), axis=0)
-            L = np.zeros(R, np.float32)
-            o = np.zeros((R, D), np.float32)
-            for pm, pl, pacc in parts:  # the blocks in order
-                w = np.where(pm == -np.inf, 0.0, np.exp2(pm - M)).astype(np.float32)
-                L = L + w * pl
-                o = o + w[:, None] * pacc
-            out[b, h * R : h * R + R, 0] = bf16(o / L[:, None])
+            o = combine(parts)
+            out[b, h * R : h * R + R, 0] = bf16(o)
     return out

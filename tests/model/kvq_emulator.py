@@ -33,6 +33,73 @@ def ldmatrix_x4_trans(smem: np.ndarray, addrs: list[tuple[int, int]]) -> list[li
     return out
 
 
+# The parts model/kv/paged_kernel.py shares with this module's kernel (its ONLINE_SOFTMAX,
+# PV_PRODUCT and PARTIALS fragments, and the combine), emulated once for both.
+
+
+def online_softmax(sc_frag: np.ndarray, m_run: np.ndarray, l_run: np.ndarray, acc: np.ndarray) -> list[tuple]:
+    """A 16-position tile's scores sc_frag [2][lane][4] into each quad's running max / sum (m_run,
+    l_run [lane][2]), acc [D/8][lane][4] rescaled; returns P as each lane's A fragment."""
+    pr = np.zeros((2, 32, 4), np.float32)
+    for hh in range(2):
+        for quad in range(8):
+            lanes = [4 * quad + t for t in range(4)]
+            vals = sc_frag[:, lanes][:, :, [2 * hh, 2 * hh + 1]]
+            m_new = max(m_run[lanes[0], hh], vals.max())
+            m_use = 0.0 if m_new == -np.inf else m_new
+            alpha = np.exp2(np.float32(m_run[lanes[0], hh] - m_use))
+            pv = np.exp2(vals - np.float32(m_use))
+            for i, lane in enumerate(lanes):
+                pr[:, lane, 2 * hh : 2 * hh + 2] = pv[:, i]
+                l_run[lane, hh] = l_run[lane, hh] * alpha + pv.sum()
+                m_run[lane, hh] = m_new
+                acc[:, lane, 2 * hh : 2 * hh + 2] *= alpha
+    return [
+        (bf16(pr[0, lane, 0:2]), bf16(pr[0, lane, 2:4]), bf16(pr[1, lane, 0:2]), bf16(pr[1, lane, 2:4]))
+        for lane in range(32)
+    ]
+
+
+def pv_product(acc: np.ndarray, vsm: np.ndarray, pa: list[tuple]) -> None:
+    """acc += P @ V, V's B fragments read from the shared tile vsm [16, D + 8] by ldmatrix.trans."""
+    for j in range(0, acc.shape[0], 2):
+        addrs = [((lane & 7) + 8 * ((lane >> 3) & 1), 8 * (j + ((lane >> 3) >> 1))) for lane in range(32)]
+        regs = ldmatrix_x4_trans(vsm, addrs)
+        mma(acc[j], pa, [(regs[lane][0], regs[lane][1]) for lane in range(32)])
+        mma(acc[j + 1], pa, [(regs[lane][2], regs[lane][3]) for lane in range(32)])
+
+
+def partials(m_run: np.ndarray, l_run: np.ndarray, acc: np.ndarray, R: int) -> tuple[np.ndarray, ...]:
+    """A warp's partials per head row: (max, sum, unnormalized output [R, D])."""
+    D = 8 * acc.shape[0]
+    pm = np.full(R, -np.inf, np.float32)
+    pl = np.zeros(R, np.float32)
+    pacc = np.zeros((R, D), np.float32)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for hh in range(2):
+            r = g + 8 * hh
+            if r >= R:
+                continue
+            pm[r], pl[r] = m_run[lane, hh], l_run[lane, hh]
+            for j in range(D // 8):
+                pacc[r, 8 * j + 2 * t] = acc[j, lane, 2 * hh]
+                pacc[r, 8 * j + 2 * t + 1] = acc[j, lane, 2 * hh + 1]
+    return pm, pl, pacc
+
+
+def combine(parts: list[tuple[np.ndarray, ...]]) -> np.ndarray:
+    """The combine kernel: the chunks' partials (max, sum, acc) in order -> the output [R, D]."""
+    M = np.max(np.stack([pm for pm, _, _ in parts]), axis=0)
+    L = np.zeros(M.shape, np.float32)
+    o = np.zeros(parts[0][2].shape, np.float32)
+    for pm, pl, pacc in parts:
+        w = np.where(pm == -np.inf, 0.0, np.exp2(pm - M)).astype(np.float32)
+        L = L + w * pl
+        o = o + w[:, None] * pacc
+    return o / L[:, None]
+
+
 def emulate(
     q: np.ndarray,
     k: tuple[np.ndarray, np.ndarray, np.ndarray],
@@ -56,7 +123,7 @@ def emulate(
     for b in range(B):
         lo = max(int(lp[b]), 0)
         for h in range(HKV):
-            pms, pls, paccs = [], [], []
+            parts = []
             for c_ in range(C):
                 t_begin = lo + c_ * chunk
                 t_end = min(TT, t_begin + chunk)
@@ -108,25 +175,7 @@ def emulate(
                             for c in range(4):
                                 p2 = t0 + 8 * j + 2 * t + (c & 1)
                                 sc_frag[j, lane, c] = np.float32(c4[lane, c]) * sc if lo <= p2 < t_end else -np.inf
-                    pr = np.zeros((2, 32, 4), np.float32)
-                    for hh in range(2):
-                        for quad in range(8):
-                            lanes = [4 * quad + t for t in range(4)]
-                            vals = sc_frag[:, lanes][:, :, [2 * hh, 2 * hh + 1]]
-                            mx_ = vals.max()
-                            m_new = max(m_run[lanes[0], hh], mx_)
-                            m_use = 0.0 if m_new == -np.inf else m_new
-                            alpha = np.exp2(np.float32(m_run[lanes[0], hh] - m_use))
-                            pv = np.exp2(vals - np.float32(m_use))
-                            for i, lane in enumerate(lanes):
-                                pr[:, lane, 2 * hh : 2 * hh + 2] = pv[:, i]
-                                l_run[lane, hh] = l_run[lane, hh] * alpha + pv.sum()
-                                m_run[lane, hh] = m_new
-                                acc[:, lane, 2 * hh : 2 * hh + 2] *= alpha
-                    pa = [
-                        (bf16(pr[0, lane, 0:2]), bf16(pr[0, lane, 2:4]), bf16(pr[1, lane, 0:2]), bf16(pr[1, lane, 2:4]))
-                        for lane in range(32)
-                    ]
+                    pa = online_softmax(sc_frag, m_run, l_run, acc)
                     # values into shared memory
                     vsm = np.zeros((16, D + 8), np.float32)
                     for lane in range(32):
@@ -136,36 +185,8 @@ def emulate(
                             for d in range(64 * half, 64 * half + 64):
                                 gi = d // gs
                                 vsm[pp, d] = bf16(np.float32(vq[b, h, p, d]) * v[1][b, h, p, gi] + v[2][b, h, p, gi])
-                    for j in range(0, 16, 2):
-                        addrs = []
-                        for lane in range(32):
-                            mi, r = lane >> 3, lane & 7
-                            addrs.append((r + 8 * (mi & 1), 8 * (j + (mi >> 1))))
-                        regs = ldmatrix_x4_trans(vsm, addrs)
-                        mma(acc[j], pa, [(regs[lane][0], regs[lane][1]) for lane in range(32)])
-                        mma(acc[j + 1], pa, [(regs[lane][2], regs[lane][3]) for lane in range(32)])
-                pm = np.full(R, -np.inf, np.float32)
-                pl = np.zeros(R, np.float32)
-                pacc = np.zeros((R, D), np.float32)
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    for hh in range(2):
-                        r = g + 8 * hh
-                        if r >= R:
-                            continue
-                        pm[r], pl[r] = m_run[lane, hh], l_run[lane, hh]
-                        for j in range(16):
-                            pacc[r, 8 * j + 2 * t] = acc[j, lane, 2 * hh]
-                            pacc[r, 8 * j + 2 * t + 1] = acc[j, lane, 2 * hh + 1]
-                pms.append(pm)
-                pls.append(pl)
-                paccs.append(pacc)
-            M = np.max(np.stack(pms), axis=0)
-            L = np.zeros(R, np.float32)
-            o = np.zeros((R, D), np.float32)
-            for c_ in range(C):
-                w = np.where(pms[c_] == -np.inf, 0.0, np.exp2(pms[c_] - M)).astype(np.float32)
-                L = L + w * pls[c_]
-                o = o + w[:, None] * paccs[c_]
-            out[b, h * R : h * R + R, 0] = bf16(o / L[:, None])
+                    pv_product(acc, vsm, pa)
+                parts.append(partials(m_run, l_run, acc, R))
+            o = combine(parts)
+            out[b, h * R : h * R + R, 0] = bf16(o)
     return out
