@@ -209,8 +209,8 @@ def include_dirs() -> list[Path]:
         bundled = mlx_dir / "include"
         dirs += [d for d in (bundled, bundled / "cccl") if d.is_dir()]
         runtime = mlx_dir.parent / "nvidia" / "cu13" / "include"
-        if runtime.is_dir():
-            return [*dirs, runtime]
+        if runtime.is_dir():  # (CCCL's own wheel puts its headers beside the runtime's)
+            return [*dirs, runtime, *([runtime / "cccl"] if (runtime / "cccl").is_dir() else [])]
     home = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda") / "include"
     return [*dirs, home, *([home / "cccl"] if (home / "cccl").is_dir() else [])]
 
