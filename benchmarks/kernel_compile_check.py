@@ -1,12 +1,15 @@
 """Compile the CUDA kernels of model/quant_kernel.py, model/kv/quant_kernel.py and
-model/kv/paged_kernel.py with nvcc, as MLX's `mx.fast.cuda_kernel` would build them (its default
-header + ours + the generated signature + the body), for sm_90a, without a GPU: syntax, templates
-and register use per configuration (ptxas -v: registers, spills, shared memory).
+model/kv/paged_kernel.py with nvcc for sm_90a, without a GPU, as the server builds them: the
+source model/kernels/cuda_build.py writes, or, for a body that reads a view's strides (which stays
+MLX-built), as MLX's `mx.fast.cuda_kernel` writes it (its default header + ours + the generated
+signature + the body). Syntax, templates and register use per configuration (ptxas -v:
+registers, spills, shared memory).
 
-    python benchmarks/kernel_compile_check.py --mlx-src /path/to/mlx [--only qmm|attn|paged] [--quick]
+    python benchmarks/kernel_compile_check.py [--mlx-src /path/to/mlx] [--only qmm|attn|paged] [--quick]
 
-`--mlx-src`: a checkout of ml-explore/mlx (for mlx/backend/cuda/device/*.cuh). The generated
-sources are written under --out (default /tmp/kernel_check) for inspection.
+`--mlx-src`: a checkout of ml-explore/mlx (for mlx/backend/cuda/device/*.cuh), needed only by the
+MLX-built kernels (skipped without it). The generated sources are written under --out (default
+/tmp/kernel_check) for inspection.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import quant_kernel  # noqa: E402
+from model.kernels import cuda_build  # noqa: E402
 
 DEFAULT_HEADER = """
 #include "mlx/backend/cuda/device/utils.cuh"
@@ -38,6 +42,20 @@ CUDA_TYPES[mx.bool_] = "bool"
 
 
 def build(
+    name: str, header: str, body: str, inputs: list[tuple[str, mx.Dtype, int]], outputs: list[tuple[str, mx.Dtype]]
+) -> tuple[str, bool]:
+    """(source, MLX-built): cuda_build's source, or MLX's for a body that reads strides."""
+    if any(f"{iname}_strides" in body for iname, _, _ in inputs):
+        return build_mlx(name, header, body, inputs, outputs), True
+    fname = cuda_build.function_name(name, ())
+    source = cuda_build.kernel_source(
+        fname, header, body, [i[0] for i in inputs], [i[1] for i in inputs], [o[0] for o in outputs],
+        [o[1] for o in outputs], (),
+    )  # fmt: skip
+    return source, False
+
+
+def build_mlx(
     name: str, header: str, body: str, inputs: list[tuple[str, mx.Dtype, int]], outputs: list[tuple[str, mx.Dtype]]
 ) -> str:
     """MLX's build_kernel (mlx/backend/cuda/custom_kernel.cpp), no template arguments."""
@@ -59,13 +77,15 @@ def build(
     return src
 
 
-def compile_one(path: Path, src: str, mlx_src: Path) -> tuple[bool, str]:
+def compile_one(path: Path, source: tuple[str, bool], mlx_src: Path | None) -> tuple[bool | None, str]:
+    """(ok, ptxas log); ok None: an MLX-built kernel without --mlx-src, not compiled."""
+    src, by_mlx = source
+    if by_mlx and mlx_src is None:
+        return None, ""
     path.write_text(src)
-    cmd = [
-        "nvcc", "-arch=sm_90a", "-std=c++17", "--cubin", "-o", str(path.with_suffix(".cubin")),
-        f"-I{mlx_src}", "-Xptxas", "-v", "-w", str(path),
-    ]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = ["nvcc", "-arch=sm_90a", "-std=c++17", "--cubin", "-o", str(path.with_suffix(".cubin"))]
+    cmd += [f"-I{mlx_src}"] if by_mlx else []
+    res = subprocess.run([*cmd, "-Xptxas", "-v", "-w", str(path)], capture_output=True, text=True)
     return res.returncode == 0, res.stderr
 
 
@@ -91,9 +111,17 @@ def qmm_configs(quick: bool):  # type: ignore[no-untyped-def]
                         yield gather, dtype, bits, maxnt, cfg
 
 
+def report(name: str, ok: bool | None, log: str) -> int:
+    """Print one kernel's line; 1 if it failed."""
+    print(f"{'skip' if ok is None else 'ok  ' if ok else 'FAIL'} {name}: {summarize(log) if ok else ''}")
+    if ok is False:
+        print(log[-3000:])
+    return int(ok is False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mlx-src", type=Path, required=True)
+    ap.add_argument("--mlx-src", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("/tmp/kernel_check"))
     ap.add_argument("--only", choices=["qmm", "attn", "paged"], default=None)
     ap.add_argument("--quick", action="store_true")
@@ -111,28 +139,19 @@ def main() -> int:
             ok, log = compile_one(
                 args.out / f"{name}.cu", build(name, header, body, inputs, [("y", dtype)]), args.mlx_src
             )
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {summarize(log) if ok else ''}")
-            if not ok:
-                failed += 1
-                print(log[-3000:])
+            failed += report(name, ok, log)
     if args.only in (None, "attn"):
         from model.kv import quant_kernel as kv_quant_kernel
 
         for name, header, body, inputs, outputs in kv_quant_kernel.compile_check_sources(args.quick):
             ok, log = compile_one(args.out / f"{name}.cu", build(name, header, body, inputs, outputs), args.mlx_src)
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {summarize(log) if ok else ''}")
-            if not ok:
-                failed += 1
-                print(log[-3000:])
+            failed += report(name, ok, log)
     if args.only in (None, "paged"):
         from model.kv import paged_kernel
 
         for name, header, body, inputs, outputs in paged_kernel.compile_check_sources(args.quick):
             ok, log = compile_one(args.out / f"{name}.cu", build(name, header, body, inputs, outputs), args.mlx_src)
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {summarize(log) if ok else ''}")
-            if not ok:
-                failed += 1
-                print(log[-3000:])
+            failed += report(name, ok, log)
     print(f"{failed} failed")
     return 1 if failed else 0
 
