@@ -370,7 +370,9 @@ class Kernel:
                 )
                 self._built[key] = (fname, builder().cubin(source, fname))
             except (BuildError, ValueError) as e:
-                log.info("CUDA kernel %s: built by MLX at each start (%s)", fname, str(e)[:300])
+                # (no builder at all was logged once, by `builder`)
+                level = logging.DEBUG if _builder_error is not None else logging.INFO
+                log.log(level, "CUDA kernel %s: built by MLX at each start (%s)", fname, str(e)[:300])
                 self._built[key] = None
         return self._built[key]
 
