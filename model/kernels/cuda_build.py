@@ -260,7 +260,7 @@ def _read(path: Path) -> bytes | None:
 def _write(path: Path, code: bytes) -> None:
     """Atomically (a rename), so a reader never sees half a file; a failure only costs the cache."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # (our code, run on the GPU: ours alone)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(hashlib.sha256(code).digest() + code)
