@@ -5,6 +5,7 @@ Must run on the thread that will use the model (MLX arrays are thread-affine).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import attrs
@@ -19,6 +20,8 @@ from model.load.resolve import model_name, resolve_model_dir
 from model.load.weights import apply_quantization, load_into, parameter_bytes, read_weights
 from model.nn.language_model import LanguageModel
 from model.quant_linear import route
+
+log = logging.getLogger(__name__)
 
 
 @attrs.define
@@ -55,6 +58,8 @@ def load_model(spec: str | Path, *, name: str | None = None) -> LoadedModel:
     cuda_build.prepare()  # CUDA: our kernels' builder probed here, eagerly (model/kernels/cuda_build.py)
     if config.quantization is not None:
         route(model)  # CUDA: few-row quantized products on our kernel (model/quant_linear.py)
+    if (built := cuda_build.summary()) is not None:
+        log.info("%s", built)
     return LoadedModel(
         path=model_dir,
         name=name or model_name(model_dir),

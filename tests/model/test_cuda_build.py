@@ -132,6 +132,8 @@ def test_the_disk_cache_serves_other_processes_and_a_corrupt_file_is_a_miss(tmp_
     code = a.cubin("source one", "k1")
     (path,) = tmp_path.iterdir()
     assert b.cubin("source one", "k1") == code and second.compiled == []
+    assert (a.built, a.hits, b.built, b.hits) == (1, 0, 0, 1)
+    assert b.summary().startswith("1 from the disk cache, 0 built (0.0 s)")
     assert b.cubin("source number two", "k1") != code and second.compiled == ["k1"]  # another file
     path.write_bytes(path.read_bytes()[:-1] + b"X")
     assert b.cubin("source one", "k1") == code and second.compiled == ["k1", "k1"]  # rebuilt
@@ -181,7 +183,9 @@ def test_the_probe_decides_whether_any_kernel_is_built_here(monkeypatch, tmp_pat
     k(inputs=[mx.zeros((2,))], output_shapes=[(2,)], output_dtypes=[mx.float32], grid=(1, 1, 1), threadgroup=(1, 1, 1))
     if answer == "right":
         assert isinstance(cuda_build.builder(), cuda_build.Builder) and ran_by_mlx == []
+        assert (cuda_build.summary() or "").startswith("our CUDA kernels: 0 from the disk cache, 2 built")
     else:
+        assert cuda_build.summary() is None
         with pytest.raises(cuda_build.BuildError):
             cuda_build.builder()
         assert ran_by_mlx == ["after"]
