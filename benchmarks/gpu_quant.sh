@@ -5,8 +5,8 @@
 #   diag    benchmarks/quant_diag.py (<100 s: MLX's CUTLASS kernels compile at first use, ~20 s each):
 #           8B q4 shapes at 1/8/32 rows, MLX's op (as [rows, K] and as [rows, 1, K]) vs our kernel,
 #           first-call (compile) times, and which one the routing picks after its load-time check
-#   tests   the CUDA-only kernel tests (dense, routed experts, quantized-KV attention; ~90 s), then every
-#           kernel's call sites compiled as the server builds them (tests/model/test_cuda_build.py)
+#   tests   every kernel's call sites compiled as the server builds them (tests/model/test_cuda_build.py),
+#           then the CUDA-only kernel tests (dense, routed experts, quantized-KV attention; ~90 s)
 #   micro   benchmarks/quant_micro.py: dense 8B shapes (tilings searched at 4 bits), MoE, KV
 #   serve8b 8B q4 shape, ours vs mlx_lm.server, c=1/8/32, ~512-token prompts (135 words), 256 tokens
 #   parity  greedy tokens of q4 and q8 models through our server vs mlx_lm generate_step
@@ -50,11 +50,11 @@ for step in ${@:-diag tests micro serve8b parity kv moe}; do
     tests)
       # -v names each test as it starts; a test stuck past 45 s gets every thread's stack dumped.
       log tests
-      lim ${TEST_LIMIT:-150} python3 -m pytest -v -rf --tb=short -p no:cacheprovider --durations=12 \
-        -o faulthandler_timeout=45 tests/model/test_quant_kernel.py tests/model/test_kv_quant_kernel.py > $R/tests.txt 2>&1
-      echo "rc=$?" >> $R/tests.txt
       # every kernel's call sites through NVRTC as the server builds them (model/kernels/cuda_build.py)
-      lim 60 python3 -m pytest -v -rf --tb=short -p no:cacheprovider -m slow tests/model/test_cuda_build.py >> $R/tests.txt 2>&1
+      lim 60 python3 -m pytest -v -rf --tb=short -p no:cacheprovider -m slow tests/model/test_cuda_build.py > $R/tests.txt 2>&1
+      echo "rc=$?" >> $R/tests.txt
+      lim ${TEST_LIMIT:-150} python3 -m pytest -v -rf --tb=short -p no:cacheprovider --durations=12 \
+        -o faulthandler_timeout=45 tests/model/test_quant_kernel.py tests/model/test_kv_quant_kernel.py >> $R/tests.txt 2>&1
       echo "rc=$?" >> $R/tests.txt
       pack; grep -E "passed|failed|FAILED|Error|Timeout|cuda kernels|^[0-9.]+s (call|setup)|rc=" $R/tests.txt | tail -40 \
         | cut -c1-600 | tee -a $OUT/quant-log.txt ;;
