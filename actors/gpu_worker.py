@@ -38,6 +38,7 @@ from actors.options import resolve
 from actors.tp.leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
 from actors.worker_memory import after_row_job, device_memory_bytes
+from model import moe_prefill
 from model.engine.abort_flags import AbortFlags
 from model.engine.prefill_memory import prefill_transient_bytes
 from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
@@ -204,7 +205,8 @@ class GpuWorker:
             preemptible=resumable(kv_scheme, loaded.model.make_caches()) and self.tp.size == 1 and self.prompt_cache_on,
             prefill_transient_bytes=prefill_transient_bytes(
                 loaded.config.raw, chunk=self.options.engine.prefill_chunk, dtype_bytes=loaded.kv_dtype.size
-            ),
+            )
+            + moe_prefill.transient_bytes(),  # CUDA: a batch prefill's dequantized experts, where on
             **loaded_fields(loaded),
             generation_defaults=tuple(
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None

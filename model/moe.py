@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from model import quant_kernel
+from model import moe_prefill, quant_kernel
 from model.nn.decoder import swiglu
 
 # From this many (token, expert) pairs on, tokens are sorted by expert first, so each expert's
@@ -65,19 +65,20 @@ class QuantizedSwitchLinear(nn.Module):
     def num_experts(self) -> int:
         return int(self.weight.shape[0])
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        x = mx.gather_qmm(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            rhs_indices=indices,
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            sorted_indices=sorted_indices,
-        )
+    def __call__(
+        self, x: mx.array, indices: mx.array, sorted_indices: bool = False, dequantized: bool = False
+    ) -> mx.array:
+        w, scales, biases = self["weight"], self["scales"], self.get("biases")
+        gs, bits, mode = self.group_size, self.bits, self.mode
+        if dequantized:  # a batch's prefill, where measured faster (model/moe_prefill.py)
+            x = moe_prefill.product(
+                x, w, scales, biases, indices, group_size=gs, bits=bits, mode=mode, sorted_indices=sorted_indices
+            )
+        else:
+            x = mx.gather_qmm(
+                x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=gs, bits=bits, mode=mode,
+                sorted_indices=sorted_indices,
+            )  # fmt: skip
         if "bias" in self:
             x = x + mx.expand_dims(self["bias"][indices], -2)
         return x
@@ -97,7 +98,9 @@ class SwitchLinear(nn.Module):
     def num_experts(self) -> int:
         return int(self.weight.shape[0])
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    def __call__(
+        self, x: mx.array, indices: mx.array, sorted_indices: bool = False, dequantized: bool = False
+    ) -> mx.array:
         x = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
             x = x + mx.expand_dims(self["bias"][indices], -2)
@@ -121,18 +124,38 @@ class SwitchGLU(nn.Module):
         routed = _kernel_experts(self, x, indices)
         if routed is not None:
             return routed
+        deq = _dequantized_prefill(self, x)
         x = mx.expand_dims(x, (-2, -3))
         do_sort = indices.size >= SORT_MIN_PAIRS
         idx = indices
         inv_order = None
         if do_sort:
             x, idx, inv_order = _gather_sort(x, indices)
-        x_up = self.up_proj(x, idx, sorted_indices=do_sort)
-        x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
-        x = self.down_proj(swiglu(x_gate, x_up), idx, sorted_indices=do_sort)
+        x_up = self.up_proj(x, idx, sorted_indices=do_sort, dequantized=deq)
+        x_gate = self.gate_proj(x, idx, sorted_indices=do_sort, dequantized=deq)
+        x = self.down_proj(swiglu(x_gate, x_up), idx, sorted_indices=do_sort, dequantized=deq)
         if inv_order is not None:
             x = _scatter_unsort(x, inv_order, indices.shape)
         return x.squeeze(-2)
+
+
+def expert_shape(p: Any, dtype: Any) -> moe_prefill.ExpertShape:
+    """(experts, N, K, bits, group size, dtype) of a quantized expert stack."""
+    e, n, packed = p["weight"].shape
+    return (e, n, packed * 32 // p.bits, p.bits, p.group_size, dtype)
+
+
+def _dequantized_prefill(glu: SwitchGLU, x: mx.array) -> bool:
+    """Whether these tokens' expert products dequantize the experts (model/moe_prefill.py): a
+    batch's prefill (several sequences: one sequence's keeps mlx-lm's ops) of affine-quantized
+    experts, as many tokens as the load-time measurement found faster that way."""
+    if not (x.ndim >= 3 and x.shape[0] > 1 and x.shape[-2] > 1):
+        return False
+    projs = (glu.up_proj, glu.gate_proj, glu.down_proj)
+    if not all(type(p) is QuantizedSwitchLinear and p.mode == "affine" for p in projs):
+        return False
+    tokens = x.size // x.shape[-1]
+    return all(moe_prefill.wins(expert_shape(p, x.dtype), tokens) for p in projs)
 
 
 def _kernel_experts(glu: SwitchGLU, x: mx.array, indices: mx.array) -> mx.array | None:

@@ -25,8 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
-from model import quant_kernel, quant_tune
-from model.moe import QuantizedSwitchLinear
+from model import moe_prefill, quant_kernel, quant_tune
+from model.moe import QuantizedSwitchLinear, expert_shape
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +143,15 @@ def route(model: nn.Module, *, tune: bool = True) -> int:
         return 0
     shapes: set[Shape] = set()
     experts: set[ExpertShape] = set()
+    prefill: set[ExpertShape] = set()
     refused: dict[str, int] = {}
     routed = 0
     for _, module in model.named_modules():
         if type(module) is QuantizedSwitchLinear:
             e, n, packed = module["weight"].shape
             k = packed * 32 // module.bits
+            if module.mode == "affine":  # a batch's prefill may dequantize them (model/moe_prefill.py)
+                prefill.add(expert_shape(module, module["scales"].dtype))
             why = _refusal(module) or ("expert biases" if "bias" in module else None)
             why = why or (None if quant_kernel.gather_config_for(n, k, module.bits) else "no tiling")
             if why is None:
@@ -177,6 +180,9 @@ def route(model: nn.Module, *, tune: bool = True) -> int:
     activations = _activation_dtype(model)
     line, failed = summary(sorted(shapes, key=str), sorted(experts, key=str), refused, reports, activations)
     log.log(logging.WARNING if failed else logging.INFO, "%s", line)
+    if prefill and tune:
+        measured = moe_prefill.tune(sorted(prefill, key=str))
+        log.info("%s", moe_prefill.summary(sorted(prefill, key=str), measured))
     return routed + len(experts)
 
 
