@@ -69,7 +69,7 @@ for step in ${@:-diag tests micro serve8b parity kv moe}; do
       log serve8b
       lim ${SERVE_LIMIT:-300} $SB --model $M/l8-q4 --max-tokens 256 --prompt-words ${WORDS:-135} --concurrency 1,8,32 \
         --repeats 1 --out $R/serve-l8-q4.json > $R/serve-l8-q4.txt 2>&1
-      echo "rc=$?" >> $R/serve-l8-q4.txt; pack; tail -14 $R/serve-l8-q4.txt >> $OUT/quant-log.txt; routing 2 ;;
+      echo "rc=$?" >> $R/serve-l8-q4.txt; pack; tail -14 $R/serve-l8-q4.txt >> $OUT/quant-log.txt; routing 4 ;;
     parity)
       synth q06-q4 qwen3-0.6b q4; synth q06-q8 qwen3-0.6b q8
       log parity
@@ -91,7 +91,7 @@ for step in ${@:-diag tests micro serve8b parity kv moe}; do
       log moe
       lim ${MOE_LIMIT:-300} $SB --model $M/moe-q4 --max-tokens ${MOE_TOKENS:-128} --concurrency ${MOE_C:-8,32} \
         --repeats 1 --out $R/moe.json > $R/moe.txt 2>&1
-      echo "rc=$?" >> $R/moe.txt; pack; tail -12 $R/moe.txt >> $OUT/quant-log.txt ;;
+      echo "rc=$?" >> $R/moe.txt; pack; tail -12 $R/moe.txt >> $OUT/quant-log.txt; routing 4 ;;
   esac
 done
 log done
