@@ -36,10 +36,6 @@ DEFAULT_HEADER = """
 
 """
 
-CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.uint32: "uint32_t"}
-CUDA_TYPES[mx.int32] = "int32_t"
-CUDA_TYPES[mx.bool_] = "bool"
-
 
 def build(
     name: str, header: str, body: str, inputs: list[tuple[str, mx.Dtype, int]], outputs: list[tuple[str, mx.Dtype]]
@@ -62,7 +58,7 @@ def build_mlx(
     src = DEFAULT_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
     src += f"__global__ void custom_kernel_{name}(\n"
     for iname, dtype, ndim in inputs:
-        src += f"    const {CUDA_TYPES[dtype]}* {iname},\n"
+        src += f"    const {cuda_build.cuda_type(dtype)}* {iname},\n"
         if ndim > 0:
             if f"{iname}_shape" in body:
                 src += f"    const __grid_constant__ Shape {iname}_shape,\n"
@@ -70,7 +66,7 @@ def build_mlx(
                 src += f"    const __grid_constant__ Strides {iname}_strides,\n"
             if f"{iname}_ndim" in body:
                 src += f"    const __grid_constant__ int {iname}_ndim,\n"
-    src += ",\n".join(f"    {CUDA_TYPES[d]}* {o}" for o, d in outputs) + ") {\n"
+    src += ",\n".join(f"    {cuda_build.cuda_type(d)}* {o}" for o, d in outputs) + ") {\n"
     src += body + "\n}\n\n} // namespace mlx::core::cu\n"
     # NVRTC takes the kernel's address by name (nvrtcAddNameExpression) after the source: so do we.
     src += f"\nvoid* qmm_name_probe_{name} = (void*)&mlx::core::cu::custom_kernel_{name};\n"
