@@ -38,7 +38,7 @@ from actors.options import resolve
 from actors.tp.leader import TensorParallel
 from actors.worker_api import AdapterReport, ModelInfo, NotAnEmbeddingModel, kv_fields, loaded_fields
 from actors.worker_memory import after_row_job, device_memory_bytes
-from model import moe_prefill
+from model import prefill_dequant
 from model.engine.abort_flags import AbortFlags
 from model.engine.prefill_memory import prefill_transient_bytes
 from model.engine.rows import PrefillProgress, RowOpened, RowSpec, TokenOut
@@ -206,7 +206,7 @@ class GpuWorker:
             prefill_transient_bytes=prefill_transient_bytes(
                 loaded.config.raw, chunk=self.options.engine.prefill_chunk, dtype_bytes=loaded.kv_dtype.size
             )
-            + moe_prefill.transient_bytes(),  # CUDA: a batch prefill's dequantized experts, where on
+            + prefill_dequant.transient_bytes(),  # CUDA: a batch prefill's dequantized weights, where on
             **loaded_fields(loaded),
             generation_defaults=tuple(
                 (k, v) for k, v in attrs.asdict(loaded.config.generation).items() if v is not None

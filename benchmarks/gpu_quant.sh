@@ -36,7 +36,7 @@ lim() {  # lim SECONDS cmd...: at most SECONDS, and never past the deadline
 cat $R/gpu.txt >> $OUT/quant-log.txt
 SB="python3 benchmarks/serve_bench.py --dtype bfloat16 --agent-turns 0 --joiner-words 0 --exit-streams 0 --no-abort --no-flags --server-logs $R/logs"
 routing() {  # the routing lines of the servers' logs so far, into the step log
-  grep -h "quantized products\|decode attention kernel\|our CUDA kernels\|batch prefill through routed" $R/logs/ours-*.log 2>/dev/null | sort -u | tail -${1:-6} | cut -c1-3000 >> $OUT/quant-log.txt
+  grep -h "quantized products\|decode attention kernel\|our CUDA kernels\|batch prefill through quantized" $R/logs/ours-*.log 2>/dev/null | sort -u | tail -${1:-6} | cut -c1-3000 >> $OUT/quant-log.txt
 }
 synth() {  # synth DIR SHAPE QUANT [LAYERS]
   [ -d $M/$1 ] || { log "synth $1"; lim ${SYNTH_LIMIT:-150} python3 benchmarks/synth_fast.py $M/$1 $2 bfloat16 $3 ${4:-} >> $R/synth.txt 2>&1; }

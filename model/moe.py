@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from model import moe_prefill, quant_kernel
+from model import prefill_dequant, quant_kernel
 from model.nn.decoder import swiglu
 
 # From this many (token, expert) pairs on, tokens are sorted by expert first, so each expert's
@@ -70,8 +70,8 @@ class QuantizedSwitchLinear(nn.Module):
     ) -> mx.array:
         w, scales, biases = self["weight"], self["scales"], self.get("biases")
         gs, bits, mode = self.group_size, self.bits, self.mode
-        if dequantized:  # a batch's prefill, where measured faster (model/moe_prefill.py)
-            x = moe_prefill.product(
+        if dequantized:  # a batch's prefill, where measured faster (model/prefill_dequant.py)
+            x = prefill_dequant.expert_product(
                 x, w, scales, biases, indices, group_size=gs, bits=bits, mode=mode, sorted_indices=sorted_indices
             )
         else:
@@ -139,23 +139,23 @@ class SwitchGLU(nn.Module):
         return x.squeeze(-2)
 
 
-def expert_shape(p: Any, dtype: Any) -> moe_prefill.ExpertShape:
+def expert_shape(p: Any, dtype: Any) -> prefill_dequant.Shape:
     """(experts, N, K, bits, group size, dtype) of a quantized expert stack."""
     e, n, packed = p["weight"].shape
     return (e, n, packed * 32 // p.bits, p.bits, p.group_size, dtype)
 
 
 def _dequantized_prefill(glu: SwitchGLU, x: mx.array) -> bool:
-    """Whether these tokens' expert products dequantize the experts (model/moe_prefill.py): a
+    """Whether these tokens' expert products dequantize the experts (model/prefill_dequant.py): a
     batch's prefill (several sequences: one sequence's keeps mlx-lm's ops) of affine-quantized
     experts, as many tokens as the load-time measurement found faster that way."""
-    if not (x.ndim >= 3 and x.shape[0] > 1 and x.shape[-2] > 1):
+    if not prefill_dequant.batch_prefill(x):
         return False
     projs = (glu.up_proj, glu.gate_proj, glu.down_proj)
     if not all(type(p) is QuantizedSwitchLinear and p.mode == "affine" for p in projs):
         return False
     tokens = x.size // x.shape[-1]
-    return all(moe_prefill.wins(expert_shape(p, x.dtype), tokens) for p in projs)
+    return all(prefill_dequant.wins(expert_shape(p, x.dtype), tokens) for p in projs)
 
 
 def _kernel_experts(glu: SwitchGLU, x: mx.array, indices: mx.array) -> mx.array | None:

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 
-from model import moe_prefill, quant_kernel, quant_tune
+from model import prefill_dequant, quant_kernel, quant_tune
 from model.moe import QuantizedSwitchLinear, expert_shape
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,24 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
 
 
 class KernelQuantizedLinear(RowsQuantizedLinear):
-    """RowsQuantizedLinear whose product of a few rows runs the CUDA kernel."""
+    """RowsQuantizedLinear whose product of a few rows runs the CUDA kernel, and whose batch
+    prefill dequantizes the weight for one GEMM where measured faster (model/prefill_dequant.py)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         y = product(x, self)
+        if y is None and prefill_dequant.batch_prefill(x) and self.mode == "affine":
+            if prefill_dequant.wins(dense_shape(self, x.dtype), x.size // x.shape[-1]):
+                w, scales, biases = self["weight"], self["scales"], self.get("biases")
+                y = prefill_dequant.dense_product(x, w, scales, biases, group_size=self.group_size, bits=self.bits)
         if y is None:
             return super().__call__(x)
         return y + self["bias"] if "bias" in self else y
+
+
+def dense_shape(module: Any, dtype: Any) -> prefill_dequant.Shape:
+    """(0, N, K, bits, group size, dtype) of a quantized linear (0: not a stack of experts)."""
+    n, packed = module["weight"].shape
+    return (0, n, packed * 32 // module.bits, module.bits, module.group_size, dtype)
 
 
 class RowsQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -143,14 +154,14 @@ def route(model: nn.Module, *, tune: bool = True) -> int:
         return 0
     shapes: set[Shape] = set()
     experts: set[ExpertShape] = set()
-    prefill: set[ExpertShape] = set()
+    prefill: set[prefill_dequant.Shape] = set()
     refused: dict[str, int] = {}
     routed = 0
     for _, module in model.named_modules():
         if type(module) is QuantizedSwitchLinear:
             e, n, packed = module["weight"].shape
             k = packed * 32 // module.bits
-            if module.mode == "affine":  # a batch's prefill may dequantize them (model/moe_prefill.py)
+            if module.mode == "affine":  # a batch's prefill may dequantize them (model/prefill_dequant.py)
                 prefill.add(expert_shape(module, module["scales"].dtype))
             why = _refusal(module) or ("expert biases" if "bias" in module else None)
             why = why or (None if quant_kernel.gather_config_for(n, k, module.bits) else "no tiling")
@@ -168,6 +179,8 @@ def route(model: nn.Module, *, tune: bool = True) -> int:
         routed += 1
         n, packed = module["weight"].shape
         k = packed * 32 // module.bits
+        if module.mode == "affine" and type(module) is KernelQuantizedLinear:
+            prefill.add(dense_shape(module, module["scales"].dtype))
         why = _refusal(module) or (None if quant_kernel.config_for(n, k, module.bits) else "no tiling")
         if why is None:
             shapes.add((n, k, module.bits, module.group_size, module["scales"].dtype))
@@ -181,8 +194,8 @@ def route(model: nn.Module, *, tune: bool = True) -> int:
     line, failed = summary(sorted(shapes, key=str), sorted(experts, key=str), refused, reports, activations)
     log.log(logging.WARNING if failed else logging.INFO, "%s", line)
     if prefill and tune:
-        measured = moe_prefill.tune(sorted(prefill, key=str))
-        log.info("%s", moe_prefill.summary(sorted(prefill, key=str), measured))
+        measured = prefill_dequant.tune(sorted(prefill, key=str))
+        log.info("%s", prefill_dequant.summary(sorted(prefill, key=str), measured))
     return routed + len(experts)
 
 
