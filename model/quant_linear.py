@@ -157,7 +157,7 @@ def route(model: nn.Module, *, tune: bool = True) -> int:
     prefill: set[prefill_dequant.Shape] = set()
     refused: dict[str, int] = {}
     routed = 0
-    for _, module in model.named_modules():
+    for path, module in model.named_modules():
         if type(module) is QuantizedSwitchLinear:
             e, n, packed = module["weight"].shape
             k = packed * 32 // module.bits
@@ -179,7 +179,8 @@ def route(model: nn.Module, *, tune: bool = True) -> int:
         routed += 1
         n, packed = module["weight"].shape
         k = packed * 32 // module.bits
-        if module.mode == "affine" and type(module) is KernelQuantizedLinear:
+        # (the LM head: a prefill chunk stops before it)
+        if module.mode == "affine" and type(module) is KernelQuantizedLinear and not path.endswith("lm_head"):
             prefill.add(dense_shape(module, module["scales"].dtype))
         why = _refusal(module) or (None if quant_kernel.config_for(n, k, module.bits) else "no tiling")
         if why is None:

@@ -136,7 +136,10 @@ def test_route_measures_the_experts_and_logs_the_thresholds(calls, monkeypatch, 
     monkeypatch.setattr(quant_tune, "tune", lambda shapes, *a, **k: {})
     monkeypatch.setattr(quant_tune, "tune_gather", lambda shapes, *a, **k: {})
     fake_times(monkeypatch, {2048, 512, 128}, top=E)  # (route measures 8 experts a token)
-    model = nn.Sequential(quantized_glu(), nn.QuantizedLinear(D, H, bias=False, group_size=64, bits=4))
+    model = nn.Module()
+    model.glu = quantized_glu()
+    model.proj = nn.QuantizedLinear(D, H, bias=False, group_size=64, bits=4)
+    model.lm_head = nn.QuantizedLinear(D, 4 * H, bias=False, group_size=64, bits=4)  # (prefill stops before it)
     with caplog.at_level(logging.INFO, logger="model.quant_linear"):
         quant_linear.route(model)
     assert "batch prefill through quantized weights" in caplog.text
