@@ -101,6 +101,7 @@ class SwitchLinear(nn.Module):
     def __call__(
         self, x: mx.array, indices: mx.array, sorted_indices: bool = False, dequantized: bool = False
     ) -> mx.array:
+        # (`dequantized`: QuantizedSwitchLinear's choice; these weights are already dense)
         x = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
             x = x + mx.expand_dims(self["bias"][indices], -2)
