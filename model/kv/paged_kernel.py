@@ -33,6 +33,7 @@ import mlx.core as mx
 from model import quant_kernel
 from model.kernels import cuda_build
 from model.kv import quant_kernel as kv_quant_kernel
+from model.kv import split_attention
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ BLOCK = 256  # positions per pool block (model/kv/paged.py): one warp's chunk
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # query heads per KV head: the rows of one mma tile
 DTYPES = (mx.bfloat16, mx.float16)
-_WARPS = 4
 
 # Set False (benchmarks only) to measure the gather path on the same process.
 ENABLED = True
@@ -136,7 +136,7 @@ _ATTEND = (
         }
 
 """
-    + kv_quant_kernel.ONLINE_SOFTMAX
+    + split_attention.ONLINE_SOFTMAX
     + r"""
 
         // -- the 16 positions' values into shared memory (zeros past the row's end) --
@@ -146,13 +146,12 @@ _ATTEND = (
             for (int i = 0; i < VQ; ++i) *reinterpret_cast<uint4*>(dst + 8 * i) = vwords[i];
         }
 """
-    + kv_quant_kernel.PV_PRODUCT
+    + split_attention.PV_PRODUCT
     + "\n"
-    + kv_quant_kernel.PARTIALS
+    + split_attention.PARTIALS
 )
 
 _kernels: dict[tuple[Any, ...], Any] = {}
-_scales: dict[float, mx.array] = {}
 
 
 def _name(kind: str, dtype: mx.Dtype, head_dim: int, group: int) -> str:
@@ -165,12 +164,12 @@ def _sources(dtype: mx.Dtype, head_dim: int, group: int) -> dict[str, tuple[str,
     t = "__nv_bfloat16" if dtype == mx.bfloat16 else "__half"
     consts = (
         f"    using T = {t};\n    constexpr int D = {head_dim};\n    constexpr int R = {group};\n"
-        f"    constexpr int BLOCK = {BLOCK};\n    constexpr int WARPS = {_WARPS};\n"
+        f"    constexpr int BLOCK = {BLOCK};\n    constexpr int WARPS = {split_attention.WARPS};\n"
     )
     # The quantized-KV kernel's header (mma, packing, ldmatrix.trans) and combine (the same
     # float32 partials, combined in order).
     header = kv_quant_kernel._HEADER + "\n#define QMM_GATHER 0\n#define QMM_CLUSTER 0\n"
-    combine = f"    using T = {t};\n" + kv_quant_kernel._COMBINE
+    combine = f"    using T = {t};\n" + split_attention.COMBINE
     return {"attend": (header, consts + _ATTEND), "combine": (header, combine)}
 
 
@@ -260,27 +259,13 @@ def decode_attention(
     """softmax(scale * q @ K.T) @ V for one query per row over the pool (`keys` / `values`
     [blocks, Hkv, BLOCK, D]), row i's positions [0, lengths[i]) in blocks `table[i]` ([B, C]
     int32, C at least the longest row's blocks); [B, Hq, 1, D]."""
-    B, n_q, _, D = queries.shape
+    n_q, D = queries.shape[1], queries.shape[3]
     n_kv = keys.shape[1]
     group, chunks = n_q // n_kv, table.shape[1]
-    sc = _scales.get(scale)
-    if sc is None:
-        sc = _scales[scale] = mx.array([scale], mx.float32)
-    pm, pl, pacc = _kernel("attend", queries.dtype, D, group)(
-        inputs=[queries, keys, values, table.astype(mx.int32), lengths.astype(mx.int32), sc],
-        grid=(-(-chunks // _WARPS) * 32 * _WARPS, B * n_kv, 1),
-        threadgroup=(32 * _WARPS, 1, 1),
-        output_shapes=[(B, n_q, chunks), (B, n_q, chunks), (B, n_q, chunks, D)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )
-    (out,) = _kernel("combine", queries.dtype, D, group)(
-        inputs=[pm, pl, pacc],
-        grid=(B * n_q * D, 1, 1),
-        threadgroup=(D, 1, 1),
-        output_shapes=[(B, n_q, 1, D)],
-        output_dtypes=[queries.dtype],
-    )
-    return out
+    sc = split_attention.scale_array(scale)
+    inputs = [queries, keys, values, table.astype(mx.int32), lengths.astype(mx.int32), sc]
+    kernels = (_kernel("attend", queries.dtype, D, group), _kernel("combine", queries.dtype, D, group))
+    return split_attention.attend_and_combine(*kernels, inputs, queries, n_kv, chunks)
 
 
 def compile_check_sources(quick: bool = False) -> list[tuple[str, str, str, list, list]]:

@@ -33,8 +33,8 @@ def ldmatrix_x4_trans(smem: np.ndarray, addrs: list[tuple[int, int]]) -> list[li
     return out
 
 
-# The parts model/kv/paged_kernel.py shares with this module's kernel (its ONLINE_SOFTMAX,
-# PV_PRODUCT and PARTIALS fragments, and the combine), emulated once for both.
+# The parts both decode attention kernels share (model/kv/split_attention.py: ONLINE_SOFTMAX,
+# PV_PRODUCT, PARTIALS and the combine), emulated once for both.
 
 
 def online_softmax(sc_frag: np.ndarray, m_run: np.ndarray, l_run: np.ndarray, acc: np.ndarray) -> list[tuple]:
