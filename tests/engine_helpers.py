@@ -12,18 +12,25 @@ def generate_tokens(engine: Engine, specs: Sequence[RowSpec], *, reusable: bool 
     """Run rows to completion together (test/bench helper): {row_id: generated tokens}.
     `reusable` is close_row's: finished rows are put to the engine's prompt cache."""
     out: dict[int, list[int]] = {}
-    live = set()
+    live: set[int] = set()
     for spec in specs:
-        engine.open_row(spec)
-        while engine.prefill(spec.row_id).remaining:
-            pass
-        first = engine.join(spec.row_id)
-        out[spec.row_id] = [first.token]
-        if first.finish:
-            engine.close_row(spec.row_id, reusable=reusable)
-        else:
-            live.add(spec.row_id)
+        admit(engine, spec, out, live, reusable=reusable)
     return decode_to_the_end(engine, out, live, reusable=reusable)
+
+
+def admit(engine: Engine, spec: RowSpec, out: dict[int, list[int]], live: set[int], *, reusable: bool = False) -> int:
+    """Open, prefill and join one row (test/bench helper): its first token into `out`, the row into
+    `live` unless that token finished it (then closed); returns the cached tokens at open."""
+    cached = engine.open_row(spec).cached_tokens
+    while engine.prefill(spec.row_id).remaining:
+        pass
+    first = engine.join(spec.row_id)
+    out[spec.row_id] = [first.token]
+    if first.finish:
+        engine.close_row(spec.row_id, reusable=reusable)
+    else:
+        live.add(spec.row_id)
+    return cached
 
 
 def decode_to_the_end(

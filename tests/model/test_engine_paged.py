@@ -22,7 +22,7 @@ from model.kv import paged
 from model.kv.scheme import KVScheme
 from model.load.loader import load_model
 from model.options import EngineOptions
-from tests.engine_helpers import generate_tokens
+from tests.engine_helpers import admit, generate_tokens
 from tests.helpers.families import every_family
 from tests.helpers.parity import N_TOKENS, PROMPTS, reference
 from tests.helpers.ssd_store import open_store, write_item
@@ -71,15 +71,7 @@ def staggered(
     while pending or live:
         while pending and pending[0][0] <= steps:
             _, s = pending.pop(0)
-            cached[s.row_id] = engine.open_row(s).cached_tokens
-            while engine.prefill(s.row_id).remaining:
-                pass
-            first = engine.join(s.row_id)
-            out[s.row_id] = [first.token]
-            if first.finish:
-                engine.close_row(s.row_id, reusable=reusable)
-            else:
-                live.add(s.row_id)
+            cached[s.row_id] = admit(engine, s, out, live, reusable=reusable)
         for t in engine.step():
             out[t.row_id].append(t.token)
             if t.finish:
